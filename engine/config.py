@@ -1,0 +1,98 @@
+"""Frozen engine configuration: built once (by the CLI or `LLM(...)`) and passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TASKS = ("generate", "embed")
+POOLINGS = ("auto", "mean", "cls", "last")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A local HF folder, a .gguf file, a hub id already in the local HF cache, or None (bundled default).
+    model: str | None = None
+    dtype: str = "auto"  # auto -> bfloat16 on CUDA and on CPUs with native bf16, else float32
+    device: str = "auto"  # auto -> cuda when available, else cpu
+    max_model_len: int | None = None  # None -> the model's own maximum
+    task: str = "auto"  # auto | generate | embed
+    pooling: str = "auto"  # for embedding models: auto | mean | cls | last
+    chat_template: str | None = None  # a file path or an inline Jinja template
+    cache_dir: str | None = None  # conversion cache for .gguf models; None -> ~/.cache/kvserve
+    seed: int = 0
+    quantization: str | None = None  # None | int8 | int4 (weight-only)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.task not in ("auto", *TASKS):
+            raise ValueError(f"task must be auto, generate or embed; got {self.task!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {self.pooling!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be a positive integer")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4; got {self.quantization!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for K+V of all layers; None -> a default for the device
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 2048  # token budget per step (decode + prefill chunks)
+    max_queued_requests: int = 256  # waiting requests beyond which admission fails
+    max_queued_tokens: int | None = None  # waiting prompt tokens beyond which admission fails
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be at least 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    log_stats_interval: float = 5.0  # seconds between INFO stats lines while busy (0 disables)
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
+        """Build from flat keyword options (`LLM(model, dtype=..., max_num_seqs=...)`)."""
+        groups: dict[type, dict[str, object]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        top: dict[str, object] = {}
+        for key, value in options.items():
+            for group_cls, bucket in groups.items():
+                if key in group_cls.__dataclass_fields__:
+                    bucket[key] = value
+                    break
+            else:
+                if key in cls.__dataclass_fields__:
+                    top[key] = value
+                else:
+                    raise ValueError(f"unknown engine option {key!r}")
+        return cls(
+            model=ModelConfig(model=model, **groups[ModelConfig]),  # type: ignore[arg-type]
+            cache=CacheConfig(**groups[CacheConfig]),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(**groups[SchedulerConfig]),  # type: ignore[arg-type]
+            **top,  # type: ignore[arg-type]
+        )

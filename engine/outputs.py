@@ -1,0 +1,76 @@
+"""Contract types the engine hands to its callers: per-request outputs, logprobs and errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob information for one position (a sampled token or a prompt token)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of token_id in the distribution
+    top: list[tuple[int, float]] = field(default_factory=list)  # top-N (token_id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative, or only the new part when SamplingParams.output_kind == "delta"
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    cumulative_logprob: float = 0.0
+    num_output_tokens: int = 0  # total generated so far (also in delta mode)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when the request was added
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first entry is None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the request failed inside the engine
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    embedding: list[float]
+    num_prompt_tokens: int
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; no further requests can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """Admission control refused the request; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestError(RuntimeError):
+    """One request failed inside the engine (others keep running)."""
