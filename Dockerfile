@@ -12,15 +12,14 @@ ARG KVSERVE_EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    VIRTUAL_ENV=/opt/venv \
+    KVSERVE_VENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     KVSERVE_CACHE_DIR=/var/cache/kvserve \
     HF_HUB_OFFLINE=1
 
 WORKDIR /app
-RUN python -m venv /opt/venv
 
-# The install step only needs the packaging files, so code edits do not reinstall torch.
+# Everything scripts/install.sh needs for an editable install of kvserve.
 COPY pyproject.toml README.md ./
 COPY scripts/ scripts/
 COPY engine/ engine/
