@@ -1,0 +1,242 @@
+"""Embedding models: an encoder (BERT family) or a decoder (Llama family, causal) run over a packed
+batch with no KV cache kept, then pooled (mean / cls / last token) and L2-normalized."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.model_loader import iter_weights, resolve_device, resolve_dtype
+from engine.pooling import PoolingConfig, normalize, pool, resolve_pooling
+
+logger = logging.getLogger(__name__)
+
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
+DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_SCRATCH_BLOCK_SIZE = 16
+
+
+def cu_seqlens_of(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[batch + 1] int64 offsets of back-to-back sequences of the given lengths."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+
+def positions_of(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[num_tokens] position of each packed token within its own sequence."""
+    return torch.cat([torch.arange(n, device=device) for n in lengths])
+
+
+class EmbeddingModel:
+    """Loads an embedding model (encoder BERT-family, or decoder Llama-family with last-token
+    pooling) and turns a packed batch of token sequences into pooled, normalized vectors."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_config: object,
+        pooling: PoolingConfig,
+        max_model_len: int,
+        is_encoder: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.pooling_config = pooling
+        self.max_model_len = max_model_len
+        self.is_encoder = is_encoder
+        self.hidden_size = int(hf_config.hidden_size)
+        self.dtype = dtype
+        self.device = device
+
+    @property
+    def pooling(self) -> str:
+        return self.pooling_config.method
+
+    @property
+    def normalize(self) -> bool:
+        return self.pooling_config.normalize
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, dtype: str = "auto", device: str = "auto", pooling: str = "auto"
+    ) -> EmbeddingModel:
+        """Build the encoder or decoder named by `model_dir/config.json` and load its weights.
+
+        pooling "auto" follows the folder's sentence-transformers config (modules.json ->
+        Pooling module), else mean for encoders and the last token for decoders.
+        """
+        from transformers import AutoConfig
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(
+                f"{model_dir} has no config.json; expected a Hugging Face model folder"
+            )
+        try:
+            hf_config = AutoConfig.from_pretrained(model_dir)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+            raise ValueError(f"could not read {model_dir / 'config.json'}: {e}") from e
+        is_encoder = is_encoder_config(hf_config)
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        pooling_config = resolve_pooling(model_dir, pooling, is_encoder)
+        start = time.perf_counter()
+        if is_encoder:
+            from engine.models.bert import BertModel
+
+            model: nn.Module = BertModel(hf_config, dtype=torch_dtype, device=torch_device)
+            model.load_weights(iter_weights(model_dir))
+            max_len = min(model.max_positions, _sentence_transformers_max_len(model_dir))
+        else:
+            model = _load_decoder(hf_config, model_dir, torch_dtype, torch_device)
+            max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+        model.eval()
+        logger.info(
+            "loaded embedding model %s (%s, %s, %s pooling%s, max %d tokens) in %.2fs",
+            model_dir,
+            "encoder" if is_encoder else "decoder",
+            torch_dtype,
+            pooling_config.method,
+            ", normalized" if pooling_config.normalize else "",
+            max_len,
+            time.perf_counter() - start,
+        )
+        return cls(model, hf_config, pooling_config, max_len, is_encoder, torch_dtype, torch_device)
+
+    # ------------------------------------------------------------------ running
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """[batch, hidden] float32 vectors on the CPU, one per sequence, in input order."""
+        if not token_ids:
+            return torch.empty(0, self.hidden_size)
+        lengths = [len(ids) for ids in token_ids]
+        for i, n in enumerate(lengths):
+            if n == 0:
+                raise ValueError(f"input {i} is empty; an embedding needs at least one token")
+            if n > self.max_model_len:
+                raise ValueError(
+                    f"input {i} has {n} tokens but the model accepts at most {self.max_model_len}; "
+                    "shorten it or ask for truncation"
+                )
+        flat = [t for ids in token_ids for t in ids]
+        input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)  # [num_tokens]
+        vectors = self.embed_packed(
+            input_ids, positions_of(lengths, self.device), cu_seqlens_of(lengths, self.device)
+        )
+        return vectors.cpu()
+
+    @torch.inference_mode()
+    def embed_packed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """Vectors for back-to-back sequences on the model's device.
+
+        input_ids, positions: [num_tokens]; cu_seqlens: [batch + 1]. Returns [batch, hidden] float32.
+        """
+        if self.is_encoder:
+            hidden = self.model(input_ids, positions, cu_seqlens)  # [num_tokens, hidden]
+        else:
+            hidden = _decoder_forward(self.model, input_ids, positions, cu_seqlens)
+        vectors = pool(hidden, cu_seqlens, self.pooling)  # [batch, hidden] float32
+        return normalize(vectors) if self.normalize else vectors
+
+
+def is_encoder_config(hf_config: object) -> bool:
+    """True for BERT-family encoders, False for supported decoders; ValueError otherwise."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in ENCODER_MODEL_TYPES:
+        return True
+    if model_type in DECODER_MODEL_TYPES:
+        return False
+    supported = ", ".join(ENCODER_MODEL_TYPES + DECODER_MODEL_TYPES)
+    raise ValueError(
+        f"model type {model_type!r} cannot be served as an embedding model; supported: {supported}"
+    )
+
+
+def _sentence_transformers_max_len(model_dir: Path) -> int:
+    """max_seq_length from sentence_bert_config.json, or a large number when absent."""
+    config_file = model_dir / "sentence_bert_config.json"
+    if not config_file.is_file():
+        return 1 << 30
+    try:
+        value = json.loads(config_file.read_text()).get("max_seq_length")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"could not read {config_file}: {e}") from e
+    return int(value) if value else 1 << 30
+
+
+# ------------------------------------------------------------------ decoder adapter
+# The decoder path reuses engine.models.llama unchanged: its forward takes a paged KV cache and
+# attention metadata, so a no-KV full causal pass hands it a scratch cache holding just this
+# batch's tokens. Every layer writes and then reads its own K/V before the next layer starts, so
+# all layers can share one scratch tensor; nothing outlives the call.
+
+
+def _load_decoder(
+    hf_config: object, model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    # By model type, not architecture: embedding checkpoints are often headless (`LlamaModel`).
+    from engine.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(hf_config, dtype=dtype, device=device)
+    model.lm_head_weight = None  # embeddings need no logits; headless checkpoints ship no lm_head
+    model.load_weights(_without_lm_head(iter_weights(model_dir)))
+    return model
+
+
+def _without_lm_head(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    return ((name, tensor) for name, tensor in weights if not name.startswith("lm_head."))
+
+
+def _decoder_forward(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """Final-norm hidden states [num_tokens, hidden] of a full causal pass over packed sequences."""
+    from engine.attention import AttentionMetadata
+
+    device = input_ids.device
+    block = _SCRATCH_BLOCK_SIZE
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    blocks_per_seq = [-(-n // block) for n in lengths]
+    first_block = [0]
+    for count in blocks_per_seq:
+        first_block.append(first_block[-1] + count)
+    max_blocks = max(blocks_per_seq)
+    tables = [
+        list(range(first_block[i], first_block[i + 1])) + [0] * (max_blocks - blocks_per_seq[i])
+        for i in range(len(lengths))
+    ]
+    slots = [first_block[i] * block + p for i, n in enumerate(lengths) for p in range(n)]
+    meta = AttentionMetadata(
+        num_decode_seqs=0,
+        query_start_loc=cu_seqlens.to(torch.int32),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_lens_cpu=lengths,
+        seq_lens_cpu=lengths,
+        max_query_len=max(lengths),
+        max_seq_len=max(lengths),
+        block_size=block,
+    )
+    param = next(model.parameters())
+    scratch = torch.empty(
+        (2, first_block[-1], block, model.num_kv_heads, model.head_dim),
+        dtype=param.dtype,
+        device=device,
+    )  # [2, num_blocks, block_size, num_kv_heads, head_dim], shared by all layers
+    return model(input_ids, positions, [scratch] * model.num_layers, meta)  # [num_tokens, hidden]
