@@ -1,0 +1,272 @@
+"""Paged attention: write a step's K/V into the block pool by slot mapping, then attend over each
+sequence's cached context. Backends (torch SDPA everywhere, flash-attn on CUDA) are chosen once."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("sdpa", "flash")
+
+
+@dataclass
+class AttentionMetadata:
+    # The step's new tokens are laid out sequence by sequence: the first `num_decode_seqs` sequences
+    # have exactly one new token each (decodes), the rest are prefill chunks of any length >= 1.
+    num_decode_seqs: int
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (computed + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset per new token
+    query_lens_cpu: list[int]  # host copies, to avoid device syncs
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build from host lists (decodes first); slots are the last query_len positions of each
+        sequence. A convenience for tests and simple callers; the runner may build its own."""
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        slots: list[int] = []
+        for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            for pos in range(seq_len - query_len, seq_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max(len(t) for t in block_tables)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for query_len in query_lens:
+            starts.append(starts[-1] + query_len)
+        return cls(
+            num_decode_seqs=num_decodes,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+        )
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = K, 1 = V)."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each new token's K/V at its slot. k, v: [num_tokens, num_kv_heads, head_dim]."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of this step's queries over their sequences' paged context.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns q's shape.
+    """
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    if attention_backend(q.device.type) == "flash":
+        return _flash_attention(q, kv_cache, meta, scale)
+    return _sdpa_attention(q, k, v, kv_cache, meta, scale)
+
+
+@functools.cache
+def attention_backend(device_type: str) -> str:
+    """Pick the backend once per device type; KVSERVE_ATTENTION_BACKEND=sdpa|flash overrides."""
+    requested = os.environ.get("KVSERVE_ATTENTION_BACKEND", "auto")
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(
+            f"KVSERVE_ATTENTION_BACKEND must be auto, sdpa or flash; got {requested!r}"
+        )
+    flash_ok = device_type == "cuda" and _flash_attn_importable()
+    if requested == "flash" and not flash_ok:
+        raise ValueError("KVSERVE_ATTENTION_BACKEND=flash needs CUDA and the flash_attn package")
+    backend = "flash" if requested in ("auto", "flash") and flash_ok else "sdpa"
+    logger.info("attention backend on %s: %s", device_type, backend)
+    return backend
+
+
+def _flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- torch SDPA backend
+
+
+def _sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    num_decodes = meta.num_decode_seqs
+    if num_decodes:
+        out[:num_decodes] = _sdpa_decode(q[:num_decodes], kv_cache, meta, scale)
+    start = num_decodes  # decodes own one token each, so they fill the first rows
+    for i in range(num_decodes, meta.num_seqs):
+        end = start + meta.query_lens_cpu[i]
+        out[start:end] = _sdpa_prefill(
+            q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale
+        )
+        start = end
+    return out
+
+
+def _sdpa_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """All decode sequences in one SDPA call over their contexts gathered into a padded batch."""
+    batch, num_heads, head_dim = q.shape  # [B, num_heads, head_dim]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = max(meta.seq_lens_cpu[:batch])
+    num_blocks = -(-max_len // block_size)
+    table = meta.block_tables[:batch, :num_blocks]  # [B, num_blocks]
+    ctx_len = num_blocks * block_size
+    # [B, num_blocks, block_size, kv_heads, d] -> [B, kv_heads, ctx_len, d]
+    keys = kv_cache[0][table].view(batch, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = kv_cache[1][table].view(batch, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+    # One query token per sequence, so the query heads sharing a KV head can ride along the
+    # "query length" axis: GQA without copying K/V.
+    queries = q.view(batch, num_kv_heads, group, head_dim)
+    positions = torch.arange(ctx_len, device=q.device)
+    mask = positions[None, :] < meta.seq_lens[:batch, None]  # [B, ctx_len]
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+    )  # [B, kv_heads, group, d]
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _sdpa_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq_index: int,
+    scale: float,
+) -> torch.Tensor:
+    """One prefill chunk: its queries are the last query_len positions of a seq_len context."""
+    query_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq_index]
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    queries = q.transpose(0, 1)  # [num_heads, query_len, d]
+    if query_len == seq_len:  # no earlier context: attend over the fresh K/V, plain causal
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, seq_len, d]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)
+    block_size = meta.block_size
+    num_blocks = -(-seq_len // block_size)
+    table = meta.block_tables[seq_index, :num_blocks]  # [num_blocks]
+    keys = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    values = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    # Query j sits at absolute position seq_len - query_len + j and sees keys up to there.
+    offset = seq_len - query_len
+    key_pos = torch.arange(seq_len, device=q.device)
+    query_pos = torch.arange(offset, seq_len, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, seq_len]
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [num_heads, query_len, d]
+    return out.transpose(0, 1)
+
+
+# ---------------------------------------------------------------- flash-attn backend (CUDA)
+
+
+def _flash_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One varlen flash-attn call for the whole step (decodes and prefill chunks alike).
+
+    flash-attn reads a paged cache directly only when the block size is a multiple of 256;
+    otherwise each sequence's context is gathered into one packed K/V first.
+    """
+    from flash_attn import flash_attn_varlen_func
+
+    seq_lens = meta.seq_lens
+    cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+    common = dict(
+        cu_seqlens_q=meta.query_start_loc,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=meta.max_query_len,
+        max_seqlen_k=meta.max_seq_len,
+        softmax_scale=scale,
+        causal=True,  # bottom-right aligned: queries are the last query_len positions
+    )
+    if meta.block_size % 256 == 0:
+        return flash_attn_varlen_func(
+            q, kv_cache[0], kv_cache[1], block_table=meta.block_tables, **common
+        )
+    keys, values = _gather_packed_context(kv_cache, meta)
+    return flash_attn_varlen_func(q, keys, values, **common)
+
+
+def _gather_packed_context(
+    kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's context K/V, packed back to back: [sum(seq_lens), kv_heads, d] each."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    total = sum(meta.seq_lens_cpu)
+    device = kv_cache.device
+    seq_ids = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=device), meta.seq_lens, output_size=total
+    )  # [total]
+    starts = F.pad(torch.cumsum(meta.seq_lens, 0), (1, 0))[:-1]  # [num_seqs]
+    pos = torch.arange(total, device=device) - starts[seq_ids]  # position within its sequence
+    slots = meta.block_tables[seq_ids, pos // block_size].long() * block_size + pos % block_size
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    return flat[0][slots], flat[1][slots]

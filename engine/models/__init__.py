@@ -1,0 +1,33 @@
+"""Model registry: Hugging Face architecture names -> kvserve model classes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+
+# Mistral, Qwen2 and SmolLM share the Llama decoder; Qwen2 differs only by q/k/v bias (read from config).
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    """The class for the first supported name in config.json's `architectures`."""
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    got = ", ".join(architectures) if architectures else "none listed in config.json"
+    raise ValueError(
+        f"unsupported model architecture ({got}); kvserve supports "
+        f"{', '.join(supported_architectures())}"
+    )
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class", "supported_architectures"]

@@ -1,0 +1,245 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) in plain torch over the paged KV cache.
+
+q/k/v and gate/up projections are fused into single matmuls when the weights are loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.layers import RMSNorm, RotaryEmbedding, empty_param, rope_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: object, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device
+    ):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_bias, o_bias = _attention_biases(cfg)
+        out = self.q_size + 2 * self.kv_size
+        self.qkv_weight = empty_param(out, hidden, dtype=dtype, device=device)  # [q+k+v, hidden]
+        self.qkv_bias = empty_param(out, dtype=dtype, device=device, enabled=qkv_bias)
+        self.o_weight = empty_param(hidden, self.q_size, dtype=dtype, device=device)
+        self.o_bias = empty_param(hidden, dtype=dtype, device=device, enabled=o_bias)
+        self.rotary = rotary  # one instance shared by all layers
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, num_heads, head_dim]
+        return F.linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
+
+
+def _attention_biases(cfg: object) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias): Qwen2 always has q/k/v bias; Llama's `attention_bias` covers all four."""
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    qkv_bias = attention_bias or getattr(cfg, "model_type", "") == "qwen2"
+    return qkv_bias, attention_bias
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+
+    def __init__(self, cfg: object, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; Llama-family models use silu")
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.intermediate_size = inter
+        self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype, device=device)
+        self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device, enabled=bias)
+        self.down_weight = empty_param(hidden, inter, dtype=dtype, device=device)
+        self.down_bias = empty_param(hidden, dtype=dtype, device=device, enabled=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: object, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device
+    ):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
+        self.mlp = LlamaMLP(cfg, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: object, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        cfg = hf_config
+        self.config = cfg
+        self.dtype = dtype
+        self.vocab_size = cfg.vocab_size
+        self.hidden_size = cfg.hidden_size
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.max_position_embeddings = cfg.max_position_embeddings
+        _warn_on_sliding_window(cfg)
+        self.rotary = RotaryEmbedding(
+            self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg), dtype, device
+        )
+        embedding = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=embedding, _freeze=True
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rotary, dtype, device) for _ in range(self.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head_weight = empty_param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
+            enabled=not self.tie_word_embeddings,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] int64 -> [num_tokens, hidden_size]
+        h = F.embedding(input_ids, self.embed_tokens.weight)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(positions, h, kv_cache, meta)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        weight = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------ weight loading
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors into our (fused) parameters; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}  # parameter -> rows written, to know fused ones are complete
+        for hf_name, tensor in weights:
+            target = self._map_name(hf_name)
+            if target is None:
+                continue
+            name, row_offset = target
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name} does not fit this model's configuration"
+                )
+            param = params[name]
+            rows = tensor.shape[0]
+            dest = param.data[row_offset : row_offset + rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)} from config.json"
+                )
+            dest.copy_(tensor)
+            filled[name] = filled.get(name, 0) + rows
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"checkpoint is missing weights for {len(missing)} parameters: {shown}"
+            )
+
+    def _map_name(self, hf_name: str) -> tuple[str, int] | None:
+        """HF tensor name -> (our parameter name, first row inside it), or None to skip."""
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        if hf_name == "lm_head.weight":
+            return None if self.tie_word_embeddings else ("lm_head_weight", 0)
+        name = hf_name.removeprefix("model.")
+        if name in ("embed_tokens.weight", "norm.weight"):
+            return name, 0
+        match = _LAYER_NAME.fullmatch(name)
+        if match is None:
+            logger.warning("ignoring unexpected checkpoint tensor %s", hf_name)
+            return None
+        layer, module, proj, kind = match.groups()
+        prefix = f"layers.{layer}."
+        if module in ("input_layernorm", "post_attention_layernorm"):
+            return prefix + f"{module}.weight", 0
+        q, kv, inter = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, 0
+        if module == "mlp":
+            inter = self.config.intermediate_size
+        fused = {
+            "q_proj": ("self_attn.qkv", 0),
+            "k_proj": ("self_attn.qkv", q),
+            "v_proj": ("self_attn.qkv", q + kv),
+            "o_proj": ("self_attn.o", 0),
+            "gate_proj": ("mlp.gate_up", 0),
+            "up_proj": ("mlp.gate_up", inter),
+            "down_proj": ("mlp.down", 0),
+        }
+        if proj not in fused:
+            logger.warning("ignoring unexpected checkpoint tensor %s", hf_name)
+            return None
+        ours, offset = fused[proj]
+        return prefix + f"{ours}_{kind}", offset
+
+
+_LAYER_NAME = re.compile(
+    r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm|self_attn|mlp)"
+    r"(?:\.(\w+_proj))?\.(weight|bias)"
+)
+
+
+def _warn_on_sliding_window(cfg: object) -> None:
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", True)
+    if window and uses_window and window < cfg.max_position_embeddings:
+        logger.warning(
+            "this model uses a %d-token sliding window; kvserve attends over the full context, "
+            "so outputs past %d tokens may differ from the reference",
+            window,
+            window,
+        )
