@@ -15,7 +15,35 @@ from engine.outputs import (
 )
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
+_LAZY = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "ContextLengthError": "engine.llm_engine",
+    "AsyncLLMEngine": "engine.async_engine",
+    "StepStats": "engine.stats",
+    "FinishedRequestStats": "engine.stats",
+    "Tokenizer": "engine.tokenizer",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Import the torch-heavy parts on first use, so config and protocol types stay cheap to import."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
+    "LLM",
+    "LLMEngine",
+    "AsyncLLMEngine",
+    "ContextLengthError",
+    "StepStats",
+    "FinishedRequestStats",
+    "Tokenizer",
     "CacheConfig",
     "CompletionOutput",
     "EmbeddingOutput",

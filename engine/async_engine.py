@@ -1,0 +1,232 @@
+"""Async front of the engine: one asyncio task owns the core and runs each step in a worker thread;
+per-request output queues; abort on cancel; admission control; the engine's health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineDeadError, QueueFullError, RequestError, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, core: LLMEngine) -> None:
+        self.core = core
+        self.config = core.config
+        self.tokenizer = core.tokenizer
+        self.model_name = core.model_name
+        self.max_model_len = core.max_model_len
+        self.task = "generate"
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._pending: list[tuple[Any, ...]] = []  # adds and aborts applied between steps
+        self._pending_tokens = 0
+        self._waiting_snapshot = (0, 0)  # (requests, prompt tokens) waiting after the last step
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.dead_error: BaseException | None = None
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self._last_log = time.monotonic()
+        self._log_window: list[StepStats] = []
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        """Blocking: loads the model. Call it through asyncio.to_thread from async code."""
+        return cls(LLMEngine(config))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.create_task(self._run(), name="kvserve-engine")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self._task is not None and self.dead_error is None
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # -- requests --------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as the engine produces them; closing the iterator aborts it."""
+        self._check_alive()
+        self.core.validate(prompt_token_ids, params)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._admit(len(prompt_token_ids))
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending.append(("add", request_id, prompt_token_ids, params, prompt))
+        self._pending_tokens += len(prompt_token_ids)
+        self._wake()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestError(item.error)
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._pending.append(("abort", request_id))
+                self._wake()
+
+    async def abort(self, request_id: str) -> None:
+        self._pending.append(("abort", request_id))
+        self._wake()
+
+    def _admit(self, num_prompt_tokens: int) -> None:
+        sc = self.config.scheduler
+        pending_adds = sum(1 for p in self._pending if p[0] == "add")
+        waiting, waiting_tokens = self._waiting_snapshot
+        if waiting + pending_adds >= sc.max_queued_requests:
+            raise QueueFullError(
+                f"the server is at capacity ({waiting + pending_adds} requests waiting); retry shortly",
+                retry_after=self._retry_after(),
+            )
+        if sc.max_queued_tokens is not None and waiting_tokens + self._pending_tokens + num_prompt_tokens > sc.max_queued_tokens:
+            raise QueueFullError(
+                f"the server is at capacity ({waiting_tokens + self._pending_tokens} prompt tokens waiting); retry shortly",
+                retry_after=self._retry_after(),
+            )
+
+    def _retry_after(self) -> float:
+        last = self.core.last_step
+        return 1.0 if last is None else max(1.0, min(30.0, last.duration * 10))
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead_error}")
+        if self._task is None:
+            raise EngineDeadError("the engine is not running")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        self._pending_tokens = 0
+        for item in pending:
+            if item[0] == "abort":
+                self.core.abort_request(item[1])
+                continue
+            _, request_id, prompt_token_ids, params, prompt = item
+            queue = self._queues.get(request_id)
+            if queue is None:
+                continue  # the client left before the request reached the engine
+            try:
+                self.core.add_request(request_id, prompt_token_ids, params, prompt)
+            except ValueError as e:
+                queue.put_nowait(e)
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                self._apply_pending()
+                if not self.core.has_unfinished_requests():
+                    self._waiting_snapshot = (0, 0)
+                    if not self._pending:
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                    continue
+                outputs = await asyncio.to_thread(self.core.step)
+                for out in outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                sched = self.core.scheduler
+                self._waiting_snapshot = (self.core.num_waiting_requests, sched.num_waiting_tokens)
+                self._after_step()
+                await asyncio.sleep(0)  # let request handlers run between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the loop itself died: fail everyone instead of hanging
+            logger.exception("engine loop died")
+            self.dead_error = e
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(f"the engine stopped after an internal error: {e}"))
+
+    def _after_step(self) -> None:
+        stats = self.core.last_step
+        if stats is None:
+            return
+        for listener in self.step_listeners:
+            try:
+                listener(stats)
+            except Exception:
+                logger.exception("step listener failed")
+        self._log_window.append(stats)
+        interval = self.config.log_stats_interval
+        now = time.monotonic()
+        if interval > 0 and now - self._last_log >= interval:
+            self._log_stats(now - self._last_log)
+            self._last_log = now
+            self._log_window = []
+
+    def _log_stats(self, elapsed: float) -> None:
+        w = self._log_window
+        prompt = sum(s.num_prefill_tokens for s in w)
+        gen = sum(s.num_generation_tokens for s in w)
+        queries = sum(s.prefix_cache_queries for s in w)
+        hits = sum(s.prefix_cache_hits for s in w)
+        last = w[-1]
+        logger.info(
+            "running=%d waiting=%d kv_usage=%.1f%% prompt=%.1f tok/s generation=%.1f tok/s "
+            "prefix_cache_hit_rate=%.1f%% preemptions=%d",
+            last.num_running, last.num_waiting, 100 * last.kv_cache_usage, prompt / elapsed, gen / elapsed,
+            100 * hits / queries if queries else 0.0, sum(s.num_preemptions for s in w),
+        )
+
+    # -- introspection -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        kv = self.core.kv
+        t = self.core.totals
+        return {
+            "num_running": len(self.core.scheduler.running),
+            "num_waiting": len(self.core.scheduler.waiting),
+            "num_unfinished_requests": len(self._queues),
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_total_blocks": kv.num_blocks,
+            "num_prompt_tokens": t.num_prompt_tokens,
+            "num_generation_tokens": t.num_generation_tokens,
+            "num_preemptions": t.num_preemptions,
+            "prefix_cache_queries": t.prefix_cache_queries,
+            "prefix_cache_hits": t.prefix_cache_hits,
+        }

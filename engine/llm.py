@@ -1,0 +1,56 @@
+"""Offline API: `LLM(model).generate(prompts, params)` runs the engine loop to completion in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: object) -> None:
+        self.engine = LLMEngine(EngineConfig.from_options(model, dtype=dtype, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in order. Prompts are strings or token-id lists."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
+        ids = [f"offline-{i}" for i in range(len(prompt_list))]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p in zip(ids, prompt_list, param_list, strict=True):
+                text = prompt if isinstance(prompt, str) else None
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self.engine.add_request(request_id, token_ids, dataclasses.replace(p, output_kind="final"), text)
+                added.append(request_id)
+            results: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        finally:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+        return [results[i] for i in ids]
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([token_ids], params)[0]

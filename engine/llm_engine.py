@@ -1,0 +1,325 @@
+"""The synchronous engine core: add requests, then step() = schedule -> run -> update -> detokenize ->
+outputs. Owns the scheduler, the KV cache manager, the model runner and the tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_model, resolve_model
+from engine.model_runner import ModelRunner, RunnerOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import RequestGroup, Sequence, SequenceStatus
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import EngineTotals, FinishedRequestStats, StepStats
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.model_dir = resolve_model(mc.model, mc.cache_dir)
+        self.model_name = mc.model if mc.model else "SmolLM2-135M-Instruct"
+        torch.manual_seed(mc.seed)
+        loaded = load_model(self.model_dir, mc.dtype, mc.device)
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)
+        self.eos_token_ids = frozenset(loaded.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.vocab_size = int(self.model.vocab_size)
+        self.max_model_len = min(mc.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        if mc.max_model_len and mc.max_model_len > loaded.max_model_len:
+            logger.warning("max_model_len %d exceeds the model's %d; using %d", mc.max_model_len, loaded.max_model_len, loaded.max_model_len)
+
+        block_size = config.cache.block_size
+        num_blocks = self._num_kv_blocks(block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size)
+        self.groups: dict[str, RequestGroup] = {}
+        self.totals = EngineTotals()
+        self.last_step: StepStats | None = None
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
+            self.model_dir.name, self.dtype, self.device, self.max_model_len, num_blocks, block_size,
+            num_blocks * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype) / (1 << 20),
+        )
+
+    def _num_kv_blocks(self, block_size: int) -> int:
+        cc = self.config.cache
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.8)
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(4 * _GiB, total // 8)
+        num_blocks = max(2, budget // per_block)
+        # No point holding more than every running sequence at full length.
+        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        return int(min(num_blocks, max(cap, 2)))
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against this model; returns the resolved max output tokens."""
+        if not prompt_token_ids:
+            raise SamplingParamsError("prompt", "the prompt is empty: give at least one token")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise SamplingParamsError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        params.validate_for_vocab(self.vocab_size)
+        num_prompt = len(prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len or (params.max_tokens is None and max_tokens <= 0):
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion."
+            )
+        needed = self.kv.blocks_needed(num_prompt + max_tokens)
+        if needed > self.kv.num_blocks:
+            raise ContextLengthError(
+                f"This request needs {needed} KV cache blocks ({num_prompt + max_tokens} tokens) but the pool holds "
+                f"only {self.kv.num_blocks}; shorten it or start the server with a larger KV cache."
+            )
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        sample_params = params
+        if params.num_samples > params.n and params.logprobs is None:
+            # best_of ranks samples by cumulative logprob, so the sampler must report them.
+            sample_params = dataclasses.replace(params, logprobs=0)
+        group = RequestGroup(request_id, prompt, list(prompt_token_ids), sample_params, max_tokens)
+        group.user_params = params  # type: ignore[attr-defined]
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+        for i in range(params.num_samples):
+            seq = Sequence(f"{request_id}/{i}", group, i, list(prompt_token_ids), len(prompt_token_ids))
+            if params.seed is not None:
+                seq.generator = make_generator(params.seed + i, self.device)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
+            group.seqs.append(seq)
+        self.groups[request_id] = group
+        self.scheduler.add_group(group)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len({s.group.request_id for s in self.scheduler.waiting})
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        preemptions_before = self.scheduler.num_preemptions
+        queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        stats = self._new_step_stats(sched)
+        now = time.monotonic()
+        for s in sched.scheduled:
+            m = s.seq.group.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                stats.num_new_prompt_tokens += len(s.seq.group.prompt_token_ids)
+        try:
+            result = self.runner.execute(sched, self.eos_token_ids)
+        except Exception as e:  # a failure of the whole batch: fail these requests, keep the engine
+            logger.exception("model step failed; failing the %d scheduled sequences", len(sched.scheduled))
+            result = RunnerOutput(errors={s.seq.seq_id: f"model execution failed: {e}" for s in sched.scheduled})
+        self.scheduler.after_step(sched)
+        touched = self._update(sched, result, stats)
+        outputs = [out for g in touched if (out := self._make_output(g)) is not None]
+        for g in touched:
+            if g.finished:
+                self.groups.pop(g.request_id, None)
+
+        stats.duration = time.monotonic() - t0
+        stats.num_running = len(self.scheduler.running)
+        stats.num_waiting = len(self.scheduler.waiting)
+        stats.kv_cache_usage = self.kv.usage
+        stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+        stats.prefix_cache_queries = self.kv.stats.queries - queries_before
+        stats.prefix_cache_hits = self.kv.stats.hits - hits_before
+        self._accumulate(stats)
+        return outputs
+
+    def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
+        kind = "decode" if sched.num_prefill_tokens == 0 else ("prefill" if sched.num_decode_tokens == 0 else "mixed")
+        return StepStats(kind, 0.0, sched.num_batched_tokens, sched.num_prefill_tokens, sched.num_decode_tokens,
+                         0, 0, 0.0, 0, 0, 0, 0, 0)
+
+    def _accumulate(self, stats: StepStats) -> None:
+        t = self.totals
+        t.num_steps += 1
+        t.num_prompt_tokens += stats.num_new_prompt_tokens
+        t.num_generation_tokens += stats.num_generation_tokens
+        t.num_preemptions += stats.num_preemptions
+        t.prefix_cache_queries += stats.prefix_cache_queries
+        t.prefix_cache_hits += stats.prefix_cache_hits
+        t.num_finished += len(stats.finished)
+        self.last_step = stats
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput, stats: StepStats) -> list[RequestGroup]:
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for s in sched.scheduled:
+            seq, group = s.seq, s.seq.group
+            if seq.status.finished:
+                continue
+            touched[group.request_id] = group
+            if seq.seq_id in result.prompt_logprobs and group.prompt_logprobs is not None:
+                first, rows = result.prompt_logprobs[seq.seq_id]
+                group.prompt_logprobs[first : first + len(rows)] = rows
+            if seq.seq_id in result.errors:
+                self._fail_group(group, result.errors[seq.seq_id])
+                continue
+            if seq.index == 0 and seq.is_prefill_done:
+                self.scheduler.release_followers(group)
+            if seq.seq_id not in result.sampled:
+                if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)  # scoring only (echo)
+                continue
+            self._append_token(seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats)
+        for group in touched.values():
+            if group.finished:
+                stats.finished.append(self._finished_stats(group, now))
+        return list(touched.values())
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob, now: float, stats: StepStats) -> None:
+        group, params = seq.group, seq.params
+        seq.append_token(token_id)
+        stats.num_generation_tokens += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            stats.first_tokens.append((group.request_id, now - m.arrival_time))
+        elif m.last_token_time is not None and seq.index == 0:
+            stats.inter_token_latencies.append(now - m.last_token_time)
+        if seq.index == 0:
+            m.last_token_time = now
+
+        status = None
+        if token_id in params.stop_token_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        else:
+            assert seq.detokenizer is not None
+            try:
+                stop = seq.detokenizer.add_tokens([token_id])
+            except Exception as e:  # a detokenizer fault fails this request only
+                logger.exception("detokenizer failed for %s", seq.seq_id)
+                self._fail_group(group, f"detokenization failed: {e}")
+                return
+            if stop is not None:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if status is None and (seq.num_output_tokens >= group.max_output_tokens or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+
+    def _fail_group(self, group: RequestGroup, message: str) -> None:
+        group.error = message
+        for seq in group.seqs:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+
+    def _finished_stats(self, group: RequestGroup, now: float) -> FinishedRequestStats:
+        m = group.metrics
+        m.finished_time = now
+        reason = "error" if group.error else group.seqs[0].status.value
+        return FinishedRequestStats(
+            group.request_id, reason, len(group.prompt_token_ids), sum(s.num_output_tokens for s in group.seqs),
+            group.num_cached_tokens, m.arrival_time, m.first_scheduled_time, m.first_token_time, now,
+        )
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _make_output(self, group: RequestGroup) -> RequestOutput | None:
+        user_params: SamplingParams = group.user_params  # type: ignore[attr-defined]
+        kind = user_params.output_kind
+        finished = group.finished
+        if group.error is not None:
+            return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, [], True,
+                                 num_cached_tokens=group.num_cached_tokens, metrics=group.metrics, error=group.error)
+        best_of = user_params.num_samples > user_params.n
+        if (kind == "final" or best_of) and not finished:
+            return None
+        delta = kind == "delta" and not best_of
+        seqs = group.seqs
+        if best_of:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: user_params.n]
+        completions = []
+        for choice_index, seq in enumerate(seqs):
+            c = self._completion(seq, choice_index, delta, user_params.logprobs is not None)
+            if c is not None:
+                completions.append(c)
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None and group.seqs[0].is_prefill_done:
+            if not (delta and group.prompt_logprobs_emitted):
+                prompt_logprobs = group.prompt_logprobs
+                group.prompt_logprobs_emitted = True
+        if delta and not completions and not finished and prompt_logprobs is None:
+            return None
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=group.num_cached_tokens, metrics=group.metrics)
+
+    def _completion(self, seq: Sequence, index: int, delta: bool, want_logprobs: bool) -> CompletionOutput | None:
+        finished = seq.status.finished
+        detok = seq.detokenizer
+        assert detok is not None
+        start = seq.num_emitted_tokens if delta else 0
+        if delta and start >= seq.num_output_tokens and not finished:
+            return None
+        text = detok.take_delta(finished) if delta else detok.text
+        token_ids = seq.output_token_ids[start:]
+        logprobs = seq.logprobs[start:] if want_logprobs else None
+        seq.num_emitted_tokens = seq.num_output_tokens
+        return CompletionOutput(
+            index=index, text=text, token_ids=token_ids, logprobs=logprobs,
+            finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob, num_output_tokens=seq.num_output_tokens,
+        )
+
+
+class ContextLengthError(SamplingParamsError):
+    """Prompt plus completion exceed the model's maximum length (or the KV pool)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("max_tokens", message)
+        self.code = "context_length_exceeded"

@@ -1,0 +1,142 @@
+"""The only bridge from scheduled sequences (lists of ints) to tensors: builds the step's inputs and
+attention metadata, runs the model forward over the paged KV cache, and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.outputs import TokenLogprob
+from engine.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # seq_id -> token id
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # seq_id -> sampled token's logprobs
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)  # seq_id -> (first pos, rows)
+    errors: dict[str, str] = field(default_factory=dict)  # seq_id -> message (that sequence fails alone)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(
+            model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, dtype, device
+        )
+        self.sampler = Sampler()
+
+    @staticmethod
+    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+
+    # -- inputs ------------------------------------------------------------------------------
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for s in scheduled:
+            start, end = s.start_pos, s.start_pos + s.num_new_tokens
+            input_ids.extend(s.seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+        max_blocks = max(len(s.block_table) for s in scheduled)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in scheduled]
+        query_start = [0]
+        for q in query_lens:
+            query_start.append(query_start[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decode_seqs=sum(1 for s in scheduled if s.is_decode),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
+        scheduled = sched.scheduled
+        ids, pos, meta = self._prepare(scheduled)
+        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        out = RunnerOutput()
+
+        # Rows whose logits we need: prompt-logprob rows of a chunk, then the chunk's last token to sample.
+        sample_idx: list[int] = []
+        sample_seqs: list[ScheduledSeq] = []
+        offset = 0
+        for s in scheduled:
+            if s.prompt_logprobs_rows:
+                self._prompt_logprobs(s, hidden[offset : offset + s.prompt_logprobs_rows], out)
+            if s.needs_sample:
+                sample_idx.append(offset + s.num_new_tokens - 1)
+                sample_seqs.append(s)
+            offset += s.num_new_tokens
+        if not sample_seqs:
+            return out
+
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])  # [n, vocab]
+        rows = [
+            SamplingRow(
+                params=s.seq.params,
+                prompt_token_ids=s.seq.token_ids[: s.seq.num_prompt_tokens],
+                output_token_ids=s.seq.output_token_ids,
+                generator=s.seq.generator,
+                eos_token_ids=eos_token_ids,
+            )
+            for s in sample_seqs
+        ]
+        self._sample(logits, rows, sample_seqs, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[ScheduledSeq], out: RunnerOutput) -> None:
+        """Sample all rows; a row that fails (say non-finite logits) fails its sequence alone."""
+        keep = list(range(len(rows)))
+        while keep:
+            try:
+                result = self.sampler(logits[keep] if len(keep) < len(rows) else logits, [rows[i] for i in keep])
+            except RowError as e:
+                bad = keep.pop(e.row_index)
+                out.errors[seqs[bad].seq.seq_id] = str(e)
+                continue
+            for j, i in enumerate(keep):
+                seq_id = seqs[i].seq.seq_id
+                out.sampled[seq_id] = result.token_ids[j]
+                lp = result.logprobs[j]
+                if lp is not None:
+                    out.logprobs[seq_id] = lp
+            return
+
+    def _prompt_logprobs(self, s: ScheduledSeq, hidden: torch.Tensor, out: RunnerOutput) -> None:
+        start = s.start_pos
+        n = hidden.shape[0]
+        targets = torch.tensor(s.seq.token_ids[start + 1 : start + 1 + n], dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden)  # [n, vocab]
+        num_top = s.seq.params.prompt_logprobs or 0
+        out.prompt_logprobs[s.seq.seq_id] = (start + 1, compute_prompt_logprobs(logits, targets, num_top))

@@ -1,0 +1,161 @@
+"""Token-budget scheduler (no torch): running sequences first, then waiting prompts in arrival order,
+chunking prompts to fit the budget; preempts the newest running sequence (recompute) when KV runs out."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import RequestGroup, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int  # position of the first new token (= tokens already computed)
+    block_table: list[int]
+    needs_sample: bool  # this chunk reaches the sequence's last token, so a token is sampled
+    prompt_logprobs_rows: int  # new tokens (from the first) whose next-prompt-token logprobs are wanted
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # decodes first, then prefill chunks
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- admission ---------------------------------------------------------------------------
+    def add_group(self, group: RequestGroup) -> None:
+        """Only the leading sequence waits now; the others follow once it has prefilled."""
+        self.waiting.append(group.seqs[0])
+
+    def release_followers(self, group: RequestGroup) -> None:
+        if group.followers_released:
+            return
+        group.followers_released = True
+        for seq in reversed(group.seqs[1:]):
+            if not seq.status.finished:
+                self.waiting.appendleft(seq)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing left behind it to schedule
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+            i += 1
+
+        # New work only when nothing had to be preempted: preemption means the pool is full.
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            cached_blocks: list[int] = []
+            if seq.num_computed_tokens == 0:
+                cached_blocks = self.kv.find_cached_prefix(seq)
+            num_cached = len(cached_blocks) * self.kv.block_size
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(seq, num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            if seq.status is SequenceStatus.WAITING:  # first admission (not a resumed preemption)
+                self.kv.record_prefix_query(seq.num_tokens, num_cached)
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens += num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+
+        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
+        num_decode = sum(1 for s in scheduled if s.is_decode)
+        total = sum(s.num_new_tokens for s in scheduled)
+        return SchedulerOutput(scheduled, total, total - num_decode, num_decode, preempted)
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        needs_sample = end == seq.num_tokens and seq.group.max_output_tokens > 0
+        rows = 0
+        if seq.params.prompt_logprobs is not None and seq.index == 0:
+            # Row j predicts token start+j+1; only prompt tokens are wanted.
+            rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
+        return ScheduledSeq(seq, num_new, start, self.kv.get_block_table(seq), needs_sample, rows)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
+
+    def after_step(self, out: SchedulerOutput) -> None:
+        """Account for the KV written this step and make the full blocks reusable."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End `seq` and release its blocks (idempotent)."""
+        if seq.status.finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass  # a follower not released yet
+        seq.status = status
+        self.kv.free(seq)

@@ -1,0 +1,134 @@
+"""Block allocation, reference counts, chained prefix hashes and LRU eviction (no model)."""
+
+from __future__ import annotations
+
+from engine.kv_cache_manager import KVCacheManager, hash_block
+from engine.request import RequestGroup, Sequence
+from engine.sampling_params import SamplingParams
+
+
+def make_seq(tokens: list[int], name: str = "r", params: SamplingParams | None = None) -> Sequence:
+    group = RequestGroup(name, None, list(tokens), params or SamplingParams(), 16)
+    seq = Sequence(f"{name}/0", group, 0, list(tokens), len(tokens))
+    group.seqs.append(seq)
+    return seq
+
+
+def compute(kv: KVCacheManager, seq: Sequence, cached: list[int] | None = None) -> None:
+    """Admit `seq` (after its cached prefix) and mark all of its tokens computed."""
+    cached = cached or []
+    seq.num_computed_tokens = 0
+    assert kv.allocate_slots(seq, seq.num_tokens - len(cached) * kv.block_size, cached)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_full_blocks(seq)
+
+
+def test_allocate_and_free_returns_every_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    seqs = [make_seq(list(range(i * 10, i * 10 + 7)), f"r{i}") for i in range(3)]
+    for s in seqs:
+        assert kv.allocate_slots(s, 7)
+        assert len(kv.get_block_table(s)) == 2
+    assert kv.num_free_blocks == 2
+    assert len({b for s in seqs for b in kv.get_block_table(s)}) == 6  # no block handed out twice
+    for s in seqs:
+        kv.free(s)
+    assert kv.num_free_blocks == 8 and kv.usage == 0.0
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a, b = make_seq(list(range(8)), "a"), make_seq(list(range(100, 110)), "b")
+    assert kv.allocate_slots(a, 8)
+    assert not kv.allocate_slots(b, 10)  # needs 3, only 1 free
+    assert kv.num_free_blocks == 1 and kv.get_block_table(b) == []
+
+
+def test_growing_a_sequence_allocates_only_at_block_boundaries():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    s = make_seq([1, 2, 3])
+    assert kv.allocate_slots(s, 3)
+    s.num_computed_tokens = 3
+    s.append_token(4)
+    assert kv.allocate_slots(s, 1) and len(kv.get_block_table(s)) == 1
+    s.num_computed_tokens = 4
+    s.append_token(5)
+    assert kv.allocate_slots(s, 1) and len(kv.get_block_table(s)) == 2
+
+
+def test_shared_prefix_hits_whole_blocks_and_leaves_the_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_seq(list(range(10)), "a")
+    compute(kv, a)
+    b = make_seq(list(range(9)) + [99, 98], "b")
+    hits = kv.find_cached_prefix(b)
+    assert hits == kv.get_block_table(a)[:2]
+    # An identical prompt still recomputes its last token: 8 tokens = 2 blocks, only 1 reusable.
+    c = make_seq(list(range(8)), "c")
+    compute(kv, make_seq(list(range(8)), "d"))
+    assert len(kv.find_cached_prefix(c)) == 1
+
+
+def test_shared_blocks_are_reference_counted():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_seq(list(range(9)), "a")
+    compute(kv, a)
+    b = make_seq(list(range(9)), "b")
+    hits = kv.find_cached_prefix(b)
+    assert len(hits) == 2
+    compute(kv, b, hits)
+    shared = kv.get_block_table(a)[:2]
+    assert kv.get_block_table(b)[:2] == shared
+    assert all(kv.pool.ref_counts[x] == 2 for x in shared)
+    kv.free(a)
+    assert all(kv.pool.ref_counts[x] == 1 for x in shared)
+    assert not any(x in kv.pool.free_queue for x in shared)  # still referenced: never reusable
+    kv.free(b)
+    assert kv.num_free_blocks == 6
+
+
+def test_hash_is_chained_on_the_parent():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    compute(kv, make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a"))
+    # Same second block, different first block: no hit at all.
+    assert kv.find_cached_prefix(make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], "b")) == []
+    assert hash_block(1, (5, 6)) != hash_block(2, (5, 6))
+
+
+def test_finished_blocks_stay_cached_until_evicted_lru():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_seq(list(range(9)), "a")  # 3 blocks, 2 full
+    compute(kv, a)
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    again = make_seq(list(range(9)), "a2")
+    assert len(kv.find_cached_prefix(again)) == 2  # still cached after the request finished
+    # Taking 3 fresh blocks evicts the partial tail block first and then the last full block (LRU order
+    # puts a sequence's tail ahead of its prefix); the first block survives.
+    b = make_seq(list(range(100, 112)), "b")
+    assert kv.allocate_slots(b, 12)
+    hits = kv.find_cached_prefix(make_seq(list(range(9)), "a3"))
+    assert len(hits) == 1
+    assert hits[0] not in kv.get_block_table(b)
+
+
+def test_referenced_block_is_never_evicted():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_seq(list(range(8)), "a")
+    compute(kv, a)  # 2 blocks referenced
+    b = make_seq(list(range(50, 58)), "b")
+    assert not kv.allocate_slots(b, 8)  # only 1 free: must not steal a's blocks
+    assert kv.get_block_table(a) and all(kv.pool.ref_counts[x] == 1 for x in kv.get_block_table(a))
+
+
+def test_prefix_caching_off_never_hits():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    compute(kv, make_seq(list(range(9)), "a"))
+    assert kv.find_cached_prefix(make_seq(list(range(9)), "b")) == []
+
+
+def test_prompt_logprobs_requests_skip_the_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    compute(kv, make_seq(list(range(9)), "a"))
+    seq = make_seq(list(range(9)), "b", SamplingParams(prompt_logprobs=1))
+    assert kv.find_cached_prefix(seq) == []

@@ -1,0 +1,135 @@
+"""Scheduler budget, chunking, ordering and preemption invariants (no model)."""
+
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import RequestGroup, Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def make_group(name: str, num_tokens: int, n: int = 1, max_tokens: int = 16) -> RequestGroup:
+    prompt = [hash((name, i)) % 1000 for i in range(num_tokens)]
+    group = RequestGroup(name, None, prompt, SamplingParams(n=n, max_tokens=max_tokens), max_tokens)
+    for i in range(n):
+        group.seqs.append(Sequence(f"{name}/{i}", group, i, list(prompt), num_tokens))
+    return group
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    """Schedule, pretend the model ran, append a sampled token where one was due."""
+    out = sched.schedule()
+    sched.after_step(out)
+    for s in out.scheduled:
+        if s.needs_sample:
+            s.seq.append_token(token)
+    return out
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv)
+
+
+def test_long_prompt_is_chunked_to_the_budget():
+    sched = make_scheduler(budget=10)
+    g = make_group("a", 25)
+    sched.add_group(g)
+    chunks = []
+    for _ in range(3):
+        out = run_step(sched)
+        chunks.append([s.num_new_tokens for s in out.scheduled])
+        assert out.num_batched_tokens <= 10
+    assert chunks == [[10], [10], [5]]
+    assert [s.needs_sample for s in out.scheduled] == [True]  # only the last chunk samples
+
+
+def test_decodes_first_then_prefill_chunks_share_the_step():
+    sched = make_scheduler(budget=8)
+    a, b = make_group("a", 4), make_group("b", 20)
+    sched.add_group(a)
+    run_step(sched)  # a prefilled (4 tokens) and b's first chunk (4 tokens)
+    sched.add_group(b)
+    out = run_step(sched)
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [("a/0", 1), ("b/0", 7)]
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 7
+
+
+def test_budget_and_max_num_seqs_are_never_exceeded():
+    sched = make_scheduler(num_blocks=256, budget=16, max_seqs=3)
+    for i in range(6):
+        sched.add_group(make_group(f"r{i}", 5 + i))
+    for _ in range(20):
+        out = run_step(sched)
+        assert out.num_batched_tokens <= 16
+        assert len(sched.running) <= 3
+        assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
+
+
+def test_first_come_first_served():
+    sched = make_scheduler(budget=6)
+    for name in "abc":
+        sched.add_group(make_group(name, 4))
+    out = run_step(sched)
+    assert [s.seq.seq_id for s in out.scheduled] == ["a/0", "b/0"]  # b chunked after a
+    assert [s.num_new_tokens for s in out.scheduled] == [4, 2]
+
+
+def test_preemption_evicts_the_newest_and_frees_its_blocks():
+    # 6 blocks of 4 tokens: two sequences of 8 prompt tokens fill 4 blocks, decodes then need more.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_group("a", 8), make_group("b", 8)
+    sched.add_group(a)
+    sched.add_group(b)
+    preempted = []
+    for _ in range(12):
+        out = run_step(sched)
+        preempted += [p.seq_id for p in out.preempted]
+        used = sum(len(sched.kv.get_block_table(s)) for s in sched.running)
+        assert used + sched.kv.num_free_blocks == 6  # every block accounted for
+    assert preempted and preempted[0] == "b/0"
+    assert b.seqs[0].num_preemptions >= 1
+    assert a.seqs[0].status is SequenceStatus.RUNNING
+
+
+def test_preempted_sequence_resumes_with_its_generated_tokens():
+    sched = make_scheduler(num_blocks=5, block_size=4, budget=64)
+    a, b = make_group("a", 8), make_group("b", 7)
+    sched.add_group(a)
+    sched.add_group(b)
+    for _ in range(30):
+        run_step(sched, token=3)
+        for g in (a, b):
+            s = g.seqs[0]
+            if s.status is SequenceStatus.RUNNING and s.num_output_tokens >= 6:
+                sched.finish(s, SequenceStatus.FINISHED_LENGTH)
+        if not sched.has_work():
+            break
+    assert a.seqs[0].num_output_tokens == 6 and b.seqs[0].num_output_tokens == 6
+    assert sched.kv.num_free_blocks == 5
+
+
+def test_followers_wait_for_the_leaders_prefill_and_hit_the_cache():
+    sched = make_scheduler(budget=64)
+    g = make_group("a", 12, n=3)
+    sched.add_group(g)
+    out = run_step(sched)
+    assert [s.seq.seq_id for s in out.scheduled] == ["a/0"]
+    sched.release_followers(g)
+    out = run_step(sched)
+    followers = [s for s in out.scheduled if s.seq.index > 0]
+    assert len(followers) == 2
+    # 12 prompt tokens = 3 blocks; the last token is recomputed, so 2 blocks come from the cache.
+    assert all(s.seq.num_cached_tokens == 8 and s.num_new_tokens == 4 for s in followers)
+
+
+def test_finish_releases_blocks_of_waiting_and_running():
+    sched = make_scheduler(budget=4)
+    a, b = make_group("a", 6), make_group("b", 6)
+    sched.add_group(a)
+    sched.add_group(b)
+    run_step(sched)
+    sched.finish(a.seqs[0], SequenceStatus.FINISHED_ABORTED)
+    sched.finish(b.seqs[0], SequenceStatus.FINISHED_ABORTED)
+    assert not sched.has_work() and sched.kv.num_free_blocks == sched.kv.num_blocks
