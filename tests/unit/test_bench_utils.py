@@ -1,0 +1,159 @@
+"""Benchmark metric math on synthetic timestamps: percentiles, TTFT, TPOT, ITL, throughput."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from benchmarks.bench_utils import (
+    RequestRecord,
+    compute_metrics,
+    percentile,
+    ratio,
+    summarize,
+    synthetic_prompts,
+)
+from benchmarks.serve_bench import BenchConfig, build_body, format_table, send_request
+
+
+def _record(
+    start: float, chunks: list[float], end: float, out: int, prompt: int = 10
+) -> RequestRecord:
+    return RequestRecord(
+        start=start, end=end, ok=True, prompt_tokens=prompt, output_tokens=out, chunk_times=chunks
+    )
+
+
+def test_percentile_interpolates_between_order_statistics() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_summarize_reports_milliseconds() -> None:
+    stats = summarize([0.001, 0.002, 0.003, 0.010], percentiles=(99,))
+    assert stats["mean"] == pytest.approx(4.0)
+    assert stats["median"] == pytest.approx(2.5)
+    assert stats["p99"] == pytest.approx(9.79)
+
+
+def test_ttft_tpot_itl_from_timestamps() -> None:
+    # sent at 10.0; tokens at 10.5, 10.6, 10.8, 11.1; finished at 11.1
+    rec = _record(10.0, [10.5, 10.6, 10.8, 11.1], 11.1, out=4)
+    assert rec.ttft == pytest.approx(0.5)
+    assert rec.e2e == pytest.approx(1.1)
+    assert rec.tpot == pytest.approx(0.6 / 3)
+    assert rec.itls == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_tpot_uses_token_count_when_chunks_carry_several_tokens() -> None:
+    rec = _record(0.0, [1.0, 2.0], 2.0, out=11)  # 2 chunks, 11 tokens
+    assert rec.tpot == pytest.approx(0.1)
+    assert rec.itls == pytest.approx([1.0])
+
+
+def test_single_token_and_non_streamed_requests() -> None:
+    one = _record(0.0, [0.4], 0.5, out=1)
+    assert one.tpot is None and one.itls == []
+    unstreamed = _record(0.0, [], 2.0, out=5)
+    assert unstreamed.ttft == pytest.approx(2.0)
+
+
+def test_compute_metrics_throughput_and_failures() -> None:
+    records = [
+        _record(0.0, [0.1, 0.2, 0.3], 0.3, out=3, prompt=100),
+        _record(0.0, [0.2, 0.4, 0.6], 0.6, out=3, prompt=100),
+        RequestRecord(start=0.0, end=0.1, error="HTTP 500: boom"),
+        RequestRecord(start=0.0, error="cancelled"),
+    ]
+    m = compute_metrics(records, duration=2.0)
+    assert (m["completed"], m["failed"], m["cancelled"]) == (2, 1, 1)
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(3.0)
+    assert m["total_token_throughput"] == pytest.approx(103.0)
+    assert m["ttft_ms"]["mean"] == pytest.approx(150.0)
+    assert m["itl_ms"]["median"] == pytest.approx(150.0)  # gaps 100, 100, 200, 200
+    assert m["tpot_ms"]["mean"] == pytest.approx(150.0)
+    assert m["errors"] == ["HTTP 500: boom"]
+    assert "n/a" not in format_table({**m, "config": {}})
+
+
+def test_empty_run_gives_nan_not_crash() -> None:
+    m = compute_metrics([], duration=0.0)
+    assert m["completed"] == 0 and math.isnan(m["output_throughput"])
+    assert "n/a" in format_table({**m, "config": {}})
+
+
+def test_ratio_handles_missing_figures() -> None:
+    assert ratio(6.0, 3.0) == 2.0
+    assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(math.nan, 1.0))
+
+
+class _CharTokenizer:
+    """One token per character: lengths are exact and easy to check."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_synthetic_prompts_have_the_requested_length_and_differ() -> None:
+    prompts = synthetic_prompts(5, 40, _CharTokenizer(), seed=1)
+    assert all(len(p) == 40 for p in prompts)
+    assert len(set(prompts)) == 5
+    assert synthetic_prompts(5, 40, _CharTokenizer(), seed=1) == prompts
+    words = synthetic_prompts(2, 17, None)
+    assert all(len(p.split()) == 17 for p in words)
+
+
+def test_request_body_honours_ignore_eos_and_extra_fields() -> None:
+    cfg = BenchConfig(output_len=7, extra_body={"top_k": 1})
+    body = build_body(cfg, "hi", "m")
+    assert body["ignore_eos"] is True and body["max_tokens"] == 7 and body["top_k"] == 1
+    assert body["stream_options"] == {"include_usage": True}
+    chat = build_body(BenchConfig(endpoint="chat", ignore_eos=False), "hi", None)
+    assert "ignore_eos" not in chat and "model" not in chat
+    assert chat["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def _sse(chunks: list[dict]) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+def test_send_request_parses_a_stream_with_usage() -> None:
+    chunks = [{"choices": [{"text": t}]} for t in ("a", "b", "", "c")]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=_sse(chunks)))
+
+    async def go() -> RequestRecord:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send_request(
+                client, "http://x/v1/completions", {"stream": True}, RequestRecord(0.0)
+            )
+
+    rec = asyncio.run(go())
+    assert rec.ok and rec.output_tokens == 3 and rec.prompt_tokens == 5
+    assert len(rec.chunk_times) == 3  # the empty chunk is not a token
+
+
+def test_send_request_records_http_errors() -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(422, text="Unexpected fields"))
+
+    async def go() -> RequestRecord:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send_request(client, "http://x", {"stream": True}, RequestRecord(0.0))
+
+    rec = asyncio.run(go())
+    assert not rec.ok and "422" in (rec.error or "")
