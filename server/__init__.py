@@ -1,0 +1,1 @@
+"""kvserve's OpenAI-compatible HTTP front end (FastAPI) over the async engine."""

@@ -1,0 +1,179 @@
+"""The FastAPI application: routes, middleware and error handlers over one ServerState."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
+from server.middleware import GuardMiddleware, RequestIdMiddleware
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.serving_chat import apply_template, create_chat_completion
+from server.serving_completions import create_completion
+from server.state import ServerConfig, ServerState
+
+logger = logging.getLogger(__name__)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+}
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+}
+
+
+def kvserve_version() -> str:
+    try:
+        return importlib.metadata.version("kvserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+router = APIRouter()
+
+
+@router.get("/health", responses={503: {"model": ErrorResponse}})
+async def health(request: Request) -> Response:
+    """200 once the model is loaded and the engine runs; 503 while loading, draining or dead."""
+    state = _state(request)
+    if state.ready:
+        return JSONResponse({"status": "ok"})
+    try:
+        state.require_engine()
+        err = service_unavailable("The engine is not ready.")
+    except APIError as e:
+        err = e
+    return err.response()
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": kvserve_version()}
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    engine = state.require_engine()
+    return ModelCard(
+        id=state.model_name,
+        created=state.created,
+        root=str(getattr(engine, "model_name", state.model_name)),
+        max_model_len=engine.max_model_len,
+    )
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_model_card(_state(request))])
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    state = _state(request)
+    card = _model_card(state)
+    state.check_model(model)
+    return card
+
+
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses=ERROR_RESPONSES | STREAM_RESPONSE,
+)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await create_completion(body, request, _state(request))
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=ERROR_RESPONSES | STREAM_RESPONSE,
+)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await create_chat_completion(body, request, _state(request))
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = _state(request)
+    engine = state.require_engine()
+    state.check_model(body.model)
+    tokenizer = engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid_request("Give exactly one of prompt or messages.", "prompt")
+    if body.messages is not None:
+        tokens = apply_template(tokenizer, body.messages, body.add_generation_prompt is not False)
+    else:
+        tokens = list(
+            tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        )
+    strings = list(tokenizer.token_strings(tokens)) if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=strings
+    )
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = _state(request)
+    engine = state.require_engine()
+    state.check_model(body.model)
+    vocab_size = engine.tokenizer.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise invalid_request(
+            f"token id {bad} is outside the vocabulary (size {vocab_size})", "tokens"
+        )
+    return DetokenizeResponse(
+        prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    )
+
+
+@router.get("/v1/internal/stats", include_in_schema=False)
+async def engine_stats(request: Request) -> dict[str, Any]:
+    """Engine counters (KV blocks, running/waiting) for tests and debugging."""
+    state = _state(request)
+    engine = state.require_engine()
+    return {**engine.stats(), "in_flight_http_requests": state.in_flight}
+
+
+def build_app(config: ServerConfig, engine: Any = None) -> FastAPI:
+    """The app for `config`; `engine` may be attached later (`app.state.server.engine = ...`)."""
+    app = FastAPI(
+        title="kvserve", version=kvserve_version(), description="OpenAI-compatible LLM server"
+    )
+    app.state.server = ServerState(config, engine)
+    install_error_handlers(app)
+    app.include_router(router)
+    # Added innermost first: requests pass RequestId -> CORS -> Guard -> routes.
+    app.add_middleware(GuardMiddleware, state=app.state.server)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
+    app.add_middleware(RequestIdMiddleware)
+    return app

@@ -1,0 +1,221 @@
+"""`kvserve serve [MODEL]` and `kvserve bench ...`: options, logging, model loading behind a 503 /health,
+and graceful SIGTERM/Ctrl-C shutdown (stop accepting, drain in-flight requests, exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from server.settings import add_serve_arguments, build_configs, resolve
+
+logger = logging.getLogger("kvserve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="A small OpenAI-compatible LLM server."
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API",
+        description="Serve a model over the OpenAI API. Every option can also be set by its environment "
+        "variable or in the --config YAML file; precedence: CLI > environment > file > default.",
+        formatter_class=argparse.HelpFormatter,
+    )
+    add_serve_arguments(serve)
+    bench = commands.add_parser(
+        "bench", help="benchmark a running server (see `kvserve bench --help`)", add_help=False
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from benchmarks.serve_bench import main as bench_main
+
+        return int(bench_main(argv[1:]) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from server.app import kvserve_version
+
+        print(f"kvserve {kvserve_version()}")
+        return 0
+    if args.command != "serve":
+        parser.print_help()
+        return 2
+    cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "version")}
+    try:
+        engine_config, server_config = build_configs(resolve(cli_values))
+    except ValueError as e:
+        parser.exit(2, f"kvserve serve: error: {e}\n")
+    configure_logging(server_config.log_level)
+    return asyncio.run(serve(engine_config, server_config))
+
+
+def _load_in_daemon_thread(engine_config: Any) -> asyncio.Future[Any]:
+    """Load the engine off the event loop in a daemon thread (a shutdown never waits for a half load)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def load() -> None:
+        try:
+            from engine import AsyncLLMEngine
+
+            engine = AsyncLLMEngine.from_config(engine_config)
+        except BaseException as e:  # noqa: BLE001 - handed to the loop
+            loop.call_soon_threadsafe(settle, None, e)
+            return
+        loop.call_soon_threadsafe(settle, engine, None)
+
+    threading.Thread(target=load, name="kvserve-load", daemon=True).start()
+    return future
+
+
+async def serve(engine_config: Any, server_config: Any) -> int:
+    import uvicorn
+
+    from server.app import build_app
+
+    app = build_app(server_config)
+    state = app.state.server
+    uv_config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_config=None,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=5,
+    )
+    try:
+        sock = uv_config.bind_socket()
+    except (OSError, SystemExit) as e:
+        logger.error("cannot listen on %s:%s: %s", server_config.host, server_config.port, e)
+        return 1
+    server = _Server(uv_config)
+    exit_code = 0
+
+    async def drain() -> None:
+        """Stop taking requests (503), give in-flight ones up to shutdown_timeout, then stop uvicorn."""
+        state.draining = True
+        deadline = time.monotonic() + server_config.shutdown_timeout
+        if state.in_flight:
+            logger.info(
+                "shutting down: waiting up to %.0fs for %d request(s)",
+                server_config.shutdown_timeout,
+                state.in_flight,
+            )
+        while state.in_flight and time.monotonic() < deadline and not server.force_exit:
+            await asyncio.sleep(0.05)
+        if state.in_flight:
+            logger.warning("shutdown timeout: cancelling %d request(s)", state.in_flight)
+        server.should_exit = True
+
+    def on_signal(sig: int) -> None:
+        if state.draining:
+            logger.warning("second %s: exiting now", signal.Signals(sig).name)
+            server.force_exit = True
+            server.should_exit = True
+            return
+        logger.info("received %s: shutting down gracefully", signal.Signals(sig).name)
+        state.draining = True
+        asyncio.ensure_future(drain())
+
+    server.on_signal = on_signal
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+    loading = _load_in_daemon_thread(engine_config)
+    logger.info(
+        "loading model %s ...", engine_config.model.model or "(bundled SmolLM2-135M-Instruct)"
+    )
+    started = time.monotonic()
+    done, _ = await asyncio.wait({serve_task, loading}, return_when=asyncio.FIRST_COMPLETED)
+    if loading in done and not state.draining:
+        try:
+            engine = loading.result()
+            await engine.start()
+        except Exception as e:  # noqa: BLE001 - one clear line, then exit 1
+            logger.error("could not load the model: %s", e)
+            logger.debug("traceback", exc_info=True)
+            exit_code = 1
+            server.should_exit = True
+        else:
+            state.engine = engine
+            logger.info(
+                "model %s loaded in %.1fs (max_model_len %d); serving on http://%s:%d",
+                state.model_name,
+                time.monotonic() - started,
+                engine.max_model_len,
+                server_config.host,
+                server_config.port,
+            )
+    await serve_task
+    if state.engine is not None:
+        with contextlib.suppress(Exception):
+            await state.engine.shutdown()
+    logger.info("bye")
+    return exit_code
+
+
+class _Server:
+    """uvicorn.Server whose SIGINT/SIGTERM start our drain instead of uvicorn's immediate close."""
+
+    def __new__(cls, config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            on_signal: Any = None
+
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                loop = asyncio.get_running_loop()
+
+                def handler(sig: int, frame: Any) -> None:
+                    loop.call_soon_threadsafe(self.on_signal, sig)
+
+                originals = {
+                    sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)
+                }
+                try:
+                    yield
+                finally:
+                    for sig, original in originals.items():
+                        signal.signal(sig, original)
+
+        return Server(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The OpenAI error envelope: one exception type, the mapping from engine errors, and FastAPI handlers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import EngineDeadError, QueueFullError, RequestError, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+# OpenAI request fields that kvserve does not implement: a non-empty value is a 400 naming the field.
+UNSUPPORTED_MESSAGE = "{field!r} is not supported by this server"
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, status=400, param=param, code=code)
+
+
+def context_length_exceeded(message: str, param: str) -> APIError:
+    return APIError(message, status=400, param=param, code="context_length_exceeded")
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        f"The model {model!r} does not exist; GET /v1/models lists the served model.",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def service_unavailable(message: str) -> APIError:
+    return APIError(message, status=503, type="server_error", code="service_unavailable")
+
+
+def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
+    """Map an exception raised while serving a request to the error the client sees."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        retry_after = max(1, math.ceil(exc.retry_after))
+        return APIError(
+            str(exc) or "The server is overloaded; retry later.",
+            status=429,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after)},
+        )
+    if isinstance(exc, EngineDeadError):
+        return service_unavailable(f"The engine is not running: {exc}")
+    if isinstance(exc, SamplingParamsError):
+        return invalid_request(str(exc), param=exc.param)
+    if isinstance(exc, RequestError):
+        return APIError(str(exc), status=500, type="server_error", code="internal_error")
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        if "maximum context length" in message:
+            return context_length_exceeded(message, prompt_param)
+        return invalid_request(message)
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(
+        "The server had an error while processing your request.",
+        status=500,
+        type="server_error",
+        code="internal_error",
+    )
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    """("body", "messages", 0, "content") -> "messages[0].content"; pydantic union tags are dropped."""
+    parts: list[str] = []
+    for item in loc:
+        if item in ("body", "query", "path", "header"):
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif isinstance(item, str) and (
+            "[" in item or "function-" in item or item.startswith("literal[")
+        ):
+            continue  # pydantic's names for union members and wrappers, e.g. "list[int]"
+        elif item in ("str", "int", "float", "bool", "dict", "list", "none"):
+            continue
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """Turn pydantic errors into one 400 naming the first offending field."""
+    if not errors:
+        return invalid_request("Invalid request.")
+    first = errors[0]
+    kind = first.get("type", "")
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    if kind in ("json_invalid", "json_type"):
+        return invalid_request(
+            "The request body is not valid JSON: " + str(first.get("msg", "")).strip(),
+            code="invalid_json",
+        )
+    if kind == "missing" and param is None:
+        return invalid_request("The request body must be a JSON object.")
+    if kind == "none_required" and param:
+        return invalid_request(
+            UNSUPPORTED_MESSAGE.format(field=param), param=param, code="unsupported_parameter"
+        )
+    if kind == "extra_forbidden" and param:
+        return invalid_request(
+            f"Unrecognized request argument supplied: {param}",
+            param=param,
+            code="unknown_parameter",
+        )
+    message = str(first.get("msg", "invalid value"))
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    return invalid_request(f"{param}: {message}" if param else message, param=param)
+
+
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(list(exc.errors())).response()
+
+
+async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        err = APIError(
+            f"Invalid URL ({request.method} {request.url.path})", status=404, code="not_found"
+        )
+    elif exc.status_code == 405:
+        err = APIError(
+            f"Method {request.method} is not allowed for {request.url.path}",
+            status=405,
+            code="method_not_allowed",
+        )
+    else:
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = APIError(detail, status=exc.status_code, type=kind)
+    return JSONResponse(
+        err.body(), status_code=err.status, headers=dict(exc.headers or {}) | err.headers
+    )
+
+
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    return to_api_error(exc).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

@@ -1,0 +1,192 @@
+"""Shared request plumbing: sampling params from API fields, prompt checks, and the engine-stream fan-in
+that aborts every engine request when the client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+
+from engine import RequestOutput, SamplingParams, SamplingParamsError
+from server.errors import context_length_exceeded, invalid_request
+from server.protocol import SamplingFields
+
+logger = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its engine requests have been aborted."""
+
+
+def build_sampling_params(
+    req: SamplingFields,
+    *,
+    n: int,
+    best_of: int | None,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    output_kind: str,
+    vocab_size: int,
+) -> SamplingParams:
+    """SamplingParams from the API fields; range errors become 400s naming the field."""
+    logit_bias: dict[int, float] | None = None
+    if req.logit_bias:
+        logit_bias = {}
+        for key, bias in req.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise invalid_request(
+                    f"logit_bias keys must be token ids written as strings, got {key!r}",
+                    "logit_bias",
+                ) from None
+            if token_id < 0:
+                raise invalid_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+            logit_bias[token_id] = bias
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        params = SamplingParams(
+            n=n,
+            best_of=best_of,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens or 0,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            output_kind=output_kind,  # type: ignore[arg-type]
+        )
+        params.validate_for_vocab(vocab_size)
+    except SamplingParamsError as e:
+        raise invalid_request(str(e), e.param) from None
+    return params
+
+
+def check_prompt_ids(
+    prompt_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None, param: str
+) -> None:
+    """Token ids inside the vocabulary, and prompt plus max_tokens within the model length."""
+    if not prompt_ids:
+        raise invalid_request("The prompt is empty; give at least one token.", param)
+    bad = next((t for t in prompt_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise invalid_request(
+            f"token id {bad} is outside the vocabulary (size {vocab_size})", param
+        )
+    needed = len(prompt_ids) + (max_tokens if max_tokens is not None else 1)
+    if needed > max_model_len:
+        asked = (
+            f"{max_tokens} in the completion"
+            if max_tokens is not None
+            else "at least 1 to generate"
+        )
+        raise context_length_exceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{needed} tokens ({len(prompt_ids)} in the prompt, {asked}). "
+            "Please reduce the prompt or the completion length.",
+            param,
+        )
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+_DONE = object()
+
+
+async def merge_outputs(
+    streams: Sequence[AsyncIterator[RequestOutput]], request: Request | None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (stream index, output) from all engine streams as they arrive.
+
+    Each stream is driven by its own task, so closing this generator, an error in any stream, or the
+    client disconnecting cancels all of them, which makes the engine abort those requests.
+    """
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((index, e))
+            return
+        queue.put_nowait((index, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    watcher = asyncio.ensure_future(wait_for_disconnect(request)) if request is not None else None
+    remaining = len(tasks)
+    try:
+        while remaining:
+            getter = asyncio.ensure_future(queue.get())
+            waiting = {getter} if watcher is None else {getter, watcher}
+            try:
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if not getter.done() or getter.cancelled():
+                raise ClientDisconnected()
+            index, item = getter.result()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def start_streams(
+    engine: Any,
+    request_id: str,
+    prompts: list[tuple[str | None, list[int]]],
+    params: SamplingParams,
+) -> list[AsyncIterator[RequestOutput]]:
+    """One engine request per prompt, ids `<request_id>-<prompt index>`."""
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            streams.append(engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
+    except BaseException:
+        for stream in streams:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                asyncio.ensure_future(close())
+        raise
+    return streams
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Engine finish reasons -> OpenAI's ("abort"/"error" never reach a client as a normal finish)."""
+    if reason is None:
+        return None
+    return reason if reason in ("stop", "length", "content_filter") else "stop"

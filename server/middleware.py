@@ -1,0 +1,120 @@
+"""Pure-ASGI middleware (no BaseHTTPMiddleware, so disconnects and streaming pass through untouched):
+request ids, the drain gate with in-flight counting, the API key and the body-size cap."""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from typing import Any
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError, service_unavailable
+from server.state import ServerState
+
+OPEN_PATHS = ("/health",)  # answered without an API key and while draining
+
+
+class RequestIdMiddleware:
+    """Every response carries X-Request-Id (the client's, if it sent one); routes read scope["state"]."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id")
+        request_id = (
+            given if given and len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
+        )
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body exceeds the limit of {limit} bytes.")
+
+
+class GuardMiddleware:
+    """Draining -> 503; API key -> 401; body over the cap -> 413; counts in-flight requests."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        config = self.state.config
+        headers = Headers(scope=scope)
+        if path not in OPEN_PATHS:
+            if self.state.draining:
+                err = service_unavailable("The server is shutting down.")
+                await _send_error(send, err, {"Connection": "close"})
+                return
+            if config.api_key is not None and not _key_ok(headers, config.api_key):
+                err = APIError(
+                    "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                    status=401,
+                    code="invalid_api_key",
+                )
+                await _send_error(send, err, {"WWW-Authenticate": "Bearer"})
+                return
+        limit = config.max_request_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _send_error(
+                send, APIError(f"The request body exceeds the limit of {limit} bytes.", status=413)
+            )
+            return
+        received = 0
+
+        async def capped_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        counted = path not in OPEN_PATHS
+        self.state.in_flight += counted
+        try:
+            await self.app(scope, capped_receive, send)
+        finally:
+            self.state.in_flight -= counted
+
+
+def _key_ok(headers: Headers, api_key: str) -> bool:
+    auth = headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+async def _send_error(
+    send: Send, err: APIError, extra_headers: dict[str, str] | None = None
+) -> None:
+    response = err.response()
+    for key, value in (extra_headers or {}).items():
+        response.headers[key] = value
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Any:
+    return {"type": "http.disconnect"}

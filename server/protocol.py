@@ -1,0 +1,280 @@
+"""Pydantic models of the OpenAI wire format (completions, chat, models) plus tokenize/detokenize.
+
+Requests are strict: wrong types, out-of-range values and unknown fields are 400s, and OpenAI fields that
+kvserve does not implement are typed `None` so that any real value is rejected with the field's name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128
+MAX_STOP = 16
+NonNegInt = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
+SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class OpenModel(BaseModel):
+    """Response models: tolerant of extension fields, never validated against client input."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = False
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by completions and chat: sampling, stopping, streaming and common extensions."""
+
+    model: str | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    seed: SeedInt | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    user: str | None = None
+    # Extensions (vLLM names).
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    min_tokens: NonNegInt | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: Annotated[list[NonNegInt], Field(max_length=MAX_STOP)] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    max_tokens: NonNegInt | None = 16
+    suffix: None = None  # not implemented: any value is a 400
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+    # Tool use is not implemented.
+    tool_calls: None = None
+    tool_call_id: None = None
+    function_call: None = None
+    refusal: None = None
+    audio: None = None
+
+
+class ResponseFormatText(StrictModel):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: NonNegInt | None = None
+    max_completion_tokens: NonNegInt | None = None
+    response_format: ResponseFormatText | None = None
+    tool_choice: Literal["none"] | None = None
+    function_call: Literal["none"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = None
+    prompt_cache_key: str | None = None  # a routing hint; prefix caching is automatic here
+    safety_identifier: str | None = None
+    # Extensions.
+    add_generation_prompt: bool | None = True
+    # Not implemented: any value is a 400.
+    tools: None = None
+    functions: None = None
+    parallel_tool_calls: None = None
+    audio: None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    service_tier: None = None
+    metadata: None = None
+    web_search_options: None = None
+    verbosity: None = None
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+# ----------------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(OpenModel):
+    cached_tokens: int = 0
+
+
+class Usage(OpenModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(OpenModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "content_filter"]
+
+
+class CompletionChoice(OpenModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenModel):
+    """Also the shape of each streamed completion chunk (finish_reason null until the end)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatTopLogprob(OpenModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(OpenModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(OpenModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(OpenModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(OpenModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(OpenModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(OpenModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenModel):
+    prompt: str
+
+
+class ErrorInfo(OpenModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenModel):
+    error: ErrorInfo

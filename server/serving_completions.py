@@ -1,0 +1,297 @@
+"""POST /v1/completions: prompts (text, ids, or lists of them), n/best_of, echo, legacy logprobs, SSE."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import RequestOutput
+from server.errors import invalid_request, to_api_error
+from server.generation import (
+    ClientDisconnected,
+    build_sampling_params,
+    check_prompt_ids,
+    finish_reason,
+    merge_outputs,
+    start_streams,
+)
+from server.logprobs import CompletionLogprobsBuilder
+from server.protocol import CompletionRequest
+from server.sse import DONE_FRAME, sse_frame, sse_response
+from server.state import ServerState
+
+Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
+
+
+def _prompts(req: CompletionRequest, tokenizer: Any) -> list[Prompt]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [(p, tokenizer.encode(p))]
+    if all(isinstance(x, str) for x in p):
+        return [(text, tokenizer.encode(text)) for text in p]  # type: ignore[union-attr]
+    if all(isinstance(x, int) for x in p):
+        return [(None, list(p))]  # type: ignore[arg-type]
+    return [(None, list(ids)) for ids in p]  # type: ignore[union-attr]
+
+
+async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
+    engine = state.require_engine()
+    model = state.check_model(req.model)
+    tokenizer = engine.tokenizer
+    n = req.n or 1
+    if req.best_of is not None and req.best_of < n:
+        raise invalid_request(f"best_of ({req.best_of}) must be at least n ({n})", "best_of")
+    if req.stream and req.best_of is not None and req.best_of > n:
+        raise invalid_request(
+            "best_of greater than n cannot be streamed; set stream to false", "best_of"
+        )
+    if req.echo and req.stream and req.best_of is not None and req.best_of > n:
+        raise invalid_request("echo with best_of > n is not supported", "echo")
+    prompts = _prompts(req, tokenizer)
+    for _, ids in prompts:
+        check_prompt_ids(ids, tokenizer.vocab_size, engine.max_model_len, req.max_tokens, "prompt")
+    want_prompt_logprobs = bool(req.echo) and req.logprobs is not None
+    params = build_sampling_params(
+        req,
+        n=n,
+        best_of=req.best_of,
+        max_tokens=req.max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
+        output_kind="delta" if req.stream else "final",
+        vocab_size=tokenizer.vocab_size,
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outputs = merge_outputs(start_streams(engine, request_id, prompts, params), raw)
+    try:
+        first = await anext(outputs)
+    except StopAsyncIteration:
+        first = None
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except BaseException:
+        await outputs.aclose()
+        raise
+    if req.stream:
+        stream = _CompletionStream(req, tokenizer, model, request_id, created, prompts, n)
+        return sse_response(stream.frames(first, outputs))
+    try:
+        finals = await _collect(first, outputs, len(prompts))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(
+        _full_response(req, tokenizer, model, request_id, created, prompts, finals, n)
+    )
+
+
+async def _collect(
+    first: tuple[int, RequestOutput] | None,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    count: int,
+) -> list[RequestOutput]:
+    latest: dict[int, RequestOutput] = {}
+    if first is not None:
+        latest[first[0]] = first[1]
+    async for index, output in outputs:
+        latest[index] = output
+    return [latest[i] for i in range(count)]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _prompt_text(prompt: Prompt, tokenizer: Any) -> str:
+    text, ids = prompt
+    return text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _full_response(
+    req: CompletionRequest,
+    tokenizer: Any,
+    model: str,
+    request_id: str,
+    created: int,
+    prompts: list[Prompt],
+    finals: list[RequestOutput],
+    n: int,
+) -> dict[str, Any]:
+    choices = []
+    completion_tokens = 0
+    for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+        prompt_text = _prompt_text(prompt, tokenizer) if req.echo else ""
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            completion_tokens += out.num_output_tokens or len(out.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                builder = CompletionLogprobsBuilder(tokenizer, req.logprobs)
+                logprobs = {
+                    "text_offset": [],
+                    "token_logprobs": [],
+                    "tokens": [],
+                    "top_logprobs": [],
+                }
+                parts = []
+                if req.echo:
+                    parts.append(
+                        builder.build(prompt[1], final.prompt_logprobs or [None] * len(prompt[1]))
+                    )
+                    builder.offset = len(prompt_text)
+                parts.append(builder.build(out.token_ids, out.logprobs))
+                for part in parts:
+                    for key in logprobs:
+                        logprobs[key].extend(part[key])
+            choices.append(
+                {
+                    "index": prompt_index * n + out.index,
+                    "text": prompt_text + out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(out.finish_reason) or "length",
+                    "stop_reason": out.stop_reason,
+                }
+            )
+    choices.sort(key=lambda c: c["index"])
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    cached = sum(f.num_cached_tokens for f in finals)
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, completion_tokens, cached),
+        "system_fingerprint": None,
+    }
+
+
+class _CompletionStream:
+    """Turns delta RequestOutputs into OpenAI completion chunks, one choice per chunk."""
+
+    def __init__(
+        self,
+        req: CompletionRequest,
+        tokenizer: Any,
+        model: str,
+        request_id: str,
+        created: int,
+        prompts: list[Prompt],
+        n: int,
+    ) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.model = model
+        self.request_id = request_id
+        self.created = created
+        self.prompts = prompts
+        self.n = n
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.builders: dict[int, CompletionLogprobsBuilder] = {}
+        self.echoed: set[int] = set()
+        self.output_tokens: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def _chunk(self, choice: dict[str, Any]) -> str:
+        payload: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "system_fingerprint": None,
+        }
+        if self.include_usage:
+            payload["usage"] = None
+        return sse_frame(payload)
+
+    def _choice_frames(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        frames = []
+        self.cached[prompt_index] = output.num_cached_tokens
+        for out in output.outputs:
+            index = prompt_index * self.n + out.index
+            self.output_tokens[index] = out.num_output_tokens or self.output_tokens.get(
+                index, 0
+            ) + len(out.token_ids)
+            text = out.text
+            logprobs = None
+            builder = self.builders.get(index)
+            if self.req.logprobs is not None and builder is None:
+                builder = self.builders[index] = CompletionLogprobsBuilder(
+                    self.tokenizer, self.req.logprobs
+                )
+            if self.req.echo and index not in self.echoed:
+                self.echoed.add(index)
+                prompt = self.prompts[prompt_index]
+                prompt_text = _prompt_text(prompt, self.tokenizer)
+                text = prompt_text + text
+                if builder is not None:
+                    echo_part = builder.build(
+                        prompt[1], output.prompt_logprobs or [None] * len(prompt[1])
+                    )
+                    builder.offset = len(prompt_text)
+                    gen_part = builder.build(out.token_ids, out.logprobs)
+                    logprobs = {k: echo_part[k] + gen_part[k] for k in echo_part}
+            elif builder is not None:
+                logprobs = builder.build(out.token_ids, out.logprobs)
+            reason = finish_reason(out.finish_reason)
+            if not text and not out.token_ids and reason is None:
+                continue
+            frames.append(
+                self._chunk(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                        "stop_reason": out.stop_reason,
+                    }
+                )
+            )
+        return frames
+
+    async def frames(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                for frame in self._choice_frames(*first):
+                    yield frame
+            async for prompt_index, output in outputs:
+                for frame in self._choice_frames(prompt_index, output):
+                    yield frame
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            yield sse_frame(to_api_error(e).body())
+            return
+        finally:
+            await outputs.aclose()
+        if self.include_usage:
+            prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+            usage = _usage(
+                prompt_tokens, sum(self.output_tokens.values()), sum(self.cached.values())
+            )
+            yield sse_frame(
+                {
+                    "id": self.request_id,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage,
+                    "system_fingerprint": None,
+                }
+            )
+        yield DONE_FRAME

@@ -1,0 +1,325 @@
+"""Every `kvserve serve` option in one table: CLI flag, KVSERVE_* environment variable and YAML key,
+with precedence CLI > environment > config file > default, turned into the frozen configs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import DTYPES, POOLINGS
+from server.state import ServerConfig
+
+ENV_PREFIX = "KVSERVE_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_TARGETS: dict[str, type] = {
+    "server": ServerConfig,
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "engine": EngineConfig,
+}
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1048576', '512MiB', '4GB', '2g' (binary units with 'i' or a bare letter)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"expected a size such as 512MiB or 4GB, got {text!r}")
+    number, unit, binary = match.groups()
+    power = " kmgt".index(unit.lower()) if unit else 0
+    base = 1024 if (binary or (unit and not text.strip().lower().endswith("b"))) else 1000
+    return int(float(number) * base**power)
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_optional_str(text: str) -> str | None:
+    return text or None
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the flag without dashes: "max-model-len"
+    target: str  # "<group>.<field>": server, model, cache, scheduler or engine
+    parse: Callable[[str], Any]
+    help: str
+    choices: tuple[str, ...] | None = None
+    is_bool: bool = False
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+    @property
+    def default(self) -> Any:
+        group, field = self.target.split(".")
+        return {f.name: f for f in dataclasses.fields(_TARGETS[group])}[field].default
+
+
+def _int(text: str) -> int:
+    return int(text.replace("_", ""))
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else _int(text)
+
+
+def _optional_size(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else parse_size(text)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", "server.host", str, "address to listen on (0.0.0.0 for all interfaces)"),
+    Option("port", "server.port", _int, "TCP port"),
+    Option(
+        "served-model-name",
+        "server.served_model_name",
+        parse_optional_str,
+        "model id clients use; default: the model's name",
+    ),
+    Option(
+        "api-key",
+        "server.api_key",
+        parse_optional_str,
+        "require 'Authorization: Bearer KEY' on every route but /health",
+    ),
+    Option(
+        "allowed-origins",
+        "server.allowed_origins",
+        parse_list,
+        "comma-separated CORS origins; CORS is off when empty",
+    ),
+    Option(
+        "max-request-body-bytes",
+        "server.max_request_body_bytes",
+        parse_size,
+        "largest accepted request body (e.g. 8MiB)",
+    ),
+    Option(
+        "shutdown-timeout",
+        "server.shutdown_timeout",
+        float,
+        "seconds running requests may take to finish after SIGTERM/Ctrl-C",
+    ),
+    Option("log-level", "server.log_level", str.lower, "logging level", choices=LOG_LEVELS),
+    Option("dtype", "model.dtype", str, "weight and activation dtype", choices=DTYPES),
+    Option("device", "model.device", str, "auto, cpu, cuda or cuda:N"),
+    Option(
+        "max-model-len",
+        "model.max_model_len",
+        _optional_int,
+        "longest prompt + completion in tokens; default: the model's",
+    ),
+    Option(
+        "task", "model.task", str, "what the model serves", choices=("auto", "generate", "embed")
+    ),
+    Option("pooling", "model.pooling", str, "pooling for embedding models", choices=POOLINGS),
+    Option(
+        "chat-template",
+        "model.chat_template",
+        parse_optional_str,
+        "chat template: a Jinja file or an inline template",
+    ),
+    Option(
+        "cache-dir",
+        "model.cache_dir",
+        parse_optional_str,
+        "where converted .gguf models are cached; default ~/.cache/kvserve",
+    ),
+    Option("seed", "model.seed", _int, "seed for requests that give none"),
+    Option(
+        "quantization",
+        "model.quantization",
+        parse_optional_str,
+        "weight-only quantization",
+        choices=("int8", "int4"),
+    ),
+    Option("block-size", "cache.block_size", _int, "tokens per KV-cache block (a power of two)"),
+    Option(
+        "num-kv-blocks",
+        "cache.num_blocks",
+        _optional_int,
+        "KV-cache blocks; wins over --kv-cache-memory",
+    ),
+    Option(
+        "kv-cache-memory",
+        "cache.kv_cache_memory",
+        _optional_size,
+        "KV-cache size (e.g. 2GiB); default: picked for the device",
+    ),
+    Option(
+        "enable-prefix-caching",
+        "cache.enable_prefix_caching",
+        parse_bool,
+        "reuse KV blocks of shared prompt prefixes",
+        is_bool=True,
+    ),
+    Option("max-num-seqs", "scheduler.max_num_seqs", _int, "sequences running in one engine step"),
+    Option(
+        "max-num-batched-tokens",
+        "scheduler.max_num_batched_tokens",
+        _int,
+        "tokens per engine step (decodes + prefill chunks)",
+    ),
+    Option(
+        "max-queued-requests",
+        "scheduler.max_queued_requests",
+        _int,
+        "waiting requests beyond which new ones get 429",
+    ),
+    Option(
+        "max-queued-tokens",
+        "scheduler.max_queued_tokens",
+        _optional_int,
+        "waiting prompt tokens beyond which new requests get 429",
+    ),
+    Option(
+        "log-stats-interval",
+        "engine.log_stats_interval",
+        float,
+        "seconds between engine stats log lines (0 disables)",
+    ),
+)
+OPTIONS_BY_DEST = {o.dest: o for o in OPTIONS}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags parse to SUPPRESS when absent, so the caller can tell a given flag from a default."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=argparse.SUPPRESS,
+        help="a Hugging Face folder, a .gguf file or a hub id in the local HF cache "
+        f"(default: the bundled SmolLM2-135M-Instruct; env: {ENV_PREFIX}MODEL)",
+    )
+    parser.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        metavar="FILE.yaml",
+        help=f"YAML file of options (keys as the flag names); CLI > env > file > default (env: {ENV_PREFIX}CONFIG)",
+    )
+    for opt in OPTIONS:
+        shown = "unset" if opt.default in (None, ()) else opt.default
+        text = f"{opt.help} (default: {shown}; env: {opt.env})"
+        if opt.is_bool:
+            parser.add_argument(
+                f"--{opt.name}",
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=text,
+            )
+        else:
+            parser.add_argument(
+                f"--{opt.name}",
+                type=opt.parse,
+                choices=opt.choices,
+                default=argparse.SUPPRESS,
+                metavar=opt.metavar or opt.dest.upper(),
+                help=text,
+            )
+
+
+def _convert(opt: Option, value: Any, source: str) -> Any:
+    try:
+        if isinstance(value, str):
+            result = opt.parse(value)
+        elif value is None:
+            result = None
+        elif opt.is_bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false, got {value!r}")
+            result = value
+        elif isinstance(value, (list, tuple)):
+            result = tuple(str(v) for v in value)
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"unexpected value {value!r}")
+        else:
+            result = opt.parse(str(value))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+    if opt.choices is not None and result is not None and result not in opt.choices:
+        raise ValueError(f"{source}: must be one of {', '.join(opt.choices)}, got {result!r}")
+    return result
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"config file {file} does not exist")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {file} must be a mapping of option names to values")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest == "model":
+            values["model"] = None if value is None else str(value)
+            continue
+        opt = OPTIONS_BY_DEST.get(dest)
+        if opt is None:
+            known = ", ".join(sorted(["model", *OPTIONS_BY_DEST]))
+            raise ValueError(f"config file {file}: unknown option {key!r}; known options: {known}")
+        values[dest] = _convert(opt, value, f"config file {file}, option {key!r}")
+    return values
+
+
+def resolve(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Flat option values: CLI > environment > config file > defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {opt.dest: opt.default for opt in OPTIONS}
+    values["model"] = None
+    config_path = cli.get("config") or environ.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        values.update(read_config_file(config_path))
+    if environ.get(ENV_PREFIX + "MODEL"):
+        values["model"] = environ[ENV_PREFIX + "MODEL"]
+    for opt in OPTIONS:
+        if opt.env in environ:
+            values[opt.dest] = _convert(opt, environ[opt.env], f"environment variable {opt.env}")
+    for key, value in cli.items():
+        if key != "config":
+            values[key] = value
+    return values
+
+
+def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig]:
+    """The frozen engine and server configs; a bad combination raises ValueError."""
+    groups: dict[str, dict[str, Any]] = {name: {} for name in _TARGETS}
+    for opt in OPTIONS:
+        group, field = opt.target.split(".")
+        groups[group][field] = values[opt.dest]
+    engine_config = EngineConfig(
+        model=ModelConfig(model=values.get("model"), **groups["model"]),
+        cache=CacheConfig(**groups["cache"]),
+        scheduler=SchedulerConfig(**groups["scheduler"]),
+        **groups["engine"],
+    )
+    return engine_config, ServerConfig(**groups["server"])

@@ -1,0 +1,80 @@
+"""Server-side settings and the live state the routes share: the engine (once loaded), draining, in-flight."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from server.errors import model_not_found, service_unavailable
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("max_request_body_bytes must be at least 1024")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must not be negative")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty; leave it unset to disable authentication")
+
+
+class ServerState:
+    """What every route needs; `engine` is None until the model has loaded."""
+
+    def __init__(self, config: ServerConfig, engine: Any = None) -> None:
+        self.config = config
+        self.engine: Any = engine
+        self.draining = False
+        self.in_flight = 0
+        self.created = int(time.time())
+
+    @property
+    def ready(self) -> bool:
+        engine = self.engine
+        return (
+            engine is not None
+            and not self.draining
+            and bool(getattr(engine, "is_ready", True))
+            and not bool(getattr(engine, "errored", False))
+        )
+
+    def require_engine(self) -> Any:
+        if self.draining:
+            raise service_unavailable("The server is shutting down.")
+        if self.engine is None:
+            raise service_unavailable(
+                "The model is still loading; retry when GET /health answers 200."
+            )
+        if getattr(self.engine, "errored", False):
+            raise service_unavailable(
+                f"The engine is not running: {getattr(self.engine, 'dead_error', None)}"
+            )
+        return self.engine
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return str(getattr(self.engine, "model_name", None) or "kvserve")
+
+    def check_model(self, requested: str | None) -> str:
+        """The served name for a request's `model` (None means the one served model)."""
+        name = self.model_name
+        if requested is not None and requested != name:
+            raise model_not_found(requested)
+        return name
