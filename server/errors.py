@@ -197,4 +197,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    for engine_error in (QueueFullError, EngineDeadError, RequestError, ValueError):
+        app.add_exception_handler(engine_error, _unexpected_handler)
+    # Anything else is a bug: answered as a 500 envelope (Starlette then re-raises it for the log).
     app.add_exception_handler(Exception, _unexpected_handler)

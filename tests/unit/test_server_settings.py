@@ -1,0 +1,107 @@
+"""`kvserve serve` options: CLI > KVSERVE_* environment > YAML file > defaults, and --help shows them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from server.cli import build_parser
+from server.settings import OPTIONS, build_configs, parse_size, resolve
+
+
+def _cli(argv: list[str]) -> dict[str, object]:
+    args = build_parser().parse_args(["serve", *argv])
+    return {k: v for k, v in vars(args).items() if k not in ("command", "version")}
+
+
+def test_defaults_come_from_the_config_dataclasses() -> None:
+    engine, server = build_configs(resolve({}, {}))
+    assert server.port == 8000 and server.api_key is None and server.allowed_origins == ()
+    assert engine.scheduler.max_num_seqs == 64 and engine.cache.enable_prefix_caching is True
+    assert engine.model.model is None
+
+
+def test_precedence_cli_over_env_over_file(tmp_path: Path) -> None:
+    config = tmp_path / "kvserve.yaml"
+    config.write_text(
+        "port: 7000\nmax-num-seqs: 3\nmax_model_len: 256\nmodel: from-file\nallowed-origins: [a, b]\n"
+    )
+    env = {"KVSERVE_PORT": "7100", "KVSERVE_MAX_NUM_SEQS": "5", "KVSERVE_CONFIG": str(config)}
+    engine, server = build_configs(resolve(_cli(["--port", "7200"]), env))
+    assert server.port == 7200  # CLI
+    assert engine.scheduler.max_num_seqs == 5  # env
+    assert engine.model.max_model_len == 256  # file
+    assert engine.model.model == "from-file"
+    assert server.allowed_origins == ("a", "b")
+    engine, _ = build_configs(resolve(_cli(["my-model", "--config", str(config)]), {}))
+    assert engine.model.model == "my-model" and engine.scheduler.max_num_seqs == 3
+
+
+def test_every_option_has_an_env_var_with_the_naming_scheme() -> None:
+    for opt in OPTIONS:
+        assert opt.env == "KVSERVE_" + opt.name.upper().replace("-", "_")
+    env = {
+        "KVSERVE_API_KEY": "k",
+        "KVSERVE_ENABLE_PREFIX_CACHING": "false",
+        "KVSERVE_KV_CACHE_MEMORY": "1GiB",
+        "KVSERVE_ALLOWED_ORIGINS": "http://a, http://b",
+        "KVSERVE_DTYPE": "float32",
+        "KVSERVE_SHUTDOWN_TIMEOUT": "2.5",
+    }
+    engine, server = build_configs(resolve({}, env))
+    assert server.api_key == "k" and server.allowed_origins == ("http://a", "http://b")
+    assert server.shutdown_timeout == 2.5
+    assert engine.cache.enable_prefix_caching is False and engine.cache.kv_cache_memory == 2**30
+    assert engine.model.dtype == "float32"
+    engine, _ = build_configs(resolve(_cli(["--enable-prefix-caching"]), env))
+    assert engine.cache.enable_prefix_caching is True
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"KVSERVE_PORT": "eighty"}, "KVSERVE_PORT"),
+        ({"KVSERVE_DTYPE": "int3"}, "KVSERVE_DTYPE"),
+        ({"KVSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "KVSERVE_ENABLE_PREFIX_CACHING"),
+        ({"KVSERVE_BLOCK_SIZE": "12"}, "block_size"),
+    ],
+)
+def test_bad_values_name_their_source(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        build_configs(resolve({}, env))
+
+
+def test_unknown_yaml_key_is_rejected(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="unknown option 'prot'"):
+        resolve({"config": str(config)}, {})
+
+
+def test_help_documents_every_flag_with_default_and_env(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for opt in OPTIONS:
+        assert f"--{opt.name}" in text
+        assert opt.env in text
+    assert "(default: 8000; env: KVSERVE_PORT)" in text
+    assert "(default: 64; env: KVSERVE_MAX_NUM_SEQS)" in text
+
+
+def test_sizes() -> None:
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("4GB") == 4 * 10**9
+    assert parse_size("2g") == 2 * 2**30
+    assert parse_size("1000") == 1000
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_bad_cli_value_exits_with_usage_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--dtype", "int3"])
+    assert exc.value.code == 2
+    assert isinstance(build_parser(), argparse.ArgumentParser)
