@@ -1,5 +1,5 @@
 """Plain-torch BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa) over packed variable-length batches,
-with bidirectional attention and no KV cache; `packed_attention` is shared with decoder embedding."""
+with bidirectional attention and no KV cache."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.attention import attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +33,19 @@ def packed_attention(
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
     cu_seqlens: [batch + 1] offsets. Returns [num_tokens, num_heads, head_dim].
     Linear layers run on the packed tokens; only attention pads to the longest sequence, with padded
-    keys masked out, so no sequence sees another's tokens or padding.
+    keys masked out, so no sequence sees another's tokens or padding. On CUDA with flash-attn
+    installed (half precision), one varlen flash-attn call needs no padding at all.
     """
     num_tokens, num_heads, head_dim = q.shape
     gqa = k.shape[1] != num_heads
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [batch]
     batch = lengths.numel()
+    if q.dtype in (torch.float16, torch.bfloat16) and attention_backend(q.device.type) == "flash":
+        from flash_attn import flash_attn_varlen_func
+
+        cu = cu_seqlens.to(torch.int32)
+        max_len = int(lengths.max())
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal)
     if batch == 1:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
