@@ -59,6 +59,13 @@ class IncrementalDetokenizer:
         self._sent_offset = end
         return delta
 
+    def visible_text(self) -> str:
+        """All text that is safe to show while running (cumulative streaming): `text` minus the
+        held-back stop-string prefix. Does not move take_delta's position."""
+        if self.stop_matched is not None:
+            return self.text
+        return self.text[: len(self.text) - self._partial_stop_len()]
+
     def _decode_pending(self, final: bool) -> str:
         """Text of tokens past read_offset, or "" while it ends in an incomplete character."""
         tokens, prefix, read = self._tokens, self._prefix_offset, self._read_offset

@@ -15,9 +15,9 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Floor for exponential noise: exponential_() may return exactly 0 in rare cases, which would
-# turn a zero-probability token into NaN/inf in the exponential race.
-_MIN_EXP_NOISE = 1e-10
+# top-p first looks for its cut-off among this many best tokens (one topk instead of a full
+# sort, which is slow on CPU); rows whose candidates hold less than top_p mass fall back to a sort.
+_TOP_P_CANDIDATES = 256
 
 
 class RowError(ValueError):
@@ -95,11 +95,12 @@ class Sampler:
             # Reported logprobs are of the raw model distribution (before penalties/temperature).
             raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)  # [n_lp, vocab]
 
-        logits = logits.clone()
-        _apply_min_tokens(logits, rows)
-        _apply_logit_bias(logits, rows)
-        _apply_repetition_penalty(logits, rows)
-        _apply_presence_frequency(logits, rows)
+        if _needs_adjustment(rows):
+            logits = logits.clone()  # never modify the caller's tensor (it may retry on RowError)
+            _apply_min_tokens(logits, rows)
+            _apply_logit_bias(logits, rows)
+            _apply_repetition_penalty(logits, rows)
+            _apply_presence_frequency(logits, rows)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -107,7 +108,8 @@ class Sampler:
         if greedy:
             token_ids[greedy] = logits[greedy].argmax(dim=-1)
         if random:
-            token_ids[random] = self._sample_random(logits[random], [rows[i] for i in random])
+            subset = logits if len(random) == num_rows else logits[random]
+            token_ids[random] = self._sample_random(subset, [rows[i] for i in random])
 
         host = torch.cat([row_max, token_ids.float()]).tolist() if not seeded else None
         if host is not None:
@@ -126,30 +128,31 @@ class Sampler:
         return SamplerOutput(token_ids=sampled, logprobs=logprobs)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        # logits: [n, vocab] for non-greedy rows -> [n] sampled ids
+        # logits: [n, vocab] for non-greedy rows (read only) -> [n] sampled ids
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)
-        logits.div_(temperature.unsqueeze(1))
+        logits = logits / temperature.unsqueeze(1)  # [n, vocab], a new tensor from here on
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
             _apply_top_k_top_p(logits, rows)
-        probs = torch.softmax(logits, dim=-1)  # [n, vocab]
         if any(r.params.min_p > 0.0 for r in rows):
+            # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-            probs.masked_fill_(probs < threshold, 0.0)  # no renormalising needed for the race below
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (same as Gumbel-max).
-        noise = torch.empty_like(probs)
+            threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+            logits.masked_fill_(logits < threshold, float("-inf"))
+        # Gumbel-max: argmax(logit + G), G = -log(-log U), draws from softmax(logits) exactly.
+        uniform = torch.empty_like(logits)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if len(unseeded) == len(rows):
-            noise.exponential_(generator=self.generator)
+            uniform.uniform_(generator=self.generator)
         else:
             for i, row in enumerate(rows):
                 if row.generator is not None:  # own stream: same tokens alone or in any batch
-                    noise[i].exponential_(generator=row.generator)
+                    uniform[i].uniform_(generator=row.generator)
             if unseeded:
-                shared = torch.empty(len(unseeded), probs.shape[1], device=device)
-                noise[unseeded] = shared.exponential_(generator=self.generator)
-        return probs.div_(noise.clamp_min_(_MIN_EXP_NOISE)).argmax(dim=-1)
+                shared = torch.empty(len(unseeded), logits.shape[1], device=device)
+                uniform[unseeded] = shared.uniform_(generator=self.generator)
+        gumbel_neg = uniform.log_().neg_().log_()  # = -G; U == 0 gives +inf (never picked)
+        return logits.sub_(gumbel_neg).argmax(dim=-1)
 
 
 def compute_prompt_logprobs(
@@ -240,20 +243,26 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
 
 
-def _token_mask_or_counts(
-    token_lists: list[list[int]], vocab_size: int, device: torch.device, counts: bool
-) -> torch.Tensor:
-    """[len(token_lists), vocab] token counts (float) or presence (bool), built in one scatter."""
-    row_idx = [i for i, ids in enumerate(token_lists) for _ in ids]
-    token_idx = [t for ids in token_lists for t in ids]
-    result = torch.zeros(len(token_lists), vocab_size, device=device)
-    if token_idx:
-        rows_t = torch.tensor(row_idx, device=device)
-        tokens_t = torch.tensor(token_idx, device=device)
-        result.index_put_(
-            (rows_t, tokens_t), torch.ones(len(token_idx), device=device), accumulate=True
-        )
-    return result if counts else result > 0
+def _needs_adjustment(rows: list[SamplingRow]) -> bool:
+    return any(
+        len(r.output_token_ids) < r.params.min_tokens
+        or r.params.logit_bias
+        or r.params.repetition_penalty != 1.0
+        or r.params.presence_penalty != 0.0
+        or r.params.frequency_penalty != 0.0
+        for r in rows
+    )
+
+
+def _unique_tokens(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct (row, token) pairs of the lists and how often each occurs: three [num_pairs]."""
+    lengths = torch.tensor([len(ids) for ids in token_lists], device=device)
+    flat = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long, device=device)
+    row_of = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    keys, counts = torch.unique(row_of * vocab_size + flat, return_counts=True)
+    return keys // vocab_size, keys % vocab_size, counts
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -261,17 +270,15 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     if not selected:
         return
     device = logits.device
-    seen = _token_mask_or_counts(
-        [rows[i].prompt_token_ids + rows[i].output_token_ids for i in selected],
-        logits.shape[1],
-        device,
-        counts=False,
-    )  # [n_sel, vocab] bool
+    lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in selected]
+    sel_rows, tokens, _ = _unique_tokens(lists, logits.shape[1], device)
+    if tokens.numel() == 0:
+        return
     penalty = torch.tensor([rows[i].params.repetition_penalty for i in selected], device=device)
-    penalty = penalty.unsqueeze(1)
-    sub = logits[selected]
-    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-    logits[selected] = torch.where(seen, penalised, sub)
+    batch_rows = torch.tensor(selected, device=device)[sel_rows]
+    seen = logits[batch_rows, tokens]  # [num_pairs]
+    penalised = torch.where(seen > 0, seen / penalty[sel_rows], seen * penalty[sel_rows])
+    logits[batch_rows, tokens] = penalised
 
 
 def _apply_presence_frequency(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -283,31 +290,65 @@ def _apply_presence_frequency(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     if not selected:
         return
     device = logits.device
-    counts = _token_mask_or_counts(
-        [rows[i].output_token_ids for i in selected], logits.shape[1], device, counts=True
-    )  # [n_sel, vocab]
+    lists = [rows[i].output_token_ids for i in selected]
+    sel_rows, tokens, counts = _unique_tokens(lists, logits.shape[1], device)
+    if tokens.numel() == 0:
+        return
     presence = torch.tensor([rows[i].params.presence_penalty for i in selected], device=device)
     frequency = torch.tensor([rows[i].params.frequency_penalty for i in selected], device=device)
-    penalty = frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)
-    logits[selected] -= penalty
+    batch_rows = torch.tensor(selected, device=device)[sel_rows]
+    penalty = frequency[sel_rows] * counts + presence[sel_rows]  # [num_pairs], count > 0 here
+    logits[batch_rows, tokens] -= penalty
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    # logits: [n, vocab], already temperature-scaled; masks in place with -inf.
-    vocab_size = logits.shape[1]
+    """Mask (with -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
+    # logits: [n, vocab], temperature-scaled, modified in place
+    n, vocab_size = logits.shape
     device = logits.device
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [n, vocab]
-    top_k = [r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in rows]
-    if any(k < vocab_size for k in top_k):
-        positions = torch.arange(vocab_size, device=device)
-        k = torch.tensor(top_k, device=device).unsqueeze(1)
-        sorted_logits.masked_fill_(positions.unsqueeze(0) >= k, float("-inf"))
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab_size else 0 for r in rows]  # 0 = off
     top_p = [r.params.top_p for r in rows]
+    uncapped_p = any(p < 1.0 and k == 0 for p, k in zip(top_p, top_k, strict=True))
+    num_candidates = min(vocab_size, max(max(top_k), _TOP_P_CANDIDATES if uncapped_p else 1))
+    candidates = logits.topk(num_candidates, dim=-1).values  # [n, C], best first
+    k = torch.tensor([kk or num_candidates for kk in top_k], device=device)
+    beyond_k = torch.arange(num_candidates, device=device).unsqueeze(0) >= k.unsqueeze(1)
+    candidates.masked_fill_(beyond_k, float("-inf"))
+    threshold = candidates.gather(1, (k - 1).unsqueeze(1))  # [n, 1]; k-th best logit
+    has_k = torch.tensor([kk > 0 for kk in top_k], device=device).unsqueeze(1)
+    threshold = torch.where(has_k, threshold, float("-inf"))
+
     if any(p < 1.0 for p in top_p):
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-        p = torch.tensor(top_p, device=device).unsqueeze(1)
-        drop = mass_before >= p  # keep the smallest prefix whose mass reaches top_p
-        drop[:, 0] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    logits.scatter_(1, sorted_ids, sorted_logits)
+        p = torch.tensor(top_p, device=device).unsqueeze(1)  # [n, 1]
+        # Normaliser: the kept top-k set, or the whole vocabulary when top-k is off.
+        log_norm = torch.where(
+            has_k,
+            torch.logsumexp(candidates, dim=-1, keepdim=True),
+            torch.logsumexp(logits, dim=-1, keepdim=True),
+        )
+        probs = (candidates - log_norm).exp()  # [n, C]
+        cut, covered = _nucleus_cut(candidates, probs, p)
+        threshold = torch.maximum(threshold, torch.where(p < 1.0, cut, float("-inf")))
+        short = [
+            i for i, ok in enumerate(covered.tolist()) if not ok and top_p[i] < 1.0 and not top_k[i]
+        ]
+        if short:  # nucleus reaches past the candidates: sort those rows in full
+            sorted_logits = logits[short].sort(dim=-1, descending=True).values
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            full_cut, _ = _nucleus_cut(sorted_logits, sorted_probs, p[short])
+            threshold[short] = full_cut
+    logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _nucleus_cut(
+    sorted_logits: torch.Tensor, sorted_probs: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logit of the last token of the smallest best-first prefix with mass >= top_p.
+
+    Returns ([n, 1] cut-off logits, [n] whether the given prefix holds that much mass).
+    """
+    cumulative = sorted_probs.cumsum(dim=-1)  # [n, C]
+    mass_before = cumulative - sorted_probs
+    num_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)  # [n, 1]
+    cut = sorted_logits.gather(1, num_keep - 1)
+    return cut, cumulative[:, -1] >= top_p.squeeze(1)

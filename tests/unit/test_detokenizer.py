@@ -88,6 +88,7 @@ def test_stop_never_completed_is_held_only_while_it_could_match(tokenizer: Token
         assert detok.add_tokens([token_id]) is None
         released += detok.take_delta(finished=False)
     assert released == "The answer is "  # "forty" could still begin "forty three"
+    assert detok.visible_text() == released and detok.text == "The answer is forty"
     detok.add_tokens([ids[4]])  # " two": no longer a possible match
     released += detok.take_delta(finished=False)
     assert released == "The answer is forty two"

@@ -232,3 +232,33 @@ def test_prompt_logprobs_score_actual_next_tokens():
         assert e.rank == int((expected[i] > expected[i, next_ids[i]]).sum()) + 1
         assert [t for t, _ in e.top] == expected[i].topk(2).indices.tolist()
     assert compute_prompt_logprobs(logits[:0], next_ids[:0], 2) == []
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
+    """Reference: the smallest best-first set of tokens whose probability reaches top_p."""
+    probs, ids = torch.softmax(logits, dim=0).sort(descending=True)
+    mass_before = probs.cumsum(0) - probs
+    return set(ids[mass_before < top_p].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.002, 0.05])  # near-flat (nucleus of hundreds) and peaked
+def test_top_p_on_large_vocab_matches_reference_nucleus(scale: float):
+    logits = -torch.arange(2000, dtype=torch.float32) * scale
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    draws = 3000
+    out = Sampler(generator=torch.Generator().manual_seed(5))(
+        logits.repeat(draws, 1), [row(params) for _ in range(draws)]
+    )
+    allowed = nucleus(logits, 0.5)
+    assert set(out.token_ids) <= allowed
+    assert max(out.token_ids) >= 0.9 * max(allowed)  # reaches the edge of the nucleus
+
+
+def test_top_k_then_top_p_renormalise_within_top_k():
+    # top-3 renormalised: [0.5, 0.3, 0.2]; top_p 0.6 keeps the first two.
+    logits = torch.tensor([0.5, 0.3, 0.2, 0.4, 0.35]).log()
+    logits[3:] = -10.0
+    logits[3] = torch.tensor(0.2).log() - 0.01  # just below the 3rd best: outside top-3
+    freq = frequencies(logits.tolist(), SamplingParams(temperature=1.0, top_k=3, top_p=0.6))
+    assert freq[2:].sum() == 0
+    assert torch.allclose(freq[:2], torch.tensor([0.625, 0.375]), atol=0.02), freq
