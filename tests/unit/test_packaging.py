@@ -256,3 +256,45 @@ def test_compose_healthcheck_matches_dockerfile(compose: dict) -> None:
     (health,) = [a for k, a in dockerfile_instructions() if k == "HEALTHCHECK"]
     probe = compose["services"]["kvserve"]["healthcheck"]["test"][-1]
     assert probe in health
+
+
+# ---------------------------------------------------------------- README configuration table
+
+
+def readme_config_rows() -> dict[str, list[str]]:
+    """Flag -> [env var, default] from README's configuration table."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("--") and cells[0] != "---":
+            flag = cells[0].replace("--[no-]", "--")
+            rows[flag] = [cells[1], cells[2]]
+    return rows
+
+
+def _shown_default(value: object) -> str | None:
+    if value is None or value == ():
+        return None
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def test_readme_configuration_table_matches_the_cli() -> None:
+    from server import settings
+
+    rows = readme_config_rows()
+    documented = set(rows) - {"--config"}
+    flags = {f"--{opt.name}" for opt in settings.OPTIONS}
+    assert documented == flags, (
+        f"undocumented: {sorted(flags - documented)}; gone: {sorted(documented - flags)}"
+    )
+    for opt in settings.OPTIONS:
+        env, default = rows[f"--{opt.name}"]
+        assert env == opt.env
+        shown = _shown_default(opt.default)
+        if shown is not None:
+            assert default.split()[0].strip("`") == shown, f"--{opt.name}: README says {default}"
+    assert rows["--config"][0] == settings.ENV_PREFIX + "CONFIG"
