@@ -79,9 +79,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of tokenization spaces: the text must equal the concatenated stream deltas.
-        return self.hf.decode(
+        text = self.hf.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+        assert isinstance(text, str)
+        return text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -103,6 +105,7 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        assert isinstance(text, str)
         # The rendered text already holds any BOS the template wants, like transformers does.
         return self.encode(text, add_special_tokens=False)
 
@@ -130,7 +133,7 @@ class Tokenizer:
 
     def _compute_bytes(self, token_id: int) -> bytes:
         piece = self.hf.convert_ids_to_tokens(token_id)
-        if piece is None:
+        if not isinstance(piece, str):
             return b""
         if token_id in self._added_ids:  # added tokens are stored as plain text
             return piece.encode("utf-8")
