@@ -298,3 +298,21 @@ def test_readme_configuration_table_matches_the_cli() -> None:
         if shown is not None:
             assert default.split()[0].strip("`") == shown, f"--{opt.name}: README says {default}"
     assert rows["--config"][0] == settings.ENV_PREFIX + "CONFIG"
+
+
+def test_dockerignore_keeps_what_the_image_copies() -> None:
+    import fnmatch
+
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ".venv" in patterns and ".git" in patterns, "the build context stays small"
+    copies = [a for k, a in dockerfile_instructions() if k == "COPY" and "--from" not in a]
+    sources = [src.rstrip("/") for args in copies for src in args.split()[:-1]]
+    assert "scripts" in sources and "pyproject.toml" in sources
+    for src in sources:
+        ignored = [p for p in patterns if fnmatch.fnmatch(src, p.rstrip("/"))]
+        assert not ignored, f"COPY {src} is excluded by .dockerignore {ignored}"
+        assert (ROOT / src).exists(), f"COPY {src}: no such file in the repository"
