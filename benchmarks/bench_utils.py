@@ -33,6 +33,7 @@ class RequestRecord:
     ok: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
     error: str | None = None
 
@@ -102,6 +103,7 @@ def compute_metrics(
         "duration_s": duration,
         "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
+        "total_cached_tokens": sum(r.cached_tokens for r in done),
         "request_throughput": per_second(len(done)),
         "output_throughput": per_second(output_tokens),
         "total_token_throughput": per_second(prompt_tokens + output_tokens),

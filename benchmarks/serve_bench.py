@@ -85,9 +85,7 @@ async def send_request(
             response = await client.post(url, json=body)
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            usage = response.json().get("usage") or {}
-            record.prompt_tokens = usage.get("prompt_tokens", 0)
-            record.output_tokens = usage.get("completion_tokens", 0)
+            _read_usage(response.json().get("usage") or {}, record)
         record.end = time.perf_counter()
         record.ok = record.error is None
     except asyncio.CancelledError:
@@ -120,12 +118,18 @@ async def _send_streaming(
                 record.chunk_times.append(time.perf_counter())
             usage = chunk.get("usage") or usage
     if usage:
-        record.prompt_tokens = usage.get("prompt_tokens", 0)
-        record.output_tokens = usage.get("completion_tokens", 0)
+        _read_usage(usage, record)
     else:  # no usage: count one token per text chunk
         record.output_tokens = len(record.chunk_times)
     if record.output_tokens and not record.chunk_times:
         raise RuntimeError("the stream carried no text")
+
+
+def _read_usage(usage: dict[str, Any], record: RequestRecord) -> None:
+    record.prompt_tokens = usage.get("prompt_tokens") or 0
+    record.output_tokens = usage.get("completion_tokens") or 0
+    details = usage.get("prompt_tokens_details") or {}
+    record.cached_tokens = details.get("cached_tokens") or 0
 
 
 def _endpoint_url(config: BenchConfig) -> str:
