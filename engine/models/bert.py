@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,55 +26,72 @@ _ACTIVATIONS = {
 _OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta", "camembert")
 
 
+@dataclass
+class PackedLayout:
+    """Where each packed token sits in a padded [batch, max_len] grid, built once per forward so
+    every layer reuses the same indices and mask (and, on CUDA, syncs for `max_len` only once)."""
+
+    cu_seqlens: torch.Tensor  # [batch + 1] offsets of each sequence in the packed tokens
+    max_len: int
+    causal: bool
+    seq_index: torch.Tensor | None = None  # [num_tokens] sequence of each token (batch > 1 only)
+    pos_index: torch.Tensor | None = None  # [num_tokens] position within its sequence
+    mask: torch.Tensor | None = (
+        None  # [batch, 1, 1 or max_len, max_len] True where attention is allowed
+    )
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, causal: bool) -> PackedLayout:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [batch]
+        batch, max_len = lengths.numel(), int(lengths.max())
+        if batch == 1:
+            return cls(cu_seqlens, max_len, causal)
+        device = cu_seqlens.device
+        num_tokens = int(cu_seqlens[-1])
+        seq_index = torch.repeat_interleave(
+            torch.arange(batch, device=device), lengths, output_size=num_tokens
+        )
+        pos_index = torch.arange(num_tokens, device=device) - cu_seqlens[:-1][seq_index]
+        positions = torch.arange(max_len, device=device)
+        mask = positions[None, None, None, :] < lengths[:, None, None, None]
+        if causal:
+            mask = mask & (positions[None, :] <= positions[:, None])
+        return cls(cu_seqlens, max_len, causal, seq_index, pos_index, mask)
+
+
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout
 ) -> torch.Tensor:
     """Attention of each sequence over its own tokens only, in one SDPA call.
 
-    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-    cu_seqlens: [batch + 1] offsets. Returns [num_tokens, num_heads, head_dim].
-    Linear layers run on the packed tokens; only attention pads to the longest sequence, with padded
-    keys masked out, so no sequence sees another's tokens or padding. On CUDA with flash-attn
-    installed (half precision), one varlen flash-attn call needs no padding at all.
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim]. Linear layers run on the packed tokens; only
+    attention pads to the longest sequence, with padded keys masked out, so no sequence sees
+    another's tokens or padding. On CUDA with flash-attn installed (half precision), one varlen
+    flash-attn call needs no padding at all.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    gqa = k.shape[1] != num_heads
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [batch]
-    batch = lengths.numel()
+    gqa = k.shape[1] != q.shape[1]
     if q.dtype in (torch.float16, torch.bfloat16) and attention_backend(q.device.type) == "flash":
         from flash_attn import flash_attn_varlen_func
 
-        cu = cu_seqlens.to(torch.int32)
-        max_len = int(lengths.max())
-        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal)
-    if batch == 1:
+        cu, n = layout.cu_seqlens.to(torch.int32), layout.max_len
+        return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=layout.causal)
+    if layout.seq_index is None:  # a single sequence: no padding, no mask
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            is_causal=causal,
-            enable_gqa=gqa,
-        )  # [num_heads, num_tokens, head_dim]
-        return out.transpose(0, 1)
-    max_len = int(lengths.max())
-    seq_index = torch.repeat_interleave(
-        torch.arange(batch, device=q.device), lengths
-    )  # [num_tokens]
-    pos_index = (
-        torch.arange(num_tokens, device=q.device) - cu_seqlens[:-1][seq_index]
-    )  # [num_tokens]
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            is_causal=layout.causal, enable_gqa=gqa,
+        )  # fmt: skip
+        return out.transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+    seq_index, pos_index = layout.seq_index, layout.pos_index
+    batch = layout.cu_seqlens.numel() - 1
 
     def to_padded(x: torch.Tensor) -> torch.Tensor:
-        padded = x.new_zeros(batch, max_len, x.shape[1], head_dim)
+        padded = x.new_zeros(batch, layout.max_len, x.shape[1], x.shape[2])
         padded[seq_index, pos_index] = x
         return padded.transpose(1, 2)  # [batch, heads, max_len, head_dim]
 
-    positions = torch.arange(max_len, device=q.device)
-    mask = positions[None, None, None, :] < lengths[:, None, None, None]  # [batch, 1, 1, max_len]
-    if causal:
-        mask = mask & (positions[None, :] <= positions[:, None])  # [batch, 1, max_len, max_len]
     out = F.scaled_dot_product_attention(
-        to_padded(q), to_padded(k), to_padded(v), attn_mask=mask, enable_gqa=gqa
+        to_padded(q), to_padded(k), to_padded(v), attn_mask=layout.mask, enable_gqa=gqa
     )  # [batch, num_heads, max_len, head_dim]
     return out.transpose(1, 2)[seq_index, pos_index]
 
@@ -110,10 +128,10 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.act = _ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv(x).view(num_tokens, 3, self.num_heads, self.head_dim)
-        attn = packed_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, causal=False)
+        attn = packed_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout)
         x = self.attn_norm(x + self.attn_out(attn.reshape(num_tokens, -1)))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))  # [num_tokens, hidden]
 
@@ -146,8 +164,9 @@ class BertModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, positions + self.position_offset, token_type_ids)
+        layout = PackedLayout.build(cu_seqlens, causal=False)
         for layer in self.layers:
-            x = layer(x, cu_seqlens)
+            x = layer(x, layout)
         return x  # [num_tokens, hidden]
 
     @property

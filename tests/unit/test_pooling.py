@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.bert import packed_attention
+from engine.models.bert import PackedLayout, packed_attention
 from engine.pooling import (
     PoolingConfig,
     normalize,
@@ -203,7 +203,11 @@ def test_packed_attention_keeps_sequences_apart(causal: bool, num_kv_heads: int)
     q = torch.randn(total, 4, 8)
     k, v = torch.randn(total, num_kv_heads, 8), torch.randn(total, num_kv_heads, 8)
     cu = torch.tensor([0, 3, 10, 11, 16])
-    out = packed_attention(q, k, v, cu, causal=causal)
+    out = packed_attention(q, k, v, PackedLayout.build(cu, causal=causal))
     expected = _reference_attention(q, k, v, lengths, causal)
     assert out.shape == q.shape
     assert torch.allclose(out, expected, atol=1e-5)
+    alone = packed_attention(
+        q[3:10], k[3:10], v[3:10], PackedLayout.build(torch.tensor([0, 7]), causal=causal)
+    )
+    assert torch.allclose(alone, out[3:10], atol=1e-6)
