@@ -1,0 +1,147 @@
+"""Client disconnects free the KV pool; API key and body cap; SIGTERM drains and exits 0; SmolLM2 text."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import TINY_ARGS, ServerProcess
+
+# Near the 256-token limit, so a request that is not aborted visibly runs on.
+LONG = {"prompt": "Once upon a time", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(tiny_server: ServerProcess) -> None:
+    before = tiny_server.wait_idle()["num_generation_tokens"]
+    with httpx.Client(timeout=60) as client:
+        with client.stream(
+            "POST", tiny_server.url + "/v1/completions", json={**LONG, "stream": True}
+        ) as r:
+            lines = r.iter_lines()
+            got = [
+                line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")
+            ]
+            assert got, "the stream produced no chunks"
+            assert tiny_server.stats()["num_running"] == 1
+    # The connection is closed mid-stream: the engine must abort it and give all blocks back.
+    stats = tiny_server.wait_idle()
+    assert stats["num_generation_tokens"] - before < LONG["max_tokens"], "the request ran on"
+
+
+def test_non_stream_disconnect_aborts(tiny_server: ServerProcess) -> None:
+    before = tiny_server.wait_idle()["num_generation_tokens"]
+    body = json.dumps(LONG).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", tiny_server.port))
+    sock.sendall(head.encode() + body)
+    deadline = time.monotonic() + 60
+    while tiny_server.stats()["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sock.close()  # gone before any response: the server must notice without writing anything
+    stats = tiny_server.wait_idle()
+    assert stats["num_generation_tokens"] - before < LONG["max_tokens"], "the request ran on"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    env = {"KVSERVE_API_KEY": "s3cret", "KVSERVE_MAX_REQUEST_BODY_BYTES": "64KiB"}
+    server = ServerProcess(
+        tiny_llama_dir, TINY_ARGS, tmp_path_factory.mktemp("logs") / "keyed.log", env
+    )
+    server.wait_ready()
+    yield server
+    assert server.stop() == 0
+
+
+def test_api_key_from_env(keyed_server: ServerProcess) -> None:
+    assert httpx.get(keyed_server.url + "/health").status_code == 200
+    r = httpx.get(keyed_server.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(
+            base_url=keyed_server.url + "/v1", api_key="wrong", max_retries=0
+        ).models.list()
+    client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="s3cret", max_retries=0)
+    model = client.models.list().data[0].id
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices
+    big = httpx.post(
+        keyed_server.url + "/v1/completions",
+        json={"prompt": "x" * 70_000},
+        headers={"Authorization": "Bearer s3cret"},
+    )
+    assert big.status_code == 413 and "error" in big.json()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    server = ServerProcess(
+        tiny_llama_dir, [*TINY_ARGS, "--shutdown-timeout", "60"], tmp_path / "term.log"
+    )
+    try:
+        server.wait_ready()
+        frames: list[str] = []
+
+        def stream() -> None:
+            body = {**LONG, "max_tokens": 60, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                frames.extend(line for line in r.iter_lines() if line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while server.stats()["num_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = None
+        try:
+            refused = httpx.post(
+                server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=10
+            )
+        except httpx.TransportError:
+            pass  # the listener may already be closed when the stream finished very fast
+        if refused is not None:
+            assert (
+                refused.status_code == 503
+                and refused.json()["error"]["code"] == "service_unavailable"
+            )
+        reader.join(timeout=120)
+        assert server.proc.wait(timeout=60) == 0
+        assert frames[-1] == "data: [DONE]", "the in-flight stream was cut off"
+        chunks = [json.loads(f[6:]) for f in frames[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()
+
+
+def test_smollm2_answers_sensibly(smol_server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
+    assert client.models.list().data[0].id == "smol"
+    out = client.completions.create(
+        model="smol", prompt="The capital of France is", max_tokens=6, temperature=0
+    )
+    assert "Paris" in out.choices[0].text
+    chat = client.chat.completions.create(
+        model="smol",
+        messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in one word."}
+        ],
+        max_tokens=10,
+        temperature=0,
+    )
+    assert "Paris" in (chat.choices[0].message.content or "")
