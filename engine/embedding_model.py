@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ class EmbeddingModel:
     def __init__(
         self,
         model: nn.Module,
-        hf_config: object,
+        hf_config: Any,
         pooling: PoolingConfig,
         max_model_len: int,
         is_encoder: bool,
@@ -94,9 +95,10 @@ class EmbeddingModel:
         if is_encoder:
             from engine.models.bert import BertModel
 
-            model: nn.Module = BertModel(hf_config, dtype=torch_dtype, device=torch_device)
-            model.load_weights(iter_weights(model_dir))
-            max_len = min(model.max_positions, _sentence_transformers_max_len(model_dir))
+            encoder = BertModel(hf_config, dtype=torch_dtype, device=torch_device)
+            encoder.load_weights(iter_weights(model_dir))
+            max_len = min(encoder.max_positions, _sentence_transformers_max_len(model_dir))
+            model: nn.Module = encoder
         else:
             model = _load_decoder(hf_config, model_dir, torch_dtype, torch_device)
             max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -152,7 +154,7 @@ class EmbeddingModel:
         return normalize(vectors) if self.normalize else vectors
 
 
-def is_encoder_config(hf_config: object) -> bool:
+def is_encoder_config(hf_config: Any) -> bool:
     """True for BERT-family encoders, False for supported decoders; ValueError otherwise."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type in ENCODER_MODEL_TYPES:
@@ -185,7 +187,7 @@ def _sentence_transformers_max_len(model_dir: Path) -> int:
 
 
 def _load_decoder(
-    hf_config: object, model_dir: Path, dtype: torch.dtype, device: torch.device
+    hf_config: Any, model_dir: Path, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     # By model type, not architecture: embedding checkpoints are often headless (`LlamaModel`).
     from engine.models.llama import LlamaForCausalLM
@@ -203,7 +205,7 @@ def _without_lm_head(
 
 
 def _decoder_forward(
-    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
+    model: Any, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> torch.Tensor:
     """Final-norm hidden states [num_tokens, hidden] of a full causal pass over packed sequences."""
     from engine.attention import AttentionMetadata

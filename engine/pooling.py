@@ -81,8 +81,9 @@ def _read_pooling_module(folder: Path) -> str:
     config = _read_json(config_file)
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} must be a JSON object")
-    if isinstance(config.get("pooling_mode"), str):
-        modes = [_ST_MODE_NAMES.get(config["pooling_mode"], config["pooling_mode"])]
+    mode = config.get("pooling_mode")
+    if isinstance(mode, str):
+        modes = [_ST_MODE_NAMES.get(mode, mode)]
     else:
         modes = [name for key, name in _ST_MODE_KEYS.items() if config.get(key)]
     if len(modes) != 1 or modes[0] not in POOLING_METHODS:
@@ -149,7 +150,9 @@ def truncate_dimensions(vectors: VectorsT, dimensions: int) -> VectorsT:
     Accepts a tensor [..., hidden] or a (list of) list of floats and returns the same kind.
     """
     as_list = not isinstance(vectors, torch.Tensor)
-    tensor = torch.as_tensor(vectors, dtype=torch.float32) if as_list else vectors
+    tensor = (
+        vectors if isinstance(vectors, torch.Tensor) else torch.tensor(vectors, dtype=torch.float32)
+    )
     size = tensor.shape[-1]
     if (
         isinstance(dimensions, bool)

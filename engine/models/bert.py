@@ -7,6 +7,7 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +98,7 @@ def packed_attention(
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: object) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.word = nn.Embedding(config.vocab_size, hidden)
@@ -115,7 +116,7 @@ class BertEmbeddings(nn.Module):
 class BertLayer(nn.Module):
     """Post-LayerNorm transformer block: attention and MLP each followed by residual + LayerNorm."""
 
-    def __init__(self, config: object) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -139,7 +140,7 @@ class BertLayer(nn.Module):
 class BertModel(nn.Module):
     """Encoder stack returning the last hidden state of every packed token."""
 
-    def __init__(self, hf_config: object, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         _check_config(hf_config)
         self.config = hf_config
@@ -202,7 +203,7 @@ class BertModel(nn.Module):
             )
 
 
-def _check_config(config: object) -> None:
+def _check_config(config: Any) -> None:
     kind = getattr(config, "position_embedding_type", "absolute")
     if kind != "absolute":
         raise ValueError(f"BERT position_embedding_type {kind!r} is not supported (only absolute)")
