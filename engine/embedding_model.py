@@ -97,11 +97,12 @@ class EmbeddingModel:
 
             encoder = BertModel(hf_config, dtype=torch_dtype, device=torch_device)
             encoder.load_weights(iter_weights(model_dir))
-            max_len = min(encoder.max_positions, _sentence_transformers_max_len(model_dir))
+            max_positions = encoder.max_positions
             model: nn.Module = encoder
         else:
             model = _load_decoder(hf_config, model_dir, torch_dtype, torch_device)
-            max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+            max_positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_len = min(max_positions, _sentence_transformers_max_len(model_dir))
         model.eval()
         logger.info(
             "loaded embedding model %s (%s, %s, %s pooling%s, max %d tokens) in %.2fs",
