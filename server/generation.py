@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -118,7 +118,7 @@ _DONE = object()
 
 async def merge_outputs(
     streams: Sequence[AsyncIterator[RequestOutput]], request: Request | None
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Yield (stream index, output) from all engine streams as they arrive.
 
     Each stream is driven by its own task, so closing this generator, an error in any stream, or the

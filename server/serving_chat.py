@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -222,7 +222,7 @@ class _ChatStream:
     async def frames(
         self,
         first: tuple[int, RequestOutput] | None,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     ) -> AsyncIterator[str]:
         try:
             for index in range(self.n):

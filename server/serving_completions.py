@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -29,14 +29,14 @@ Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
 
 def _prompts(req: CompletionRequest, tokenizer: Any) -> list[Prompt]:
-    p = req.prompt
+    p: Any = req.prompt
     if isinstance(p, str):
         return [(p, tokenizer.encode(p))]
     if all(isinstance(x, str) for x in p):
-        return [(text, tokenizer.encode(text)) for text in p]  # type: ignore[union-attr]
+        return [(text, tokenizer.encode(text)) for text in p]
     if all(isinstance(x, int) for x in p):
-        return [(None, list(p))]  # type: ignore[arg-type]
-    return [(None, list(ids)) for ids in p]  # type: ignore[union-attr]
+        return [(None, list(p))]
+    return [(None, list(ids)) for ids in p]
 
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
@@ -92,7 +92,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
 
 async def _collect(
     first: tuple[int, RequestOutput] | None,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     count: int,
 ) -> list[RequestOutput]:
     latest: dict[int, RequestOutput] = {}
@@ -127,13 +127,13 @@ def _full_response(
     finals: list[RequestOutput],
     n: int,
 ) -> dict[str, Any]:
-    choices = []
+    choices: list[dict[str, Any]] = []
     completion_tokens = 0
     for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
         prompt_text = _prompt_text(prompt, tokenizer) if req.echo else ""
         for out in sorted(final.outputs, key=lambda o: o.index):
             completion_tokens += out.num_output_tokens or len(out.token_ids)
-            logprobs = None
+            logprobs: dict[str, list[Any]] | None = None
             if req.logprobs is not None:
                 builder = CompletionLogprobsBuilder(tokenizer, req.logprobs)
                 logprobs = {
@@ -262,7 +262,7 @@ class _CompletionStream:
     async def frames(
         self,
         first: tuple[int, RequestOutput] | None,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     ) -> AsyncIterator[str]:
         try:
             if first is not None:
