@@ -316,3 +316,15 @@ def test_dockerignore_keeps_what_the_image_copies() -> None:
         ignored = [p for p in patterns if fnmatch.fnmatch(src, p.rstrip("/"))]
         assert not ignored, f"COPY {src} is excluded by .dockerignore {ignored}"
         assert (ROOT / src).exists(), f"COPY {src}: no such file in the repository"
+
+
+def test_readme_config_file_example_is_accepted(tmp_path: Path) -> None:
+    from server.settings import build_configs, resolve
+
+    (example,) = re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)
+    config = tmp_path / "kvserve.yaml"
+    config.write_text(example)
+    expected = yaml.safe_load(example)
+    engine_config, server_config = build_configs(resolve({"config": str(config)}, environ={}))
+    assert server_config.port == expected["port"]
+    assert engine_config.scheduler.max_num_seqs == expected["max-num-seqs"]
