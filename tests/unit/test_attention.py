@@ -125,3 +125,18 @@ def test_metadata_from_lists_slots_and_decode_count():
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 20, 21, 22]
     assert meta.query_start_loc.tolist() == [0, 1, 4]
     assert meta.block_tables.tolist() == [[7, 2], [5, 0]]
+
+
+def test_packed_context_gather_for_flash_backend():
+    """The flash backend's gather (used when block_size is not a multiple of 256) is plain torch,
+    so its layout is checked here: contexts back to back, in position order."""
+    from engine.attention import _gather_packed_context
+
+    torch.manual_seed(0)
+    rng = random.Random(4)
+    query_lens, seq_lens = [1, 1, 7], [9, 3, 20]
+    kv_cache, tables, contexts = run_step(rng, query_lens, seq_lens, 4, 2, 2)
+    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, 4)
+    keys, values = _gather_packed_context(kv_cache, meta)
+    torch.testing.assert_close(keys, torch.cat([k for k, _ in contexts]), atol=0, rtol=0)
+    torch.testing.assert_close(values, torch.cat([v for _, v in contexts]), atol=0, rtol=0)
