@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,19 +28,22 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def empty_param(
-    *shape: int, dtype: torch.dtype, device: torch.device, enabled: bool = True
-) -> nn.Parameter | None:
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     """An uninitialized parameter (weights are always loaded from a checkpoint afterwards)."""
-    if not enabled:
-        return None
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def optional_param(
+    *shape: int, dtype: torch.dtype, device: torch.device, enabled: bool
+) -> nn.Parameter | None:
+    """`empty_param` when the checkpoint has this tensor (biases, an untied head), else None."""
+    return empty_param(*shape, dtype=dtype, device=device) if enabled else None
 
 
 # ---------------------------------------------------------------- rotary embeddings
 
 
-def rope_parameters(hf_config: object) -> dict:
+def rope_parameters(hf_config: Any) -> dict:
     """Rope type, theta and scaling as one dict, from new (`rope_parameters`) or old config keys."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
@@ -87,6 +91,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_positions: int) -
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables computed once for every position; forward indexes them by position."""
+
+    cos: torch.Tensor  # [max_positions, head_dim // 2]
+    sin: torch.Tensor
 
     def __init__(
         self,

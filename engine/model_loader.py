@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ _CONVERTED_MARKER = ".kvserve-converted"
 @dataclass
 class LoadedModel:
     model: nn.Module
-    hf_config: object  # transformers.PretrainedConfig
+    hf_config: Any  # transformers.PretrainedConfig
     dtype: torch.dtype
     device: torch.device
     max_model_len: int
@@ -183,7 +184,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The tensors are already dequantized to float32; drop the GGUF "quantizer" so that
     # transformers saves a plain checkpoint.
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)  # noqa: B010 - the attribute is not declared
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(model.config, attr):
             delattr(model.config, attr)
@@ -281,10 +282,12 @@ def _as_id_set(value: object) -> set[int]:
         return set()
     if isinstance(value, int):
         return {value}
-    return {int(v) for v in value}  # type: ignore[union-attr]
+    if isinstance(value, list | tuple | set):
+        return {int(v) for v in value}
+    raise ValueError(f"eos_token_id must be an integer or a list of integers, got {value!r}")
 
 
-def _eos_token_ids(model_dir: Path, hf_config: object) -> set[int]:
+def _eos_token_ids(model_dir: Path, hf_config: Any) -> set[int]:
     ids = _as_id_set(getattr(hf_config, "eos_token_id", None))
     gen_file = model_dir / "generation_config.json"
     if gen_file.is_file():

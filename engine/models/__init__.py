@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from engine.models.llama import LlamaForCausalLM
 
 # Mistral, Qwen2 and SmolLM share the Llama decoder; Qwen2 differs only by q/k/v bias (read from config).
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -18,7 +16,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(architectures: list[str]) -> type[nn.Module]:
+def get_model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
     """The class for the first supported name in config.json's `architectures`."""
     for name in architectures:
         if name in MODEL_REGISTRY:

@@ -8,21 +8,20 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import RMSNorm, RotaryEmbedding, empty_param, rope_parameters
+from engine.layers import RMSNorm, RotaryEmbedding, empty_param, optional_param, rope_parameters
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, cfg: object, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device
-    ):
+    def __init__(self, cfg: Any, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device):
         super().__init__()
         hidden = cfg.hidden_size
         self.num_heads = cfg.num_attention_heads
@@ -34,9 +33,9 @@ class LlamaAttention(nn.Module):
         qkv_bias, o_bias = _attention_biases(cfg)
         out = self.q_size + 2 * self.kv_size
         self.qkv_weight = empty_param(out, hidden, dtype=dtype, device=device)  # [q+k+v, hidden]
-        self.qkv_bias = empty_param(out, dtype=dtype, device=device, enabled=qkv_bias)
+        self.qkv_bias = optional_param(out, dtype=dtype, device=device, enabled=qkv_bias)
         self.o_weight = empty_param(hidden, self.q_size, dtype=dtype, device=device)
-        self.o_bias = empty_param(hidden, dtype=dtype, device=device, enabled=o_bias)
+        self.o_bias = optional_param(hidden, dtype=dtype, device=device, enabled=o_bias)
         self.rotary = rotary  # one instance shared by all layers
 
     def forward(
@@ -57,7 +56,7 @@ class LlamaAttention(nn.Module):
         return F.linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
 
 
-def _attention_biases(cfg: object) -> tuple[bool, bool]:
+def _attention_biases(cfg: Any) -> tuple[bool, bool]:
     """(q/k/v bias, o bias): Qwen2 always has q/k/v bias; Llama's `attention_bias` covers all four."""
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     qkv_bias = attention_bias or getattr(cfg, "model_type", "") == "qwen2"
@@ -67,7 +66,7 @@ def _attention_biases(cfg: object) -> tuple[bool, bool]:
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
 
-    def __init__(self, cfg: object, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
@@ -76,9 +75,9 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.intermediate_size = inter
         self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype, device=device)
-        self.gate_up_bias = empty_param(2 * inter, dtype=dtype, device=device, enabled=bias)
+        self.gate_up_bias = optional_param(2 * inter, dtype=dtype, device=device, enabled=bias)
         self.down_weight = empty_param(hidden, inter, dtype=dtype, device=device)
-        self.down_bias = empty_param(hidden, dtype=dtype, device=device, enabled=bias)
+        self.down_bias = optional_param(hidden, dtype=dtype, device=device, enabled=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
@@ -87,9 +86,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: object, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device
-    ):
+    def __init__(self, cfg: Any, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
@@ -109,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config: object, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
         cfg = hf_config
         self.config = cfg
@@ -134,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(cfg, self.rotary, dtype, device) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head_weight = empty_param(
+        self.lm_head_weight = optional_param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
             enabled=not self.tie_word_embeddings,
         )  # fmt: skip
@@ -233,7 +230,7 @@ _LAYER_NAME = re.compile(
 )
 
 
-def _warn_on_sliding_window(cfg: object) -> None:
+def _warn_on_sliding_window(cfg: Any) -> None:
     window = getattr(cfg, "sliding_window", None)
     uses_window = getattr(cfg, "use_sliding_window", True)
     if window and uses_window and window < cfg.max_position_embeddings:
