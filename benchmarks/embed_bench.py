@@ -35,20 +35,23 @@ def make_texts(count: int, min_words: int, max_words: int, seed: int) -> list[st
     ]
 
 
-def time_it(fn: Callable[[], torch.Tensor], iters: int, warmup: int, device: torch.device) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_both(
+    fns: list[Callable[[], torch.Tensor]], iters: int, warmup: int, device: torch.device
+) -> list[float]:
+    """Median seconds per call of each function; calls alternate so that load from other processes
+    on a shared machine hits both sides alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + iters):
+        for fn, record in zip(fns, times, strict=True):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                record.append(time.perf_counter() - start)
+    return [statistics.median(record) for record in times]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="also print one JSON line")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModel, AutoTokenizer
 
@@ -100,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return ours.embed(token_ids)
 
     agreement = F.cosine_similarity(run_kvserve().double(), run_transformers().cpu().double()).min()
-    t_ours = time_it(run_kvserve, args.iters, args.warmup, device)
-    t_ref = time_it(run_transformers, args.iters, args.warmup, device)
+    t_ours, t_ref = time_both([run_kvserve, run_transformers], args.iters, args.warmup, device)
     ours_rate, ref_rate = args.batch_size / t_ours, args.batch_size / t_ref
     print(
         f"model {model_dir.parent.name}/{model_dir.name} on {device} {args.dtype}, threads {torch.get_num_threads()}; "
