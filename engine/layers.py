@@ -90,7 +90,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_positions: int) -
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables computed once for every position; forward indexes them by position."""
+    """cos/sin tables computed once for every position, indexed by the positions of each step."""
 
     cos: torch.Tensor  # [max_positions, head_dim // 2]
     sin: torch.Tensor
@@ -112,16 +112,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
         self.max_positions = max_positions
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [n]; q: [n, num_heads, d]; k: [n, num_kv_heads, d]
-        cos = self.cos[positions].unsqueeze(1)  # [n, 1, d // 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [n], each [n, 1, head_dim // 2]; looked up once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # "rotate half" layout: the two halves of the head dimension form the (real, imag) pairs.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [n, heads, d] ("rotate half" layout: the two halves of the head dimension form
+    the (real, imag) pairs) by the angles whose cos/sin are [n, 1, d // 2]."""
     x1, x2 = x.chunk(2, dim=-1)  # [n, heads, d // 2] each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

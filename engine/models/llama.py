@@ -15,13 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import RMSNorm, RotaryEmbedding, empty_param, optional_param, rope_parameters
+from engine.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    empty_param,
+    optional_param,
+    rope_parameters,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
         hidden = cfg.hidden_size
         self.num_heads = cfg.num_attention_heads
@@ -36,22 +43,20 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = optional_param(out, dtype=dtype, device=device, enabled=qkv_bias)
         self.o_weight = empty_param(hidden, self.q_size, dtype=dtype, device=device)
         self.o_bias = optional_param(hidden, dtype=dtype, device=device, enabled=o_bias)
-        self.rotary = rotary  # one instance shared by all layers
 
     def forward(
         self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [n, 1, head_dim // 2]
+        x: torch.Tensor,  # [n, hidden]
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        n = x.shape[0]
+        n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # q and k sit side by side in qkv, so one rotation covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, d)
+        q, k = apply_rotary(qk, *rope).split([heads, kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, d)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, num_heads, head_dim]
         return F.linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
 
@@ -86,22 +91,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, rotary: RotaryEmbedding, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, device)
+        self.self_attn = LlamaAttention(cfg, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(cfg, dtype, device)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         h: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+        h = h + self.self_attn(rope, self.input_layernorm(h), kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -128,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=embedding, _freeze=True
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary, dtype, device) for _ in range(self.num_layers)
+            LlamaDecoderLayer(cfg, dtype, device) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head_weight = optional_param(
@@ -146,8 +151,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] int64 -> [num_tokens, hidden_size]
         h = F.embedding(input_ids, self.embed_tokens.weight)
+        rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(positions, h, kv_cache, meta)
+            h = layer(rope, h, kv_cache, meta)
         return self.norm(h)
 
     @torch.inference_mode()
