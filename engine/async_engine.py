@@ -7,11 +7,20 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineDeadError, QueueFullError, RequestError, RequestOutput
+from engine.embedding_engine import EmbeddingEngine
+from engine.llm_engine import LLMEngine, served_model_name
+from engine.model_loader import find_bundled_embedding_model, resolve_model
+from engine.outputs import (
+    EmbeddingOutput,
+    EngineDeadError,
+    QueueFullError,
+    RequestError,
+    RequestOutput,
+)
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
 
@@ -19,13 +28,13 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine:
-    def __init__(self, core: LLMEngine) -> None:
+    def __init__(self, core: LLMEngine | EmbeddingEngine) -> None:
         self.core = core
         self.config = core.config
         self.tokenizer = core.tokenizer
         self.model_name = core.model_name
         self.max_model_len = core.max_model_len
-        self.task = "generate"
+        self.task: str = core.task
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._pending: list[tuple[Any, ...]] = []  # adds and aborts applied between steps
         self._pending_tokens = 0
@@ -40,7 +49,7 @@ class AsyncLLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
         """Blocking: loads the model. Call it through asyncio.to_thread from async code."""
-        return cls(LLMEngine(config))
+        return cls(create_engine_core(config))
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -71,10 +80,28 @@ class AsyncLLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them; closing the iterator aborts it."""
         self._check_alive()
+        if self.task != "generate":
+            raise ValueError(
+                "this server runs an embedding model: use /v1/embeddings, not text generation"
+            )
+        async for out in self._submit(request_id, prompt_token_ids, params, prompt):
+            yield out
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None,
+        prompt: str | None,
+    ) -> AsyncIterator[Any]:
         self.core.validate(prompt_token_ids, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -104,6 +131,17 @@ class AsyncLLMEngine:
                 self._pending.append(("abort", request_id))
                 self._wake()
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+        """The input's pooled, normalized vector; batched with other requests by the engine."""
+        self._check_alive()
+        if self.task != "embed":
+            raise ValueError(
+                "this server runs a generative model: /v1/embeddings needs an embedding model (--task embed)"
+            )
+        async for out in self._submit(request_id, prompt_token_ids, None, None):
+            return out
+        raise RequestError("the engine returned no embedding")
+
     async def abort(self, request_id: str) -> None:
         self._pending.append(("abort", request_id))
         self._wake()
@@ -117,7 +155,10 @@ class AsyncLLMEngine:
                 f"the server is at capacity ({waiting + pending_adds} requests waiting); retry shortly",
                 retry_after=self._retry_after(),
             )
-        if sc.max_queued_tokens is not None and waiting_tokens + self._pending_tokens + num_prompt_tokens > sc.max_queued_tokens:
+        if (
+            sc.max_queued_tokens is not None
+            and waiting_tokens + self._pending_tokens + num_prompt_tokens > sc.max_queued_tokens
+        ):
             raise QueueFullError(
                 f"the server is at capacity ({waiting_tokens + self._pending_tokens} prompt tokens waiting); retry shortly",
                 retry_after=self._retry_after(),
@@ -170,8 +211,10 @@ class AsyncLLMEngine:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-                sched = self.core.scheduler
-                self._waiting_snapshot = (self.core.num_waiting_requests, sched.num_waiting_tokens)
+                self._waiting_snapshot = (
+                    self.core.num_waiting_requests,
+                    self.core.num_waiting_tokens,
+                )
                 self._after_step()
                 await asyncio.sleep(0)  # let request handlers run between steps
         except asyncio.CancelledError:
@@ -180,7 +223,9 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self.dead_error = e
             for queue in self._queues.values():
-                queue.put_nowait(EngineDeadError(f"the engine stopped after an internal error: {e}"))
+                queue.put_nowait(
+                    EngineDeadError(f"the engine stopped after an internal error: {e}")
+                )
 
     def _after_step(self) -> None:
         stats = self.core.last_step
@@ -209,24 +254,72 @@ class AsyncLLMEngine:
         logger.info(
             "running=%d waiting=%d kv_usage=%.1f%% prompt=%.1f tok/s generation=%.1f tok/s "
             "prefix_cache_hit_rate=%.1f%% preemptions=%d",
-            last.num_running, last.num_waiting, 100 * last.kv_cache_usage, prompt / elapsed, gen / elapsed,
-            100 * hits / queries if queries else 0.0, sum(s.num_preemptions for s in w),
+            last.num_running,
+            last.num_waiting,
+            100 * last.kv_cache_usage,
+            prompt / elapsed,
+            gen / elapsed,
+            100 * hits / queries if queries else 0.0,
+            sum(s.num_preemptions for s in w),
         )
 
     # -- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        kv = self.core.kv
         t = self.core.totals
-        return {
-            "num_running": len(self.core.scheduler.running),
-            "num_waiting": len(self.core.scheduler.waiting),
+        stats: dict[str, Any] = {
+            "task": self.task,
             "num_unfinished_requests": len(self._queues),
-            "kv_cache_usage": kv.usage,
-            "num_free_blocks": kv.num_free_blocks,
-            "num_total_blocks": kv.num_blocks,
             "num_prompt_tokens": t.num_prompt_tokens,
             "num_generation_tokens": t.num_generation_tokens,
             "num_preemptions": t.num_preemptions,
             "prefix_cache_queries": t.prefix_cache_queries,
             "prefix_cache_hits": t.prefix_cache_hits,
         }
+        if isinstance(self.core, EmbeddingEngine):
+            stats.update(
+                num_running=0,
+                num_waiting=len(self.core.waiting),
+                kv_cache_usage=0.0,
+                num_free_blocks=0,
+                num_total_blocks=0,
+            )
+        else:
+            kv = self.core.kv
+            stats.update(
+                num_running=len(self.core.scheduler.running),
+                num_waiting=len(self.core.scheduler.waiting),
+                kv_cache_usage=kv.usage,
+                num_free_blocks=kv.num_free_blocks,
+                num_total_blocks=kv.num_blocks,
+            )
+        return stats
+
+
+def create_engine_core(config: EngineConfig) -> LLMEngine | EmbeddingEngine:
+    """Load the model and build the core its task needs (given, or told by the model's files)."""
+    mc = config.model
+    if mc.model is None and mc.task == "embed":
+        model_dir = find_bundled_embedding_model()
+        name = "all-MiniLM-L6-v2"
+    else:
+        model_dir = resolve_model(mc.model, mc.cache_dir)
+        name = served_model_name(mc.model, model_dir)
+    task = mc.task if mc.task != "auto" else detect_task(model_dir)
+    if task == "embed":
+        return EmbeddingEngine(config, model_dir, name)
+    return LLMEngine(config, model_dir, name)
+
+
+def detect_task(model_dir: Path) -> str:
+    """Encoders and sentence-transformers folders embed; everything else generates."""
+    import json
+
+    from engine.embedding_model import ENCODER_MODEL_TYPES
+
+    if (model_dir / "modules.json").is_file():
+        return "embed"
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return "generate"
+    return "embed" if model_type in ENCODER_MODEL_TYPES else "generate"

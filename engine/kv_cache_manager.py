@@ -73,7 +73,9 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -129,7 +131,9 @@ class KVCacheManager:
         self.stats.queries += num_query_tokens
         self.stats.hits += num_hit_tokens
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens of `seq` (after `cached_blocks`, when admitting).
         Returns False, changing nothing, when the pool cannot provide the blocks."""
         table = self.block_tables.setdefault(seq.seq_id, [])

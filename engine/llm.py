@@ -14,7 +14,9 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: object) -> None:
+    def __init__(
+        self, model: str | None = None, dtype: str = "auto", **engine_options: object
+    ) -> None:
         self.engine = LLMEngine(EngineConfig.from_options(model, dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
@@ -24,7 +26,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in order. Prompts are strings or token-id lists."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):
@@ -32,14 +36,20 @@ class LLM:
         else:
             param_list = list(params)
             if len(param_list) != len(prompt_list):
-                raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
+                raise ValueError(
+                    f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
+                )
         ids = [f"offline-{i}" for i in range(len(prompt_list))]
         added: list[str] = []
         try:
             for request_id, prompt, p in zip(ids, prompt_list, param_list, strict=True):
                 text = prompt if isinstance(prompt, str) else None
-                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                self.engine.add_request(request_id, token_ids, dataclasses.replace(p, output_kind="final"), text)
+                token_ids = (
+                    self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                )
+                self.engine.add_request(
+                    request_id, token_ids, dataclasses.replace(p, output_kind="final"), text
+                )
                 added.append(request_id)
             results: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():
@@ -51,6 +61,8 @@ class LLM:
                 self.engine.abort_request(request_id)
         return [results[i] for i in ids]
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+    ) -> RequestOutput:
         token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([token_ids], params)[0]

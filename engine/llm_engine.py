@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,11 +30,15 @@ _GiB = 1 << 30
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    task = "generate"
+
+    def __init__(
+        self, config: EngineConfig, model_dir: Path | None = None, model_name: str | None = None
+    ) -> None:
         self.config = config
         mc = config.model
-        self.model_dir = resolve_model(mc.model, mc.cache_dir)
-        self.model_name = mc.model if mc.model else "SmolLM2-135M-Instruct"
+        self.model_dir = model_dir or resolve_model(mc.model, mc.cache_dir)
+        self.model_name = model_name or served_model_name(mc.model, self.model_dir)
         torch.manual_seed(mc.seed)
         loaded = load_model(self.model_dir, mc.dtype, mc.device)
         self.model = loaded.model
@@ -44,7 +49,12 @@ class LLMEngine:
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = min(mc.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if mc.max_model_len and mc.max_model_len > loaded.max_model_len:
-            logger.warning("max_model_len %d exceeds the model's %d; using %d", mc.max_model_len, loaded.max_model_len, loaded.max_model_len)
+            logger.warning(
+                "max_model_len %d exceeds the model's %d; using %d",
+                mc.max_model_len,
+                loaded.max_model_len,
+                loaded.max_model_len,
+            )
 
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks(block_size)
@@ -56,8 +66,15 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
-            self.model_dir.name, self.dtype, self.device, self.max_model_len, num_blocks, block_size,
-            num_blocks * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype) / (1 << 20),
+            self.model_dir.name,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            num_blocks,
+            block_size,
+            num_blocks
+            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+            / (1 << 20),
         )
 
     def _num_kv_blocks(self, block_size: int) -> int:
@@ -83,13 +100,22 @@ class LLMEngine:
         """Check a request against this model; returns the resolved max output tokens."""
         if not prompt_token_ids:
             raise SamplingParamsError("prompt", "the prompt is empty: give at least one token")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [
+            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
         if bad:
-            raise SamplingParamsError("prompt", f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+            raise SamplingParamsError(
+                "prompt",
+                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})",
+            )
         params.validate_for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len or (params.max_tokens is None and max_tokens <= 0):
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        )
+        if num_prompt + max_tokens > self.max_model_len or (
+            params.max_tokens is None and max_tokens <= 0
+        ):
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
@@ -103,7 +129,13 @@ class LLMEngine:
             )
         return max_tokens
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
@@ -116,11 +148,17 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(prompt_token_ids)
         for i in range(params.num_samples):
-            seq = Sequence(f"{request_id}/{i}", group, i, list(prompt_token_ids), len(prompt_token_ids))
+            seq = Sequence(
+                f"{request_id}/{i}", group, i, list(prompt_token_ids), len(prompt_token_ids)
+            )
             if params.seed is not None:
                 seq.generator = make_generator(params.seed + i, self.device)
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
             )
             group.seqs.append(seq)
         self.groups[request_id] = group
@@ -135,6 +173,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return self.scheduler.num_waiting_tokens
 
     @property
     def num_waiting_requests(self) -> int:
@@ -158,8 +200,12 @@ class LLMEngine:
         try:
             result = self.runner.execute(sched, self.eos_token_ids)
         except Exception as e:  # a failure of the whole batch: fail these requests, keep the engine
-            logger.exception("model step failed; failing the %d scheduled sequences", len(sched.scheduled))
-            result = RunnerOutput(errors={s.seq.seq_id: f"model execution failed: {e}" for s in sched.scheduled})
+            logger.exception(
+                "model step failed; failing the %d scheduled sequences", len(sched.scheduled)
+            )
+            result = RunnerOutput(
+                errors={s.seq.seq_id: f"model execution failed: {e}" for s in sched.scheduled}
+            )
         self.scheduler.after_step(sched)
         touched = self._update(sched, result, stats)
         outputs = [out for g in touched if (out := self._make_output(g)) is not None]
@@ -178,9 +224,26 @@ class LLMEngine:
         return outputs
 
     def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
-        kind = "decode" if sched.num_prefill_tokens == 0 else ("prefill" if sched.num_decode_tokens == 0 else "mixed")
-        return StepStats(kind, 0.0, sched.num_batched_tokens, sched.num_prefill_tokens, sched.num_decode_tokens,
-                         0, 0, 0.0, 0, 0, 0, 0, 0)
+        kind = (
+            "decode"
+            if sched.num_prefill_tokens == 0
+            else ("prefill" if sched.num_decode_tokens == 0 else "mixed")
+        )
+        return StepStats(
+            kind,
+            0.0,
+            sched.num_batched_tokens,
+            sched.num_prefill_tokens,
+            sched.num_decode_tokens,
+            0,
+            0,
+            0.0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        )
 
     def _accumulate(self, stats: StepStats) -> None:
         t = self.totals
@@ -193,7 +256,9 @@ class LLMEngine:
         t.num_finished += len(stats.finished)
         self.last_step = stats
 
-    def _update(self, sched: SchedulerOutput, result: RunnerOutput, stats: StepStats) -> list[RequestGroup]:
+    def _update(
+        self, sched: SchedulerOutput, result: RunnerOutput, stats: StepStats
+    ) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}
         now = time.monotonic()
         for s in sched.scheduled:
@@ -211,15 +276,21 @@ class LLMEngine:
                 self.scheduler.release_followers(group)
             if seq.seq_id not in result.sampled:
                 if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)  # scoring only (echo)
+                    self.scheduler.finish(
+                        seq, SequenceStatus.FINISHED_LENGTH
+                    )  # scoring only (echo)
                 continue
-            self._append_token(seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats)
+            self._append_token(
+                seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats
+            )
         for group in touched.values():
             if group.finished:
                 stats.finished.append(self._finished_stats(group, now))
         return list(touched.values())
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob, now: float, stats: StepStats) -> None:
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob, now: float, stats: StepStats
+    ) -> None:
         group, params = seq.group, seq.params
         seq.append_token(token_id)
         stats.num_generation_tokens += 1
@@ -250,7 +321,9 @@ class LLMEngine:
                 return
             if stop is not None:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-        if status is None and (seq.num_output_tokens >= group.max_output_tokens or seq.num_tokens >= self.max_model_len):
+        if status is None and (
+            seq.num_output_tokens >= group.max_output_tokens or seq.num_tokens >= self.max_model_len
+        ):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(seq, status)
@@ -265,8 +338,15 @@ class LLMEngine:
         m.finished_time = now
         reason = "error" if group.error else group.seqs[0].status.value
         return FinishedRequestStats(
-            group.request_id, reason, len(group.prompt_token_ids), sum(s.num_output_tokens for s in group.seqs),
-            group.num_cached_tokens, m.arrival_time, m.first_scheduled_time, m.first_token_time, now,
+            group.request_id,
+            reason,
+            len(group.prompt_token_ids),
+            sum(s.num_output_tokens for s in group.seqs),
+            group.num_cached_tokens,
+            m.arrival_time,
+            m.first_scheduled_time,
+            m.first_token_time,
+            now,
         )
 
     # -- outputs ---------------------------------------------------------------------------------
@@ -275,8 +355,16 @@ class LLMEngine:
         kind = user_params.output_kind
         finished = group.finished
         if group.error is not None:
-            return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, [], True,
-                                 num_cached_tokens=group.num_cached_tokens, metrics=group.metrics, error=group.error)
+            return RequestOutput(
+                group.request_id,
+                group.prompt,
+                group.prompt_token_ids,
+                [],
+                True,
+                num_cached_tokens=group.num_cached_tokens,
+                metrics=group.metrics,
+                error=group.error,
+            )
         best_of = user_params.num_samples > user_params.n
         if (kind == "final" or best_of) and not finished:
             return None
@@ -296,25 +384,53 @@ class LLMEngine:
                 group.prompt_logprobs_emitted = True
         if delta and not completions and not finished and prompt_logprobs is None:
             return None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
-                             prompt_logprobs=prompt_logprobs, num_cached_tokens=group.num_cached_tokens, metrics=group.metrics)
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            finished,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=group.metrics,
+        )
 
-    def _completion(self, seq: Sequence, index: int, delta: bool, want_logprobs: bool) -> CompletionOutput | None:
+    def _completion(
+        self, seq: Sequence, index: int, delta: bool, want_logprobs: bool
+    ) -> CompletionOutput | None:
         finished = seq.status.finished
         detok = seq.detokenizer
         assert detok is not None
         start = seq.num_emitted_tokens if delta else 0
         if delta and start >= seq.num_output_tokens and not finished:
             return None
-        text = detok.take_delta(finished) if delta else detok.text
+        text = (
+            detok.take_delta(finished)
+            if delta
+            else (detok.text if finished else detok.visible_text())
+        )
         token_ids = seq.output_token_ids[start:]
         logprobs = seq.logprobs[start:] if want_logprobs else None
         seq.num_emitted_tokens = seq.num_output_tokens
         return CompletionOutput(
-            index=index, text=text, token_ids=token_ids, logprobs=logprobs,
-            finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob, num_output_tokens=seq.num_output_tokens,
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=seq.status.finish_reason,
+            stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob,
+            num_output_tokens=seq.num_output_tokens,
         )
+
+
+def served_model_name(model: str | None, model_dir: Path) -> str:
+    """The name clients use: the bundled model's, a hub id, or the folder / file stem."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    if "/" in model and not Path(model).expanduser().exists():
+        return model  # a hub id
+    return Path(model).expanduser().name.removesuffix(".gguf")
 
 
 class ContextLengthError(SamplingParamsError):

@@ -19,20 +19,39 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # seq_id -> token id
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # seq_id -> sampled token's logprobs
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)  # seq_id -> (first pos, rows)
-    errors: dict[str, str] = field(default_factory=dict)  # seq_id -> message (that sequence fails alone)
+    logprobs: dict[str, TokenLogprob] = field(
+        default_factory=dict
+    )  # seq_id -> sampled token's logprobs
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(
+        default_factory=dict
+    )  # seq_id -> (first pos, rows)
+    errors: dict[str, str] = field(
+        default_factory=dict
+    )  # seq_id -> message (that sequence fails alone)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(
-            model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, dtype, device
+            model.num_layers,
+            num_blocks,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+            device,
         )
         self.sampler = Sampler()
 
@@ -42,7 +61,9 @@ class ModelRunner:
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 
     # -- inputs ------------------------------------------------------------------------------
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -101,7 +122,9 @@ class ModelRunner:
         if not sample_seqs:
             return out
 
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])  # [n, vocab]
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(sample_idx, device=self.device)]
+        )  # [n, vocab]
         rows = [
             SamplingRow(
                 params=s.seq.params,
@@ -115,12 +138,20 @@ class ModelRunner:
         self._sample(logits, rows, sample_seqs, out)
         return out
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[ScheduledSeq], out: RunnerOutput) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        seqs: list[ScheduledSeq],
+        out: RunnerOutput,
+    ) -> None:
         """Sample all rows; a row that fails (say non-finite logits) fails its sequence alone."""
         keep = list(range(len(rows)))
         while keep:
             try:
-                result = self.sampler(logits[keep] if len(keep) < len(rows) else logits, [rows[i] for i in keep])
+                result = self.sampler(
+                    logits[keep] if len(keep) < len(rows) else logits, [rows[i] for i in keep]
+                )
             except RowError as e:
                 bad = keep.pop(e.row_index)
                 out.errors[seqs[bad].seq.seq_id] = str(e)
@@ -136,7 +167,12 @@ class ModelRunner:
     def _prompt_logprobs(self, s: ScheduledSeq, hidden: torch.Tensor, out: RunnerOutput) -> None:
         start = s.start_pos
         n = hidden.shape[0]
-        targets = torch.tensor(s.seq.token_ids[start + 1 : start + 1 + n], dtype=torch.int64, device=self.device)
+        targets = torch.tensor(
+            s.seq.token_ids[start + 1 : start + 1 + n], dtype=torch.int64, device=self.device
+        )
         logits = self.model.compute_logits(hidden)  # [n, vocab]
         num_top = s.seq.params.prompt_logprobs or 0
-        out.prompt_logprobs[s.seq.seq_id] = (start + 1, compute_prompt_logprobs(logits, targets, num_top))
+        out.prompt_logprobs[s.seq.seq_id] = (
+            start + 1,
+            compute_prompt_logprobs(logits, targets, num_top),
+        )

@@ -12,7 +12,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     rank: int  # 1-based rank of token_id in the distribution
-    top: list[tuple[int, float]] = field(default_factory=list)  # top-N (token_id, logprob), best first
+    top: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # top-N (token_id, logprob), best first
 
 
 @dataclass
@@ -58,6 +60,8 @@ class EmbeddingOutput:
     request_id: str
     embedding: list[float]
     num_prompt_tokens: int
+    error: str | None = None  # set when the request failed inside the engine
+    finished: bool = True
 
 
 class EngineDeadError(RuntimeError):

@@ -96,7 +96,9 @@ class RequestGroup:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_output_tokens: int  # max_tokens resolved against the model length
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    metrics: RequestMetrics = field(
+        default_factory=lambda: RequestMetrics(arrival_time=time.monotonic())
+    )
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_emitted: bool = False

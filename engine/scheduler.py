@@ -21,7 +21,9 @@ class ScheduledSeq:
     start_pos: int  # position of the first new token (= tokens already computed)
     block_table: list[int]
     needs_sample: bool  # this chunk reaches the sequence's last token, so a token is sampled
-    prompt_logprobs_rows: int  # new tokens (from the first) whose next-prompt-token logprobs are wanted
+    prompt_logprobs_rows: (
+        int  # new tokens (from the first) whose next-prompt-token logprobs are wanted
+    )
 
     @property
     def is_decode(self) -> bool:

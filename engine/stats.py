@@ -35,7 +35,9 @@ class StepStats:
     prefix_cache_hits: int
     # (request_id, seconds since its previous token) for every sequence that got a token after its first
     inter_token_latencies: list[float] = field(default_factory=list)
-    first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (request_id, ttft seconds)
+    first_tokens: list[tuple[str, float]] = field(
+        default_factory=list
+    )  # (request_id, ttft seconds)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
