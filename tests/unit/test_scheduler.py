@@ -133,3 +133,20 @@ def test_finish_releases_blocks_of_waiting_and_running():
     sched.finish(a.seqs[0], SequenceStatus.FINISHED_ABORTED)
     sched.finish(b.seqs[0], SequenceStatus.FINISHED_ABORTED)
     assert not sched.has_work() and sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_preempted_sequence_resumes_from_its_cached_blocks():
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    g = make_group("a", 10)
+    sched.add_group(g)
+    for _ in range(4):
+        run_step(sched)  # prefill + 3 decodes: 13 tokens, 12 computed = 3 full blocks
+    seq = g.seqs[0]
+    sched.running.remove(seq)
+    sched._preempt(seq)
+    assert seq.num_computed_tokens == 0 and sched.kv.num_free_blocks == 16
+    out = sched.schedule()
+    (resumed,) = out.scheduled
+    # The recompute starts after the three cached full blocks, not from scratch.
+    assert resumed.start_pos == 12 and resumed.num_new_tokens == seq.num_tokens - 12
+    assert seq.num_cached_tokens == 0  # cached_tokens reports the first admission only
