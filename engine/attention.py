@@ -110,24 +110,27 @@ def paged_attention(
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns q's shape.
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
-    if attention_backend(q.device.type) == "flash":
-        return _flash_attention(q, kv_cache, meta, scale)
+    if attention_backend(q.device.type, q.dtype) == "flash":
+        return _flash_attention(q.contiguous(), kv_cache, meta, scale)
     return _sdpa_attention(q, k, v, kv_cache, meta, scale)
 
 
 @functools.cache
-def attention_backend(device_type: str) -> str:
-    """Pick the backend once per device type; KVSERVE_ATTENTION_BACKEND=sdpa|flash overrides."""
+def attention_backend(device_type: str, dtype: torch.dtype) -> str:
+    """Pick the backend once per device and dtype; KVSERVE_ATTENTION_BACKEND=sdpa|flash overrides."""
     requested = os.environ.get("KVSERVE_ATTENTION_BACKEND", "auto")
     if requested not in ("auto", *BACKENDS):
         raise ValueError(
             f"KVSERVE_ATTENTION_BACKEND must be auto, sdpa or flash; got {requested!r}"
         )
-    flash_ok = device_type == "cuda" and _flash_attn_importable()
+    half = dtype in (torch.float16, torch.bfloat16)  # flash-attn kernels exist only for these
+    flash_ok = device_type == "cuda" and half and _flash_attn_importable()
     if requested == "flash" and not flash_ok:
-        raise ValueError("KVSERVE_ATTENTION_BACKEND=flash needs CUDA and the flash_attn package")
+        raise ValueError(
+            "KVSERVE_ATTENTION_BACKEND=flash needs CUDA, float16/bfloat16 and the flash_attn package"
+        )
     backend = "flash" if requested in ("auto", "flash") and flash_ok else "sdpa"
-    logger.info("attention backend on %s: %s", device_type, backend)
+    logger.info("attention backend for %s %s: %s", device_type, dtype, backend)
     return backend
 
 

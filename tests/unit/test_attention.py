@@ -140,3 +140,21 @@ def test_packed_context_gather_for_flash_backend():
     keys, values = _gather_packed_context(kv_cache, meta)
     torch.testing.assert_close(keys, torch.cat([k for k, _ in contexts]), atol=0, rtol=0)
     torch.testing.assert_close(values, torch.cat([v for _, v in contexts]), atol=0, rtol=0)
+
+
+def test_backend_choice_and_override(monkeypatch):
+    from engine.attention import attention_backend
+
+    try:
+        attention_backend.cache_clear()
+        assert attention_backend("cpu", torch.float32) == "sdpa"
+        monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "flash")
+        attention_backend.cache_clear()
+        with pytest.raises(ValueError, match="needs CUDA"):
+            attention_backend("cpu", torch.bfloat16)
+        monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "fast")
+        attention_backend.cache_clear()
+        with pytest.raises(ValueError, match="auto, sdpa or flash"):
+            attention_backend("cpu", torch.float32)
+    finally:
+        attention_backend.cache_clear()
