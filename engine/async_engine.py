@@ -221,8 +221,10 @@ class AsyncLLMEngine:
             raise
         except BaseException as e:  # the loop itself died: fail everyone instead of hanging
             logger.exception("engine loop died")
+                        self._flush_log_window()  # the busy period's last stats line, then silence
             self.dead_error = e
             for queue in self._queues.values():
+                        self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                 queue.put_nowait(
                     EngineDeadError(f"the engine stopped after an internal error: {e}")
                 )
@@ -237,12 +239,15 @@ class AsyncLLMEngine:
             except Exception:
                 logger.exception("step listener failed")
         self._log_window.append(stats)
-        interval = self.config.log_stats_interval
+        if time.monotonic() - self._last_log >= self.config.log_stats_interval:
+            self._flush_log_window()
+
+    def _flush_log_window(self) -> None:
         now = time.monotonic()
-        if interval > 0 and now - self._last_log >= interval:
-            self._log_stats(now - self._last_log)
-            self._last_log = now
-            self._log_window = []
+        if self._log_window and self.config.log_stats_interval > 0:
+            self._log_stats(max(now - self._last_log, 1e-6))
+        self._last_log = now
+        self._log_window = []
 
     def _log_stats(self, elapsed: float) -> None:
         w = self._log_window
@@ -297,15 +302,22 @@ class AsyncLLMEngine:
 
 def create_engine_core(config: EngineConfig) -> LLMEngine | EmbeddingEngine:
     """Load the model and build the core its task needs (given, or told by the model's files)."""
+                num_requests_running=0,
+                num_requests_waiting=len(self.core.waiting),
     mc = config.model
     if mc.model is None and mc.task == "embed":
         model_dir = find_bundled_embedding_model()
         name = "all-MiniLM-L6-v2"
     else:
         model_dir = resolve_model(mc.model, mc.cache_dir)
+            # Sequences (num_running/num_waiting) vs requests: n > 1 samples are one request.
+            running = {s.group.request_id for s in list(self.core.scheduler.running)}
+            waiting = {s.group.request_id for s in list(self.core.scheduler.waiting)} - running
         name = served_model_name(mc.model, model_dir)
     task = mc.task if mc.task != "auto" else detect_task(model_dir)
     if task == "embed":
+                num_requests_running=len(running),
+                num_requests_waiting=len(waiting),
         return EmbeddingEngine(config, model_dir, name)
     return LLMEngine(config, model_dir, name)
 

@@ -19,6 +19,8 @@ from server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -27,6 +29,7 @@ from server.protocol import (
 )
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_completions import create_completion
+from server.serving_embeddings import create_embedding, require_task
 from server.state import ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
@@ -101,7 +104,9 @@ async def retrieve_model(model: str, request: Request) -> ModelCard:
     responses=ERROR_RESPONSES | STREAM_RESPONSE,
 )
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await create_completion(body, request, _state(request))
+    state = _state(request)
+    require_task(state.require_engine(), "generate")
+    return await create_completion(body, request, state)
 
 
 @router.post(
@@ -110,7 +115,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     responses=ERROR_RESPONSES | STREAM_RESPONSE,
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await create_chat_completion(body, request, _state(request))
+    state = _state(request)
+    require_task(state.require_engine(), "generate")
+    return await create_chat_completion(body, request, state)
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    return await create_embedding(body, request, _state(request))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
 
-from engine import RequestOutput, SamplingParams, SamplingParamsError
+from engine import QueueFullError, RequestOutput, SamplingParams, SamplingParamsError
 from server.errors import context_length_exceeded, invalid_request
 from server.protocol import SamplingFields
 
@@ -132,6 +133,7 @@ async def merge_outputs(
                 queue.put_nowait((index, output))
         except Exception as e:  # noqa: BLE001 - forwarded to the consumer
             queue.put_nowait((index, e))
+    log = _RequestLog(request, len(streams))
             return
         queue.put_nowait((index, _DONE))
 
@@ -155,15 +157,20 @@ async def merge_outputs(
             elif isinstance(item, Exception):
                 raise item
             else:
+                log.outcome = "client disconnected"
                 yield index, item
     finally:
         if watcher is not None:
             watcher.cancel()
         for task in tasks:
+                log.outcome = item
             task.cancel()
         with contextlib.suppress(BaseException):
+                log.saw(index, item)
             await asyncio.gather(*tasks, return_exceptions=True)
+        log.outcome = "finished"
 
+        log.done()
 
 def start_streams(
     engine: Any,
@@ -172,13 +179,75 @@ def start_streams(
     params: SamplingParams,
 ) -> list[AsyncIterator[RequestOutput]]:
     """One engine request per prompt, ids `<request_id>-<prompt index>`."""
+def log_id(request: Request | None) -> str:
+    """The X-Request-Id the middleware gave this HTTP request ("-" outside HTTP)."""
+    state = request.scope.get("state", {}) if request is not None else {}
+    return str(state.get("request_id", "-"))
+
+
+class _RequestLog:
+    """Log lines about one HTTP request's engine work, tagged with its X-Request-Id: start and finish at
+    DEBUG, aborts at INFO, failures at WARNING. Counts and reasons only, never prompt or output text."""
+
+    def __init__(self, request: Request | None, num_streams: int) -> None:
+        self.request_id = log_id(request)
+        self.started = time.monotonic()
+        self.latest: dict[int, RequestOutput] = {}
+        self.num_streams = num_streams
+        self.outcome: str | BaseException = "closed early"  # e.g. a streaming client went away
+        self.tokens: dict[
+            tuple[int, int], tuple[int, str | None]
+        ] = {}  # (stream, choice) -> last seen
+
+    def saw(self, index: int, output: RequestOutput) -> None:
+        self.latest[index] = output
+        for c in output.outputs:  # delta outputs carry only the choices that moved
+            self.tokens[(index, c.index)] = (c.num_output_tokens, c.finish_reason)
+
+    def done(self) -> None:
+        elapsed = time.monotonic() - self.started
+        outcome = self.outcome
+        outs_finished = len(self.latest) == self.num_streams
+        if outcome == "finished" or (
+            outs_finished and all(o.finished for o in self.latest.values())
+        ):
+            outs = self.latest.values()
+            logger.debug(
+                "request %s: finished in %.3fs: prompt_tokens=%d completion_tokens=%d finish_reasons=%s",
+                self.request_id,
+                elapsed,
+                sum(len(o.prompt_token_ids) for o in outs),
+                sum(n for n, _ in self.tokens.values()),
+                ",".join(sorted({str(reason) for _, reason in self.tokens.values()})),
+            )
+        elif isinstance(outcome, (QueueFullError, SamplingParamsError, ValueError)):
+            logger.debug("request %s: refused: %s", self.request_id, outcome)
+        elif isinstance(outcome, BaseException):
+            logger.warning("request %s: failed after %.3fs: %s", self.request_id, elapsed, outcome)
+        else:
+            logger.info(
+                "request %s: %s after %.3fs; engine work aborted", self.request_id, outcome, elapsed
+            )
+
+
     streams: list[AsyncIterator[RequestOutput]] = []
     try:
         for i, (text, ids) in enumerate(prompts):
             streams.append(engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
     except BaseException:
+    request: Request | None = None,
         for stream in streams:
             close = getattr(stream, "aclose", None)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "request %s: engine request(s) %s-0..%d, %d prompt tokens, max_tokens=%s, n=%d",
+            log_id(request),
+            request_id,
+            len(prompts) - 1,
+            sum(len(ids) for _, ids in prompts),
+            params.max_tokens,
+            params.n,
+        )
             if close is not None:
                 asyncio.ensure_future(close())
         raise

@@ -93,7 +93,9 @@ async def create_chat_completion(
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = merge_outputs(start_streams(engine, request_id, [(None, prompt_ids)], params), raw)
+    outputs = merge_outputs(
+        start_streams(engine, request_id, [(None, prompt_ids)], params, raw), raw
+    )
     try:
         first = await anext(outputs)
     except StopAsyncIteration:

@@ -68,7 +68,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = merge_outputs(start_streams(engine, request_id, prompts, params), raw)
+    outputs = merge_outputs(start_streams(engine, request_id, prompts, params, raw), raw)
     try:
         first = await anext(outputs)
     except StopAsyncIteration:
