@@ -154,9 +154,8 @@ async def serve(engine_config: Any, server_config: Any) -> int:
     server.on_signal = on_signal
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     loading = _load_in_daemon_thread(engine_config)
-    logger.info(
-        "loading model %s ...", engine_config.model.model or "(bundled SmolLM2-135M-Instruct)"
-    )
+    bundled = "all-MiniLM-L6-v2" if engine_config.model.task == "embed" else "SmolLM2-135M-Instruct"
+    logger.info("loading model %s ...", engine_config.model.model or f"(bundled {bundled})")
     started = time.monotonic()
     done, _ = await asyncio.wait({serve_task, loading}, return_when=asyncio.FIRST_COMPLETED)
     if loading in done and not state.draining:

@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI wire format (completions, chat, models) plus tokenize/detokenize.
+"""Pydantic models of the OpenAI API: completions, chat, embeddings, models; tokenize/detokenize.
 
 Requests are strict: wrong types, out-of-range values and unknown fields are 400s, and OpenAI fields that
 kvserve does not implement are typed `None` so that any real value is rejected with the field's name.
@@ -138,6 +138,25 @@ class DetokenizeRequest(StrictModel):
     tokens: list[NonNegInt]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the number of inputs in one request
+
+
+class EmbeddingRequest(StrictModel):
+    model: str | None = None
+    # Emptiness (of a string, a list or an inner list) is checked by the route, naming `input`.
+    input: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)]
+        | list[NonNegInt]
+        | Annotated[list[list[NonNegInt]], Field(max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    # Extension (vLLM): keep only the last N tokens of each input; -1 means the model's maximum.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+
+
 # ----------------------------------------------------------------------------------------- responses
 
 
@@ -242,6 +261,24 @@ class ChatCompletionChunk(OpenModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+class EmbeddingData(OpenModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32 (encoding_format=base64)
+
+
+class EmbeddingUsage(OpenModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(OpenModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(OpenModel):

@@ -137,7 +137,11 @@ OPTIONS: tuple[Option, ...] = (
         "longest prompt + completion in tokens; default: the model's",
     ),
     Option(
-        "task", "model.task", str, "what the model serves", choices=("auto", "generate", "embed")
+        "task",
+        "model.task",
+        str,
+        "generate (completions, chat) or embed (/v1/embeddings); auto: as the model's files tell",
+        choices=("auto", "generate", "embed"),
     ),
     Option("pooling", "model.pooling", str, "pooling for embedding models", choices=POOLINGS),
     Option(
@@ -216,7 +220,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=argparse.SUPPRESS,
         help="a Hugging Face folder, a .gguf file or a hub id in the local HF cache "
-        f"(default: the bundled SmolLM2-135M-Instruct; env: {ENV_PREFIX}MODEL)",
+        "(default: the bundled SmolLM2-135M-Instruct, or all-MiniLM-L6-v2 with --task embed; "
+        f"env: {ENV_PREFIX}MODEL)",
     )
     parser.add_argument(
         "--config",

@@ -1,0 +1,211 @@
+"""POST /v1/embeddings: inputs (text, ids, or lists of them) submitted together to the engine, truncation,
+Matryoshka `dimensions`, float or base64 output; and the check that a route matches the engine's task."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import math
+import struct
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import EmbeddingOutput
+from server.errors import APIError, context_length_exceeded, invalid_request
+from server.generation import wait_for_disconnect
+from server.protocol import EmbeddingRequest
+from server.state import ServerState
+
+
+def require_task(engine: Any, task: str) -> None:
+    """A 400 when the route needs a different kind of model than the one served."""
+    served = getattr(engine, "task", "generate")
+    if served == task:
+        return
+    if served == "embed":
+        message = (
+            "This server runs an embedding model: use POST /v1/embeddings. Text generation "
+            "(/v1/completions, /v1/chat/completions) needs a server started with a generative model."
+        )
+    else:
+        message = (
+            "This server runs a text generation model: /v1/embeddings needs a server started with "
+            "an embedding model (kvserve serve --task embed [MODEL])."
+        )
+    raise APIError(message, status=400, code="unsupported_task")
+
+
+def _inputs(req: EmbeddingRequest, tokenizer: Any, keep: int | None) -> list[list[int]]:
+    """Token ids of each input, at most `keep` of them (texts keep the model's special tokens);
+    empty inputs are 400s."""
+    raw: Any = req.input
+    items: list[Any] = [raw] if isinstance(raw, str) else list(raw)
+    if not items:
+        raise invalid_request("input must not be an empty list", "input")
+    if all(isinstance(x, int) for x in items):
+        items = [items]
+    inputs: list[list[int]] = []
+    for i, item in enumerate(items):
+        if not item:
+            which = "input" if len(items) == 1 else f"input[{i}]"
+            raise invalid_request(f"{which} is empty; give a non-empty text or token list", "input")
+        if isinstance(item, str):
+            inputs.append(_encode(tokenizer, item, keep))
+        else:
+            inputs.append(list(item) if keep is None else list(item)[-keep:])
+    return inputs
+
+
+def _encode(tokenizer: Any, text: str, keep: int | None) -> list[int]:
+    """The text's ids; with `keep`, its last tokens, still framed by the model's special tokens."""
+    ids = list(tokenizer.encode(text))
+    if keep is None or len(ids) <= keep:
+        return ids
+    content = list(tokenizer.encode(text, add_special_tokens=False))
+    num_special = len(ids) - len(content)
+    prefix = next((p for p in range(num_special + 1) if ids[p : p + len(content)] == content), None)
+    if prefix is None or keep <= num_special:
+        return ids[-keep:]  # the specials do not simply frame the text: keep the last ids
+    return (
+        ids[:prefix] + content[len(content) - (keep - num_special) :] + ids[prefix + len(content) :]
+    )
+
+
+def _truncation(req: EmbeddingRequest, max_model_len: int) -> int | None:
+    """How many tokens to keep per input (None: no truncation)."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return None
+    if keep == -1:
+        return max_model_len
+    if keep == 0:
+        raise invalid_request(
+            "truncate_prompt_tokens must be -1 (the model's maximum) or a positive number of tokens",
+            "truncate_prompt_tokens",
+        )
+    if keep > max_model_len:
+        raise invalid_request(
+            f"truncate_prompt_tokens ({keep}) exceeds the model's maximum input length "
+            f"({max_model_len} tokens)",
+            "truncate_prompt_tokens",
+        )
+    return keep
+
+
+def _check_input(ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise invalid_request(
+            f"token id {bad} is outside the vocabulary (size {vocab_size})", "input"
+        )
+    if len(ids) > max_model_len:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, an input has "
+            f"{len(ids)} tokens. Shorten it, or set truncate_prompt_tokens to keep its last tokens.",
+            "input",
+        )
+
+
+def _check_capacity(engine: Any, inputs: list[list[int]]) -> None:
+    """A request the engine's queue could never admit whole is a 400, not a 429 that never clears."""
+    scheduler = getattr(getattr(engine, "config", None), "scheduler", None)
+    if scheduler is None:
+        return
+    if len(inputs) > scheduler.max_queued_requests:
+        raise invalid_request(
+            f"this server accepts at most {scheduler.max_queued_requests} inputs per request "
+            "(--max-queued-requests); split the request",
+            "input",
+        )
+    total = sum(len(ids) for ids in inputs)
+    if scheduler.max_queued_tokens is not None and total > scheduler.max_queued_tokens:
+        raise invalid_request(
+            f"the inputs have {total} tokens but this server queues at most "
+            f"{scheduler.max_queued_tokens} (--max-queued-tokens); split the request",
+            "input",
+        )
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _embed_all(
+    engine: Any, request_id: str, inputs: list[list[int]], raw: Request | None
+) -> list[EmbeddingOutput]:
+    """Submit every input at once (the engine batches them); a disconnect or error cancels the rest."""
+    tasks = [
+        asyncio.ensure_future(engine.embed(f"{request_id}-{i}", ids))
+        for i, ids in enumerate(inputs)
+    ]
+    gathered = asyncio.gather(*tasks)
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw)) if raw is not None else None
+    try:
+        waiting = {gathered} if watcher is None else {gathered, watcher}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not gathered.done():
+            raise _ClientGone()
+        return list(gathered.result())
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        for task in tasks:
+            task.cancel()  # closing an unfinished engine.embed aborts its engine request
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _shorten(vector: list[float], dimensions: int | None) -> list[float]:
+    """Matryoshka truncation: the first `dimensions` values, L2-normalized again."""
+    if dimensions is None:
+        return vector
+    if dimensions > len(vector):
+        raise invalid_request(
+            f"dimensions ({dimensions}) exceeds this model's embedding size ({len(vector)})",
+            "dimensions",
+        )
+    head = vector[:dimensions]
+    norm = math.sqrt(math.fsum(x * x for x in head))
+    return [x / norm for x in head] if norm > 0 else head
+
+
+def encode_base64(vector: list[float]) -> str:
+    """Little-endian float32 bytes in base64, as OpenAI sends (and its SDK decodes) them."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerState) -> Response:
+    engine = state.require_engine()
+    model = state.check_model(req.model)
+    require_task(engine, "embed")
+    tokenizer = engine.tokenizer
+    keep = _truncation(req, engine.max_model_len)
+    inputs = _inputs(req, tokenizer, keep)
+    for ids in inputs:
+        _check_input(ids, tokenizer.vocab_size, engine.max_model_len)
+    _check_capacity(engine, inputs)
+    request_id = f"embd-{uuid.uuid4().hex}"
+    try:
+        outputs = await _embed_all(engine, request_id, inputs, raw)
+    except _ClientGone:
+        return Response(status_code=499)
+    data = []
+    for index, out in enumerate(outputs):
+        vector = _shorten(out.embedding, req.dimensions)
+        encoded: list[float] | str = (
+            encode_base64(vector) if req.encoding_format == "base64" else vector
+        )
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    prompt_tokens = sum(out.num_prompt_tokens for out in outputs)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+    )
