@@ -203,8 +203,10 @@ class AsyncLLMEngine:
                 if not self.core.has_unfinished_requests():
                     self._waiting_snapshot = (0, 0)
                     if not self._pending:
+                        self._flush_log_window()  # the busy period's last stats line, then silence
                         self._wakeup.clear()
                         await self._wakeup.wait()
+                        self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                     continue
                 outputs = await asyncio.to_thread(self.core.step)
                 for out in outputs:
@@ -221,10 +223,8 @@ class AsyncLLMEngine:
             raise
         except BaseException as e:  # the loop itself died: fail everyone instead of hanging
             logger.exception("engine loop died")
-                        self._flush_log_window()  # the busy period's last stats line, then silence
             self.dead_error = e
             for queue in self._queues.values():
-                        self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                 queue.put_nowait(
                     EngineDeadError(f"the engine stopped after an internal error: {e}")
                 )
@@ -284,15 +284,22 @@ class AsyncLLMEngine:
             stats.update(
                 num_running=0,
                 num_waiting=len(self.core.waiting),
+                num_requests_running=0,
+                num_requests_waiting=len(self.core.waiting),
                 kv_cache_usage=0.0,
                 num_free_blocks=0,
                 num_total_blocks=0,
             )
         else:
             kv = self.core.kv
+            # Sequences (num_running/num_waiting) vs requests: n > 1 samples are one request.
+            running = {s.group.request_id for s in list(self.core.scheduler.running)}
+            waiting = {s.group.request_id for s in list(self.core.scheduler.waiting)} - running
             stats.update(
                 num_running=len(self.core.scheduler.running),
                 num_waiting=len(self.core.scheduler.waiting),
+                num_requests_running=len(running),
+                num_requests_waiting=len(waiting),
                 kv_cache_usage=kv.usage,
                 num_free_blocks=kv.num_free_blocks,
                 num_total_blocks=kv.num_blocks,
@@ -302,22 +309,15 @@ class AsyncLLMEngine:
 
 def create_engine_core(config: EngineConfig) -> LLMEngine | EmbeddingEngine:
     """Load the model and build the core its task needs (given, or told by the model's files)."""
-                num_requests_running=0,
-                num_requests_waiting=len(self.core.waiting),
     mc = config.model
     if mc.model is None and mc.task == "embed":
         model_dir = find_bundled_embedding_model()
         name = "all-MiniLM-L6-v2"
     else:
         model_dir = resolve_model(mc.model, mc.cache_dir)
-            # Sequences (num_running/num_waiting) vs requests: n > 1 samples are one request.
-            running = {s.group.request_id for s in list(self.core.scheduler.running)}
-            waiting = {s.group.request_id for s in list(self.core.scheduler.waiting)} - running
         name = served_model_name(mc.model, model_dir)
     task = mc.task if mc.task != "auto" else detect_task(model_dir)
     if task == "embed":
-                num_requests_running=len(running),
-                num_requests_waiting=len(waiting),
         return EmbeddingEngine(config, model_dir, name)
     return LLMEngine(config, model_dir, name)
 

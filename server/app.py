@@ -11,6 +11,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
+from server.metrics import MetricsMiddleware, ServerMetrics
+from server.metrics import router as metrics_router
 from server.middleware import GuardMiddleware, RequestIdMiddleware
 from server.protocol import (
     ChatCompletionRequest,
@@ -175,9 +177,11 @@ def build_app(config: ServerConfig, engine: Any = None) -> FastAPI:
         title="kvserve", version=kvserve_version(), description="OpenAI-compatible LLM server"
     )
     app.state.server = ServerState(config, engine)
+    app.state.metrics = ServerMetrics(app.state.server)
     install_error_handlers(app)
     app.include_router(router)
-    # Added innermost first: requests pass RequestId -> CORS -> Guard -> routes.
+    app.include_router(metrics_router)
+    # Added innermost first: requests pass Metrics -> RequestId -> CORS -> Guard -> routes.
     app.add_middleware(GuardMiddleware, state=app.state.server)
     if config.allowed_origins:
         app.add_middleware(
@@ -188,4 +192,6 @@ def build_app(config: ServerConfig, engine: Any = None) -> FastAPI:
             expose_headers=["X-Request-Id", "Retry-After"],
         )
     app.add_middleware(RequestIdMiddleware)
+    routes = [*router.routes, *metrics_router.routes, *app.router.routes]
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics, routes=routes)
     return app

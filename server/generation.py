@@ -126,6 +126,7 @@ async def merge_outputs(
     client disconnecting cancels all of them, which makes the engine abort those requests.
     """
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    log = _RequestLog(request, len(streams))
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -133,7 +134,6 @@ async def merge_outputs(
                 queue.put_nowait((index, output))
         except Exception as e:  # noqa: BLE001 - forwarded to the consumer
             queue.put_nowait((index, e))
-    log = _RequestLog(request, len(streams))
             return
         queue.put_nowait((index, _DONE))
 
@@ -150,35 +150,28 @@ async def merge_outputs(
                 if not getter.done():
                     getter.cancel()
             if not getter.done() or getter.cancelled():
+                log.outcome = "client disconnected"
                 raise ClientDisconnected()
             index, item = getter.result()
             if item is _DONE:
                 remaining -= 1
             elif isinstance(item, Exception):
+                log.outcome = item
                 raise item
             else:
-                log.outcome = "client disconnected"
+                log.saw(index, item)
                 yield index, item
+        log.outcome = "finished"
     finally:
+        log.done()
         if watcher is not None:
             watcher.cancel()
         for task in tasks:
-                log.outcome = item
             task.cancel()
         with contextlib.suppress(BaseException):
-                log.saw(index, item)
             await asyncio.gather(*tasks, return_exceptions=True)
-        log.outcome = "finished"
 
-        log.done()
 
-def start_streams(
-    engine: Any,
-    request_id: str,
-    prompts: list[tuple[str | None, list[int]]],
-    params: SamplingParams,
-) -> list[AsyncIterator[RequestOutput]]:
-    """One engine request per prompt, ids `<request_id>-<prompt index>`."""
 def log_id(request: Request | None) -> str:
     """The X-Request-Id the middleware gave this HTTP request ("-" outside HTTP)."""
     state = request.scope.get("state", {}) if request is not None else {}
@@ -230,14 +223,14 @@ class _RequestLog:
             )
 
 
-    streams: list[AsyncIterator[RequestOutput]] = []
-    try:
-        for i, (text, ids) in enumerate(prompts):
-            streams.append(engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
-    except BaseException:
+def start_streams(
+    engine: Any,
+    request_id: str,
+    prompts: list[tuple[str | None, list[int]]],
+    params: SamplingParams,
     request: Request | None = None,
-        for stream in streams:
-            close = getattr(stream, "aclose", None)
+) -> list[AsyncIterator[RequestOutput]]:
+    """One engine request per prompt, ids `<request_id>-<prompt index>`."""
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "request %s: engine request(s) %s-0..%d, %d prompt tokens, max_tokens=%s, n=%d",
@@ -248,6 +241,13 @@ class _RequestLog:
             params.max_tokens,
             params.n,
         )
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            streams.append(engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
+    except BaseException:
+        for stream in streams:
+            close = getattr(stream, "aclose", None)
             if close is not None:
                 asyncio.ensure_future(close())
         raise
