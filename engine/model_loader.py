@@ -118,8 +118,8 @@ def _from_hf_cache(repo_id: str) -> Path:
         folder = Path(snapshot_download(repo_id, local_files_only=True))
     except Exception as e:  # noqa: BLE001 - any hub error means "not cached"
         raise ValueError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and kvserve never downloads; "
-            f"run `huggingface-cli download {repo_id}` first or pass a local folder"
+            f"model {repo_id!r} is not a local path and not in the local Hugging Face cache "
+            f"(kvserve never downloads); run `hf download {repo_id}` first or pass a local folder"
         ) from e
     if not (folder / "config.json").is_file():
         raise ValueError(f"cached hub model {repo_id!r} at {folder} has no config.json")

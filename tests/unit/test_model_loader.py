@@ -179,6 +179,20 @@ def test_unknown_hub_id_is_not_downloaded():
         resolve_model("kvserve-test/definitely-not-a-real-model")
 
 
+def test_hub_id_found_in_the_local_hf_cache(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--kvserve-test--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_dir / name, snapshot / name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model("kvserve-test/tiny") == snapshot
+
+
 def test_non_gguf_file_is_rejected(tmp_path: Path):
     path = tmp_path / "weights.txt"
     path.write_text("hello")
