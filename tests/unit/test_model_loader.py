@@ -193,6 +193,16 @@ def test_hub_id_found_in_the_local_hf_cache(tiny_llama_dir: Path, tmp_path: Path
     assert resolve_model("kvserve-test/tiny") == snapshot
 
 
+def test_corrupt_gguf_fails_cleanly(tmp_path: Path):
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"GGUF" + b"\x00" * 64)
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="could not convert GGUF file .*broken.gguf"):
+        resolve_model(str(gguf), cache_dir=str(cache))
+    # No half-written folder is left behind to be mistaken for a finished conversion.
+    assert not [p for p in cache.iterdir() if p.is_dir()]
+
+
 def test_non_gguf_file_is_rejected(tmp_path: Path):
     path = tmp_path / "weights.txt"
     path.write_text("hello")
