@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.embedding_engine import EmbeddingEngine
+from engine.faults import ENGINE_DEATH, fault_injection_enabled, wants_fault
 from engine.llm_engine import LLMEngine, served_model_name
 from engine.model_loader import find_bundled_embedding_model, resolve_model
 from engine.outputs import (
@@ -35,6 +36,9 @@ class AsyncLLMEngine:
         self.model_name = core.model_name
         self.max_model_len = core.max_model_len
         self.task: str = core.task
+        # A request batch (a list of prompts) larger than this can never be admitted.
+        self.max_queued_requests = core.config.scheduler.max_queued_requests
+        self._fault_injection = fault_injection_enabled()
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._pending: list[tuple[Any, ...]] = []  # adds and aborts applied between steps
         self._pending_tokens = 0
@@ -150,6 +154,8 @@ class AsyncLLMEngine:
         sc = self.config.scheduler
         pending_adds = sum(1 for p in self._pending if p[0] == "add")
         waiting, waiting_tokens = self._waiting_snapshot
+        if waiting + pending_adds == 0:
+            return  # an empty queue takes any request, so a prompt over the token cap still runs
         if waiting + pending_adds >= sc.max_queued_requests:
             raise QueueFullError(
                 f"the server is at capacity ({waiting + pending_adds} requests waiting); retry shortly",
@@ -182,6 +188,7 @@ class AsyncLLMEngine:
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
         self._pending_tokens = 0
+        waiting, waiting_tokens = self._waiting_snapshot
         for item in pending:
             if item[0] == "abort":
                 self.core.abort_request(item[1])
@@ -190,10 +197,21 @@ class AsyncLLMEngine:
             queue = self._queues.get(request_id)
             if queue is None:
                 continue  # the client left before the request reached the engine
+            if self._fault_injection and wants_fault(prompt, ENGINE_DEATH):
+                raise RuntimeError("injected engine failure (KVSERVE_FAULT_INJECTION)")
             try:
                 self.core.add_request(request_id, prompt_token_ids, params, prompt)
             except ValueError as e:
                 queue.put_nowait(e)
+                continue
+            except Exception as e:  # a bug while adding one request fails that request only
+                logger.exception("adding request %s failed", request_id)
+                queue.put_nowait(RequestError(f"the request could not be started: {e}"))
+                continue
+            # Counted as waiting until the next step's snapshot, so admission stays strict meanwhile.
+            waiting += 1
+            waiting_tokens += len(prompt_token_ids)
+        self._waiting_snapshot = (waiting, waiting_tokens)
 
     async def _run(self) -> None:
         assert self._wakeup is not None

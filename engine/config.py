@@ -40,7 +40,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # explicit pool size; wins over kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for K+V of all layers; None -> a default for the device
+    kv_cache_memory: int | None = (
+        None  # bytes for K+V of all layers; None -> a default for the device
+    )
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -52,12 +54,16 @@ class CacheConfig:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
 
 
+QUEUED_TOKENS_PER_BATCH = 32  # default max_queued_tokens = this x max_num_batched_tokens
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # running sequences per step
     max_num_batched_tokens: int = 2048  # token budget per step (decode + prefill chunks)
     max_queued_requests: int = 256  # waiting requests beyond which admission fails
-    max_queued_tokens: int | None = None  # waiting prompt tokens beyond which admission fails
+    # Waiting prompt tokens beyond which admission fails; None -> QUEUED_TOKENS_PER_BATCH steps' worth.
+    max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -66,6 +72,12 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be at least 1")
+        if self.max_queued_tokens is None:
+            # Bounded by default: the queue holds about as much prefill as 32 full engine steps.
+            limit = QUEUED_TOKENS_PER_BATCH * self.max_num_batched_tokens
+            object.__setattr__(self, "max_queued_tokens", limit)
+        elif self.max_queued_tokens < 1:
+            raise ValueError("max_queued_tokens must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,11 @@ class EngineConfig:
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
         """Build from flat keyword options (`LLM(model, dtype=..., max_num_seqs=...)`)."""
-        groups: dict[type, dict[str, object]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        groups: dict[type, dict[str, object]] = {
+            ModelConfig: {},
+            CacheConfig: {},
+            SchedulerConfig: {},
+        }
         top: dict[str, object] = {}
         for key, value in options.items():
             for group_cls, bucket in groups.items():

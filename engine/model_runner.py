@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.faults import NAN_AFTER_TOKENS, NAN_LOGITS, fault_injection_enabled, wants_fault
 from engine.outputs import TokenLogprob
 from engine.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -54,6 +55,7 @@ class ModelRunner:
             device,
         )
         self.sampler = Sampler()
+        self.fault_injection = fault_injection_enabled()
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -135,6 +137,14 @@ class ModelRunner:
             )
             for s in sample_seqs
         ]
+        if self.fault_injection:
+            bad = [
+                i
+                for i, s in enumerate(sample_seqs)
+                if wants_fault(s.seq.group.prompt, NAN_LOGITS)
+                and s.seq.num_output_tokens >= NAN_AFTER_TOKENS
+            ]
+            logits[bad] = float("nan")  # exercises the sampler's per-row non-finite check
         self._sample(logits, rows, sample_seqs, out)
         return out
 

@@ -201,7 +201,7 @@ OPTIONS: tuple[Option, ...] = (
         "max-queued-tokens",
         "scheduler.max_queued_tokens",
         _optional_int,
-        "waiting prompt tokens beyond which new requests get 429",
+        "waiting prompt tokens beyond which new requests get 429; unset: 32 x max-num-batched-tokens",
     ),
     Option(
         "log-stats-interval",
