@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
 from server.metrics import MetricsMiddleware, ServerMetrics
 from server.metrics import router as metrics_router
-from server.middleware import GuardMiddleware, RequestIdMiddleware
+from server.middleware import GuardMiddleware, RequestIdMiddleware, UnhandledErrorMiddleware
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -181,7 +181,8 @@ def build_app(config: ServerConfig, engine: Any = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)
-    # Added innermost first: requests pass Metrics -> RequestId -> CORS -> Guard -> routes.
+    # Added innermost first: requests pass Metrics -> RequestId -> CORS -> Guard -> UnhandledError -> routes.
+    app.add_middleware(UnhandledErrorMiddleware)
     app.add_middleware(GuardMiddleware, state=app.state.server)
     if config.allowed_origins:
         app.add_middleware(

@@ -18,6 +18,8 @@ from server.protocol import SamplingFields
 
 logger = logging.getLogger(__name__)
 
+MAX_SEED = 2**64 - 1
+
 
 class ClientDisconnected(Exception):
     """The HTTP client went away; its engine requests have been aborted."""
@@ -49,6 +51,11 @@ def build_sampling_params(
             if token_id < 0:
                 raise invalid_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
             logit_bias[token_id] = bias
+    if req.seed is not None and req.seed + max(n, best_of or 1) - 1 > MAX_SEED:
+        # Sample i is seeded with seed + i, which must stay a 64-bit seed.
+        raise invalid_request(
+            f"seed must be at most {MAX_SEED} minus the number of samples", "seed"
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         params = SamplingParams(

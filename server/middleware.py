@@ -11,7 +11,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError, service_unavailable
+from server.errors import APIError, service_unavailable, to_api_error
 from server.state import ServerState
 
 OPEN_PATHS = ("/health",)  # answered without an API key and while draining
@@ -39,6 +39,35 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class UnhandledErrorMiddleware:
+    """Innermost: an exception no handler took (a bug) is answered with the 500 envelope and logged.
+
+    Starlette's own catch-all re-raises after answering, and the server then drops the keep-alive
+    connection, so the client's next request on it fails too; here the connection stays usable.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise  # half a response is out: only the server can end the connection
+            await _send_error(send, to_api_error(exc))
 
 
 class BodyTooLarge(HTTPException):

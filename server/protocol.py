@@ -7,9 +7,9 @@ kvserve does not implement are typed `None` so that any real value is rejected w
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128
 MAX_STOP = 16
@@ -18,8 +18,32 @@ TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """JSON may escape half a UTF-16 pair ("\\ud800"); such text cannot be tokenized or sent back."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list) and value and isinstance(value[0], (str, list, dict)):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _has_lone_surrogate(value):
+            raise ValueError("the text is not valid Unicode: it contains an unpaired surrogate")
+        return value
 
 
 class OpenModel(BaseModel):

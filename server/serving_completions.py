@@ -53,6 +53,12 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if req.echo and req.stream and req.best_of is not None and req.best_of > n:
         raise invalid_request("echo with best_of > n is not supported", "echo")
     prompts = _prompts(req, tokenizer)
+    max_prompts = getattr(engine, "max_queued_requests", None)
+    if max_prompts is not None and len(prompts) > max_prompts:
+        raise invalid_request(
+            f"Too many prompts ({len(prompts)}); this server takes at most {max_prompts} per request.",
+            "prompt",
+        )
     for _, ids in prompts:
         check_prompt_ids(ids, tokenizer.vocab_size, engine.max_model_len, req.max_tokens, "prompt")
     want_prompt_logprobs = bool(req.echo) and req.logprobs is not None
