@@ -80,7 +80,8 @@ def run_hf_sequential(
     model: Any, prompts: list[list[int]], output_len: int
 ) -> tuple[float, list[list[int]]]:
     kwargs = _gen_kwargs(model, output_len)
-    model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, **{**kwargs, "min_new_tokens": 0})
+    warm = {**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+    model.generate(torch.tensor([prompts[0]]), **warm)
     tokens = []
     start = time.perf_counter()
     for ids in prompts:
@@ -101,7 +102,8 @@ def run_hf_batched(
     for row, ids in enumerate(prompts):  # left padding: every prompt ends at the last column
         input_ids[row, width - len(ids) :] = torch.tensor(ids)
         mask[row, width - len(ids) :] = 1
-    model.generate(input_ids[:1], attention_mask=mask[:1], **{**kwargs, "max_new_tokens": 2})
+    warm = {**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+    model.generate(input_ids[:1], attention_mask=mask[:1], **warm)
     start = time.perf_counter()
     out = model.generate(input_ids, attention_mask=mask, **kwargs)
     seconds = time.perf_counter() - start

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -141,6 +142,10 @@ def run_server(
 # ---------------------------------------------------------------- CLI
 
 
+def _ratio_text(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}x"
+
+
 def format_report(on: dict, off: dict) -> str:
     rows = [
         ("prefill tokens computed", "prefill_tokens_computed", "{:,.0f}"),
@@ -154,7 +159,7 @@ def format_report(on: dict, off: dict) -> str:
     for label, key, fmt in rows:
         lines.append(
             f"{label:<28}{fmt.format(on[key]):>12}{fmt.format(off[key]):>12}"
-            f"{ratio(float(on[key]), float(off[key])):>9.2f}x"
+            f"{_ratio_text(ratio(float(on[key]), float(off[key]))):>10}"
         )
     return "\n".join(lines)
 
