@@ -145,7 +145,9 @@ async def _embed_all(
     gathered = asyncio.gather(*tasks)
     watcher = asyncio.ensure_future(wait_for_disconnect(raw)) if raw is not None else None
     try:
-        waiting = {gathered} if watcher is None else {gathered, watcher}
+        waiting: set[asyncio.Future[Any]] = {gathered}
+        if watcher is not None:
+            waiting.add(watcher)
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if not gathered.done():
             raise _ClientGone()
@@ -153,8 +155,9 @@ async def _embed_all(
     finally:
         if watcher is not None:
             watcher.cancel()
+        gathered.cancel()
         for task in tasks:
-            task.cancel()  # closing an unfinished engine.embed aborts its engine request
+            task.cancel()  # an unfinished engine.embed aborts its engine request when cancelled
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
 

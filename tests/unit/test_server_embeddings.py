@@ -63,13 +63,13 @@ class FakeEmbeddingEngine:
         self.max_active = 0
         self.aborted: list[str] = []
         self.delay = 0.01
-        self.queue_full = False
+        self.refuse_token: int | None = None  # inputs holding this token id get QueueFullError
 
     def stats(self) -> dict[str, int]:
         return {"num_running": 0, "num_waiting": 0}
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
-        if self.queue_full:
+        if self.refuse_token in prompt_token_ids:
             raise QueueFullError("queue is full", retry_after=2.0)
         self.requests.append((request_id, list(prompt_token_ids)))
         self.active.add(request_id)
@@ -236,13 +236,16 @@ async def test_more_inputs_than_the_queue_admits_is_400(client: httpx.AsyncClien
     assert "16" in err["message"]
 
 
-async def test_a_full_queue_is_429_and_nothing_is_left_running(
+async def test_a_refused_input_is_429_and_aborts_the_others(
     client: httpx.AsyncClient, engine: FakeEmbeddingEngine
 ) -> None:
-    engine.queue_full = True
-    r = await _embed(client, input=["a", "b"])
+    engine.delay = 30.0
+    engine.refuse_token = ord("b")
+    r = await asyncio.wait_for(_embed(client, input=["a", "b", "c"]), timeout=10)
     assert r.status_code == 429 and r.headers["retry-after"] == "2"
-    assert not engine.active
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert sorted(engine.aborted) == sorted(rid for rid, _ in engine.requests)
+    assert len(engine.aborted) == 2 and not engine.active
 
 
 async def test_generation_routes_refused_on_an_embedding_server(
