@@ -146,9 +146,14 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(llm, prompts):
 
 
 def test_n_samples_share_the_prompt_and_differ(llm, prompts):
+    prompt = prompts[15][::-1]  # a prompt no earlier test has cached
+    hits_before = llm.engine.totals.prefix_cache_hits
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
-    out = llm.generate([prompts[15]], params)[0]
+    out = llm.generate([prompt], params)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    # The two followers found the leader's prompt blocks in the prefix cache.
-    assert out.num_cached_tokens == 0
+    assert out.num_cached_tokens == 0  # the leader computed the prompt
+    # The two followers found the leader's prompt blocks in the prefix cache instead of recomputing.
+    whole_blocks = (len(prompt) - 1) // 16 * 16
+    assert llm.engine.totals.prefix_cache_hits - hits_before == 2 * whole_blocks
