@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="extra `kvserve serve` arguments")
     p.add_argument("--num-requests", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--warmup-requests", type=int, default=8, help="mixed requests before 'before'")
     p.add_argument("--max-seconds", type=float, default=180.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None)
@@ -173,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(base_url: str, args: argparse.Namespace, pid: int | None) -> dict[str, Any]:
+    if args.warmup_requests:  # first-use allocations (kernels, buffers) are not leaks
+        warm = argparse.Namespace(
+            **{**vars(args), "num_requests": args.warmup_requests, "seed": -1}
+        )
+        asyncio.run(soak(base_url, warm, None))
     wait_idle(base_url)
     before = snapshot(base_url, pid)
     start = time.perf_counter()
