@@ -203,6 +203,8 @@ async def _drive(
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    unsent = len(prompts) - len(records)  # never started: cut off by the deadline
+    records.extend(RequestRecord(start, error="cancelled") for _ in range(unsent))
     finished = [r.end for r in records if r.ok]
     duration = (max(finished) if finished else time.perf_counter()) - start
     if pending:

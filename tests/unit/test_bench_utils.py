@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -157,3 +158,45 @@ def test_send_request_records_http_errors() -> None:
 
     rec = asyncio.run(go())
     assert not rec.ok and "422" in (rec.error or "")
+
+
+def _drive_with(
+    handler: Callable[[httpx.Request], Awaitable[httpx.Response]], config: BenchConfig, n: int
+) -> tuple[list[RequestRecord], float]:
+    from benchmarks.serve_bench import _drive
+
+    async def go() -> tuple[list[RequestRecord], float]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await _drive(client, "http://x/v1/completions", config, ["p"] * n, None)
+
+    return asyncio.run(go())
+
+
+def test_load_generator_respects_concurrency_and_count() -> None:
+    in_flight, peak, seen = 0, 0, 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, peak, seen
+        in_flight += 1
+        seen += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        chunks = [{"choices": [{"text": "x"}]}, {"choices": [], "usage": {"completion_tokens": 1}}]
+        return httpx.Response(200, content=_sse(chunks))
+
+    config = BenchConfig(concurrency=3, progress=False, max_seconds=60)
+    records, duration = _drive_with(handler, config, 10)
+    assert seen == 10 and peak == 3
+    assert sum(r.ok for r in records) == 10 and duration > 0
+
+
+def test_load_generator_stops_at_the_deadline() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.2)
+        return httpx.Response(200, content=_sse([{"choices": [{"text": "x"}]}]))
+
+    config = BenchConfig(concurrency=1, progress=False, max_seconds=0.3)
+    records, _ = _drive_with(handler, config, 5)
+    m = compute_metrics(records, 1.0)
+    assert m["completed"] < 5 and m["completed"] + m["cancelled"] == 5
