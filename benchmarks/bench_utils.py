@@ -146,6 +146,8 @@ _WORDS = (
 
 class _HFTokenizer:
     def __init__(self, folder: Path) -> None:
+        self._fast: Any
+        self._auto: Any
         tokenizer_json = folder / "tokenizer.json"
         if tokenizer_json.is_file():
             from tokenizers import Tokenizer

@@ -13,7 +13,6 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,11 +247,11 @@ def _with_port(target: Target, port: int) -> Target:
     return Target(target.name, argv, target.url, target.ignore_eos, target.extra_body, target.env)
 
 
-def _raise_on_sigterm() -> Callable[..., None]:
+def _raise_on_sigterm() -> None:
     def handler(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through `with ServerProcess`, stopping servers
 
-    return signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,7 @@ async def one_request(
 ) -> str:
     """Send one request of `kind`; return 'ok', 'aborted' or an error description."""
     max_tokens = rng.randint(1, 64)
+    body: dict[str, Any]
     if kind == "chat":
         url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
     else:
