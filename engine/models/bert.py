@@ -72,7 +72,8 @@ def packed_attention(
     flash-attn call needs no padding at all.
     """
     gqa = k.shape[1] != q.shape[1]
-    if q.dtype in (torch.float16, torch.bfloat16) and attention_backend(q.device.type) == "flash":
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if half and attention_backend(q.device.type, q.dtype) == "flash":
         from flash_attn import flash_attn_varlen_func
 
         cu, n = layout.cu_seqlens.to(torch.int32), layout.max_len
