@@ -4,7 +4,10 @@ against vectors computed here with transformers; and a generation server refusin
 from __future__ import annotations
 
 import base64
+import re
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.conftest import ServerProcess
+from tests.e2e.conftest import REPO_ROOT, ServerProcess
 
 MODEL = "all-MiniLM-L6-v2"
 SENTENCES = [
@@ -180,3 +183,16 @@ def test_generation_server_refuses_embeddings(tiny_server: ServerProcess) -> Non
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and "embedding model" in error["message"]
+
+
+def test_readme_embeddings_example_runs(embed_server: ServerProcess) -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    blocks = re.findall(r"<!-- embeddings example -->\s*```python\n(.*?)```", readme, re.DOTALL)
+    assert len(blocks) == 1
+    code = blocks[0].replace("http://localhost:8000", embed_server.url)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    size, cosine, tokens = result.stdout.split()
+    assert int(size) == 128 and 0.3 < float(cosine) < 1.0 and int(tokens) > 10
