@@ -89,7 +89,7 @@ class LLMEngine:
             budget = int(free * 0.8)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(4 * _GiB, total // 8)
+            budget = min(_GiB, total // 16)  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
         num_blocks = max(2, budget // per_block)
         # No point holding more than every running sequence at full length.
         cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size) + 1
@@ -135,7 +135,9 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        arrival_time: float | None = None,
     ) -> None:
+        """`arrival_time` (time.monotonic()) is when the caller received the request, if earlier."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
@@ -145,6 +147,8 @@ class LLMEngine:
             sample_params = dataclasses.replace(params, logprobs=0)
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), sample_params, max_tokens)
         group.user_params = params  # type: ignore[attr-defined]
+        if arrival_time is not None:
+            group.metrics.arrival_time = arrival_time
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(prompt_token_ids)
         for i in range(params.num_samples):
