@@ -112,7 +112,10 @@ class AsyncLLMEngine:
         self._admit(len(prompt_token_ids))
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending.append(("add", request_id, prompt_token_ids, params, prompt))
+        # Arrival is now: time spent here until the next step applies the add counts as queue time.
+        self._pending.append(
+            ("add", request_id, prompt_token_ids, params, prompt, time.monotonic())
+        )
         self._pending_tokens += len(prompt_token_ids)
         self._wake()
         finished = False
@@ -193,14 +196,16 @@ class AsyncLLMEngine:
             if item[0] == "abort":
                 self.core.abort_request(item[1])
                 continue
-            _, request_id, prompt_token_ids, params, prompt = item
+            _, request_id, prompt_token_ids, params, prompt, arrival_time = item
             queue = self._queues.get(request_id)
             if queue is None:
                 continue  # the client left before the request reached the engine
             if self._fault_injection and wants_fault(prompt, ENGINE_DEATH):
                 raise RuntimeError("injected engine failure (KVSERVE_FAULT_INJECTION)")
             try:
-                self.core.add_request(request_id, prompt_token_ids, params, prompt)
+                self.core.add_request(
+                    request_id, prompt_token_ids, params, prompt, arrival_time=arrival_time
+                )
             except ValueError as e:
                 queue.put_nowait(e)
                 continue

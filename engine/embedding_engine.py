@@ -71,9 +71,11 @@ class EmbeddingEngine:
         prompt_token_ids: list[int],
         params: object = None,
         prompt: str | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         self.validate(prompt_token_ids)
-        self.waiting.append(_EmbedRequest(request_id, list(prompt_token_ids), time.monotonic()))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.waiting.append(_EmbedRequest(request_id, list(prompt_token_ids), arrival))
 
     def abort_request(self, request_id: str) -> None:
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)

@@ -54,7 +54,9 @@ class FakeCore:
         if not prompt_token_ids:
             raise ValueError("empty prompt")
 
-    def add_request(self, request_id: str, ids: list[int], params: Any, prompt: Any) -> None:
+    def add_request(
+        self, request_id: str, ids: list[int], params: Any, prompt: Any, arrival_time: Any = None
+    ) -> None:
         if request_id in self.fail_add:
             raise RuntimeError("boom while adding")
         self.groups[request_id] = _Group(list(ids), self.steps)
