@@ -195,9 +195,8 @@ class _RequestLog:
         self.latest: dict[int, RequestOutput] = {}
         self.num_streams = num_streams
         self.outcome: str | BaseException = "closed early"  # e.g. a streaming client went away
-        self.tokens: dict[
-            tuple[int, int], tuple[int, str | None]
-        ] = {}  # (stream, choice) -> last seen
+        # (stream index, choice index) -> (output tokens so far, finish reason)
+        self.tokens: dict[tuple[int, int], tuple[int, str | None]] = {}
 
     def saw(self, index: int, output: RequestOutput) -> None:
         self.latest[index] = output

@@ -241,3 +241,14 @@ async def test_request_logs_carry_the_request_id_but_no_text(
     ]
     assert failed and failed[0].levelno == logging.WARNING
     assert not any("secret" in line for line in lines)
+
+
+def test_exported_families_are_the_ones_the_dashboard_test_knows(metrics: ServerMetrics) -> None:
+    from tests.unit.test_dashboard import COUNTERS_AND_GAUGES, HISTOGRAMS
+
+    metrics.on_http_response("/health", 200)  # labelled families appear once they have a child
+    exposed = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in metrics.registry.collect()
+    }
+    assert exposed == COUNTERS_AND_GAUGES | HISTOGRAMS
