@@ -37,10 +37,21 @@ from server.state import ServerConfig, ServerState
 logger = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
 STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    # Before OpenAPI 3.2 an event stream's schema describes one event: JSON chunks, then "[DONE]".
+    200: {
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"data": {"type": "string"}},
+                }
+            }
+        }
+    }
 }
 
 

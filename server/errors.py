@@ -193,7 +193,27 @@ async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     return to_api_error(exc).response()
 
 
+def _document_errors_as_sent(app: FastAPI) -> None:
+    """FastAPI documents a 422 HTTPValidationError on every route with a body or parameters; this
+    server answers validation failures with the 400 envelope instead, so the schema must not promise it."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            for path_item in schema.get("paths", {}).values():
+                for operation in path_item.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    _document_errors_as_sent(app)
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
