@@ -121,18 +121,11 @@ class EmbeddingEngine:
         num_tokens = sum(len(r.token_ids) for r in batch)
         stats = StepStats(
             "prefill",
-            now - t0,
-            num_tokens,
-            num_tokens,
-            0,
-            0,
-            len(self.waiting),
-            0.0,
-            0,
-            num_tokens,
-            0,
-            0,
-            0,
+            duration=now - t0,
+            num_batched_tokens=num_tokens,
+            num_prefill_tokens=num_tokens,
+            num_waiting=len(self.waiting),
+            num_new_prompt_tokens=num_tokens,
         )
         outputs = []
         for r, vector in zip(batch, vectors, strict=True):

@@ -16,12 +16,14 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, resolve_model
 from engine.model_runner import ModelRunner, RunnerOutput
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.quantization import quantize_model
 from engine.request import RequestGroup, Sequence, SequenceStatus
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.stats import EngineTotals, FinishedRequestStats, StepStats
+from engine.stats import EngineTotals, StepStats
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class LLMEngine:
         torch.manual_seed(mc.seed)
         loaded = load_model(self.model_dir, mc.dtype, mc.device)
         self.model = loaded.model
+        quantize_model(self.model, mc.quantization)
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)
@@ -60,6 +63,9 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(block_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.eos_token_ids, self.max_model_len
+        )
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size)
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
@@ -89,7 +95,9 @@ class LLMEngine:
             budget = int(free * 0.8)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(_GiB, total // 16)  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
+            budget = min(
+                _GiB, total // 16
+            )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
         num_blocks = max(2, budget // per_block)
         # No point holding more than every running sequence at full length.
         cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size) + 1
@@ -211,8 +219,10 @@ class LLMEngine:
                 errors={s.seq.seq_id: f"model execution failed: {e}" for s in sched.scheduled}
             )
         self.scheduler.after_step(sched)
-        touched = self._update(sched, result, stats)
-        outputs = [out for g in touched if (out := self._make_output(g)) is not None]
+        touched = self.output_processor.update(sched, result, stats)
+        outputs = [
+            out for g in touched if (out := self.output_processor.make_output(g)) is not None
+        ]
         for g in touched:
             if g.finished:
                 self.groups.pop(g.request_id, None)
@@ -228,25 +238,15 @@ class LLMEngine:
         return outputs
 
     def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
-        kind = (
-            "decode"
-            if sched.num_prefill_tokens == 0
-            else ("prefill" if sched.num_decode_tokens == 0 else "mixed")
-        )
+        if sched.num_prefill_tokens == 0:
+            kind = "decode"
+        else:
+            kind = "prefill" if sched.num_decode_tokens == 0 else "mixed"
         return StepStats(
             kind,
-            0.0,
-            sched.num_batched_tokens,
-            sched.num_prefill_tokens,
-            sched.num_decode_tokens,
-            0,
-            0,
-            0.0,
-            0,
-            0,
-            0,
-            0,
-            0,
+            num_batched_tokens=sched.num_batched_tokens,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
         )
 
     def _accumulate(self, stats: StepStats) -> None:
@@ -259,173 +259,6 @@ class LLMEngine:
         t.prefix_cache_hits += stats.prefix_cache_hits
         t.num_finished += len(stats.finished)
         self.last_step = stats
-
-    def _update(
-        self, sched: SchedulerOutput, result: RunnerOutput, stats: StepStats
-    ) -> list[RequestGroup]:
-        touched: dict[str, RequestGroup] = {}
-        now = time.monotonic()
-        for s in sched.scheduled:
-            seq, group = s.seq, s.seq.group
-            if seq.status.finished:
-                continue
-            touched[group.request_id] = group
-            if seq.seq_id in result.prompt_logprobs and group.prompt_logprobs is not None:
-                first, rows = result.prompt_logprobs[seq.seq_id]
-                group.prompt_logprobs[first : first + len(rows)] = rows
-            if seq.seq_id in result.errors:
-                self._fail_group(group, result.errors[seq.seq_id])
-                continue
-            if seq.index == 0 and seq.is_prefill_done:
-                self.scheduler.release_followers(group)
-            if seq.seq_id not in result.sampled:
-                if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
-                    self.scheduler.finish(
-                        seq, SequenceStatus.FINISHED_LENGTH
-                    )  # scoring only (echo)
-                continue
-            self._append_token(
-                seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats
-            )
-        for group in touched.values():
-            if group.finished:
-                stats.finished.append(self._finished_stats(group, now))
-        return list(touched.values())
-
-    def _append_token(
-        self, seq: Sequence, token_id: int, logprob, now: float, stats: StepStats
-    ) -> None:
-        group, params = seq.group, seq.params
-        seq.append_token(token_id)
-        stats.num_generation_tokens += 1
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-            seq.cumulative_logprob += logprob.logprob
-        m = group.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            stats.first_tokens.append((group.request_id, now - m.arrival_time))
-        elif m.last_token_time is not None and seq.index == 0:
-            stats.inter_token_latencies.append(now - m.last_token_time)
-        if seq.index == 0:
-            m.last_token_time = now
-
-        status = None
-        if token_id in params.stop_token_ids:
-            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
-        elif not params.ignore_eos and token_id in self.eos_token_ids:
-            status = SequenceStatus.FINISHED_STOPPED
-        else:
-            assert seq.detokenizer is not None
-            try:
-                stop = seq.detokenizer.add_tokens([token_id])
-            except Exception as e:  # a detokenizer fault fails this request only
-                logger.exception("detokenizer failed for %s", seq.seq_id)
-                self._fail_group(group, f"detokenization failed: {e}")
-                return
-            if stop is not None:
-                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-        if status is None and (
-            seq.num_output_tokens >= group.max_output_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            self.scheduler.finish(seq, status)
-
-    def _fail_group(self, group: RequestGroup, message: str) -> None:
-        group.error = message
-        for seq in group.seqs:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-
-    def _finished_stats(self, group: RequestGroup, now: float) -> FinishedRequestStats:
-        m = group.metrics
-        m.finished_time = now
-        reason = "error" if group.error else group.seqs[0].status.value
-        return FinishedRequestStats(
-            group.request_id,
-            reason,
-            len(group.prompt_token_ids),
-            sum(s.num_output_tokens for s in group.seqs),
-            group.num_cached_tokens,
-            m.arrival_time,
-            m.first_scheduled_time,
-            m.first_token_time,
-            now,
-        )
-
-    # -- outputs ---------------------------------------------------------------------------------
-    def _make_output(self, group: RequestGroup) -> RequestOutput | None:
-        user_params: SamplingParams = group.user_params  # type: ignore[attr-defined]
-        kind = user_params.output_kind
-        finished = group.finished
-        if group.error is not None:
-            return RequestOutput(
-                group.request_id,
-                group.prompt,
-                group.prompt_token_ids,
-                [],
-                True,
-                num_cached_tokens=group.num_cached_tokens,
-                metrics=group.metrics,
-                error=group.error,
-            )
-        best_of = user_params.num_samples > user_params.n
-        if (kind == "final" or best_of) and not finished:
-            return None
-        delta = kind == "delta" and not best_of
-        seqs = group.seqs
-        if best_of:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: user_params.n]
-        completions = []
-        for choice_index, seq in enumerate(seqs):
-            c = self._completion(seq, choice_index, delta, user_params.logprobs is not None)
-            if c is not None:
-                completions.append(c)
-        prompt_logprobs = None
-        if group.prompt_logprobs is not None and group.seqs[0].is_prefill_done:
-            if not (delta and group.prompt_logprobs_emitted):
-                prompt_logprobs = group.prompt_logprobs
-                group.prompt_logprobs_emitted = True
-        if delta and not completions and not finished and prompt_logprobs is None:
-            return None
-        return RequestOutput(
-            group.request_id,
-            group.prompt,
-            group.prompt_token_ids,
-            completions,
-            finished,
-            prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=group.num_cached_tokens,
-            metrics=group.metrics,
-        )
-
-    def _completion(
-        self, seq: Sequence, index: int, delta: bool, want_logprobs: bool
-    ) -> CompletionOutput | None:
-        finished = seq.status.finished
-        detok = seq.detokenizer
-        assert detok is not None
-        start = seq.num_emitted_tokens if delta else 0
-        if delta and start >= seq.num_output_tokens and not finished:
-            return None
-        text = (
-            detok.take_delta(finished)
-            if delta
-            else (detok.text if finished else detok.visible_text())
-        )
-        token_ids = seq.output_token_ids[start:]
-        logprobs = seq.logprobs[start:] if want_logprobs else None
-        seq.num_emitted_tokens = seq.num_output_tokens
-        return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=seq.status.finish_reason,
-            stop_reason=seq.stop_reason,
-            cumulative_logprob=seq.cumulative_logprob,
-            num_output_tokens=seq.num_output_tokens,
-        )
 
 
 def served_model_name(model: str | None, model_dir: Path) -> str:

@@ -21,19 +21,19 @@ class FinishedRequestStats:
 @dataclass
 class StepStats:
     kind: str  # "prefill" | "decode" | "mixed"
-    duration: float  # seconds spent in the step (schedule + forward + sample + outputs)
-    num_batched_tokens: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int  # in this step
-    num_new_prompt_tokens: int  # prompt tokens of requests first scheduled in this step
-    num_generation_tokens: int  # tokens sampled in this step
-    prefix_cache_queries: int  # tokens looked up in this step
-    prefix_cache_hits: int
-    # (request_id, seconds since its previous token) for every sequence that got a token after its first
+    duration: float = 0.0  # seconds spent in the step (schedule + forward + sample + outputs)
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # in this step
+    num_new_prompt_tokens: int = 0  # prompt tokens of requests first scheduled in this step
+    num_generation_tokens: int = 0  # tokens sampled in this step
+    prefix_cache_queries: int = 0  # tokens looked up in this step
+    prefix_cache_hits: int = 0
+    # Seconds since the previous token of sample 0, for every request that got a non-first token.
     inter_token_latencies: list[float] = field(default_factory=list)
     first_tokens: list[tuple[str, float]] = field(
         default_factory=list

@@ -1,0 +1,193 @@
+"""Turns a step's sampled tokens into request progress: appends tokens, applies the stop rules
+(EOS, stop tokens, stop strings, lengths), detokenizes, and builds RequestOutputs (final, delta or
+cumulative, with best_of ranking)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.model_runner import RunnerOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import RequestGroup, Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import FinishedRequestStats, StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(
+        self, scheduler: Scheduler, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def update(
+        self, sched: SchedulerOutput, result: RunnerOutput, stats: StepStats
+    ) -> list[RequestGroup]:
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for s in sched.scheduled:
+            seq, group = s.seq, s.seq.group
+            if seq.status.finished:
+                continue
+            touched[group.request_id] = group
+            if seq.seq_id in result.prompt_logprobs and group.prompt_logprobs is not None:
+                first, rows = result.prompt_logprobs[seq.seq_id]
+                group.prompt_logprobs[first : first + len(rows)] = rows
+            if seq.seq_id in result.errors:
+                self._fail_group(group, result.errors[seq.seq_id])
+                continue
+            if seq.index == 0 and seq.is_prefill_done:
+                self.scheduler.release_followers(group)
+            if seq.seq_id not in result.sampled:
+                if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
+                    self.scheduler.finish(
+                        seq, SequenceStatus.FINISHED_LENGTH
+                    )  # scoring only (echo)
+                continue
+            self._append_token(
+                seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats
+            )
+        for group in touched.values():
+            if group.finished:
+                stats.finished.append(self._finished_stats(group, now))
+        return list(touched.values())
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob, now: float, stats: StepStats
+    ) -> None:
+        group, params = seq.group, seq.params
+        seq.append_token(token_id)
+        stats.num_generation_tokens += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            stats.first_tokens.append((group.request_id, now - m.arrival_time))
+        elif m.last_token_time is not None and seq.index == 0:
+            stats.inter_token_latencies.append(now - m.last_token_time)
+        if seq.index == 0:
+            m.last_token_time = now
+
+        status = None
+        if token_id in params.stop_token_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        else:
+            assert seq.detokenizer is not None
+            try:
+                stop = seq.detokenizer.add_tokens([token_id])
+            except Exception as e:  # a detokenizer fault fails this request only
+                logger.exception("detokenizer failed for %s", seq.seq_id)
+                self._fail_group(group, f"detokenization failed: {e}")
+                return
+            if stop is not None:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if status is None and (
+            seq.num_output_tokens >= group.max_output_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+
+    def _fail_group(self, group: RequestGroup, message: str) -> None:
+        group.error = message
+        for seq in group.seqs:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+
+    def _finished_stats(self, group: RequestGroup, now: float) -> FinishedRequestStats:
+        m = group.metrics
+        m.finished_time = now
+        reason = "error" if group.error else group.seqs[0].status.value
+        return FinishedRequestStats(
+            group.request_id,
+            reason,
+            len(group.prompt_token_ids),
+            sum(s.num_output_tokens for s in group.seqs),
+            group.num_cached_tokens,
+            m.arrival_time,
+            m.first_scheduled_time,
+            m.first_token_time,
+            now,
+        )
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def make_output(self, group: RequestGroup) -> RequestOutput | None:
+        user_params: SamplingParams = group.user_params  # type: ignore[attr-defined]
+        kind = user_params.output_kind
+        finished = group.finished
+        if group.error is not None:
+            return RequestOutput(
+                group.request_id,
+                group.prompt,
+                group.prompt_token_ids,
+                [],
+                True,
+                num_cached_tokens=group.num_cached_tokens,
+                metrics=group.metrics,
+                error=group.error,
+            )
+        best_of = user_params.num_samples > user_params.n
+        if (kind == "final" or best_of) and not finished:
+            return None
+        delta = kind == "delta" and not best_of
+        seqs = group.seqs
+        if best_of:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: user_params.n]
+        completions = []
+        for choice_index, seq in enumerate(seqs):
+            c = self._completion(seq, choice_index, delta, user_params.logprobs is not None)
+            if c is not None:
+                completions.append(c)
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None and group.seqs[0].is_prefill_done:
+            if not (delta and group.prompt_logprobs_emitted):
+                prompt_logprobs = group.prompt_logprobs
+                group.prompt_logprobs_emitted = True
+        if delta and not completions and not finished and prompt_logprobs is None:
+            return None
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            finished,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=group.metrics,
+        )
+
+    def _completion(
+        self, seq: Sequence, index: int, delta: bool, want_logprobs: bool
+    ) -> CompletionOutput | None:
+        finished = seq.status.finished
+        detok = seq.detokenizer
+        assert detok is not None
+        start = seq.num_emitted_tokens if delta else 0
+        if delta and start >= seq.num_output_tokens and not finished:
+            return None
+        text = (
+            detok.take_delta(finished)
+            if delta
+            else (detok.text if finished else detok.visible_text())
+        )
+        token_ids = seq.output_token_ids[start:]
+        logprobs = seq.logprobs[start:] if want_logprobs else None
+        seq.num_emitted_tokens = seq.num_output_tokens
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=seq.status.finish_reason,
+            stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob,
+            num_output_tokens=seq.num_output_tokens,
+        )
