@@ -23,6 +23,7 @@ from engine.layers import (
     optional_param,
     rope_parameters,
 )
+from engine.quantization import linear
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,13 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
         # q and k sit side by side in qkv, so one rotation covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, d)
         q, k = apply_rotary(qk, *rope).split([heads, kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, d)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, num_heads, head_dim]
-        return F.linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
 
 
 def _attention_biases(cfg: Any) -> tuple[bool, bool]:
@@ -85,9 +86,9 @@ class LlamaMLP(nn.Module):
         self.down_bias = optional_param(hidden, dtype=dtype, device=device, enabled=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -159,7 +160,18 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         weight = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
+
+    def quantizable_weights(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every matmul weight, for engine.quantization. A tied head gets
+        its own reference to the embedding, so the head can be packed while lookups stay exact."""
+        if self.lm_head_weight is None:
+            self.lm_head_weight = self.embed_tokens.weight
+        found: list[tuple[nn.Module, str]] = [(self, "lm_head_weight")]
+        for layer in self.layers:
+            found += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]
+            found += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
+        return found
 
     # ------------------------------------------------------------ weight loading
 

@@ -1,0 +1,203 @@
+"""Per-step cost of kvserve's engine: batch-B decode step time, 128-token prefill time, and an optional
+torch.profiler / cProfile breakdown of one decode step. Prints medians; never asserts a timing."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def build_engine(options: dict[str, Any], max_batch: int) -> Any:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    options = {"max_num_seqs": max(64, max_batch), "num_blocks": 64 + max_batch * 16, **options}
+    return LLMEngine(EngineConfig.from_options(options.pop("model", None), **options))
+
+
+def _prompts(engine: Any, batch: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, engine.vocab_size) for _ in range(length)] for _ in range(batch)]
+
+
+def _params(max_tokens: int) -> Any:
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _clear(engine: Any, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _until_decoding(engine: Any, ids: list[str]) -> None:
+    """Step until every request has prefilled and sampled its first token."""
+    while any(engine.groups[rid].seqs[0].num_output_tokens == 0 for rid in ids):
+        engine.step()
+
+
+def _timed_runner(engine: Any) -> list[float]:
+    """Wrap runner.execute to record its wall time (model forward + sampling) per step."""
+    times: list[float] = []
+    runner = engine.runner
+    inner = type(runner).execute
+
+    def execute(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = inner(runner, *args, **kwargs)
+        times.append(time.perf_counter() - t0)
+        return result
+
+    runner.execute = execute
+    return times
+
+
+def decode_steps(engine: Any, batch: int, context: int, steps: int, tag: str) -> dict[str, float]:
+    """Median engine.step and runner.execute ms of decode steps at `batch`, context ~`context`."""
+    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, _prompts(engine, batch, context, batch), strict=True):
+        engine.add_request(rid, prompt, _params(steps + 8))
+    _until_decoding(engine, ids)
+    for _ in range(2):  # warm-up decodes
+        engine.step()
+    runner_times = _timed_runner(engine)
+    step_times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t0)
+    del engine.runner.execute
+    _clear(engine, ids)
+    return {
+        "step_ms": 1e3 * statistics.median(step_times),
+        "runner_ms": 1e3 * statistics.median(runner_times),
+        "tok_s": batch / statistics.median(step_times),
+    }
+
+
+def prefill_ms(engine: Any, length: int, repeats: int, tag: str) -> float:
+    """Median time of the step that prefills one `length`-token prompt (and samples its token)."""
+    times = []
+    for r in range(repeats + 1):
+        rid = f"{tag}-prefill-{r}"
+        prompt = _prompts(engine, 1, length, 1000 + r)[0]  # distinct: no prefix-cache hits
+        engine.add_request(rid, prompt, _params(1))
+        t0 = time.perf_counter()
+        engine.step()
+        if r:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+        _clear(engine, [rid])
+    return 1e3 * statistics.median(times)
+
+
+def profile_decode(engine: Any, batch: int, context: int, kind: str, rows: int) -> str:
+    ids = [f"prof-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, _prompts(engine, batch, context, 7), strict=True):
+        engine.add_request(rid, prompt, _params(64))
+    _until_decoding(engine, ids)
+    for _ in range(3):
+        engine.step()
+    if kind == "torch":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                engine.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    else:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(5):
+            engine.step()
+        profiler.disable()
+        buf = io.StringIO()
+        pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(rows)
+        table = buf.getvalue()
+    _clear(engine, ids)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens before decoding")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    p.add_argument("--prefill-len", type=int, default=128)
+    p.add_argument("--prefill-repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: 2)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole measurement")
+    p.add_argument(
+        "--engine-options", default="{}", help='JSON engine options, e.g. {"quantization": "int8"}'
+    )
+    p.add_argument("--profile", choices=("none", "torch", "cprofile"), default="none")
+    p.add_argument("--profile-batch", type=int, default=1)
+    p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "2"))
+    torch.set_num_threads(threads)
+    options = json.loads(args.engine_options)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    t0 = time.perf_counter()
+    engine = build_engine(dict(options), max(batches))
+    import engine as engine_pkg
+
+    print(
+        f"engine built in {time.perf_counter() - t0:.1f} s; threads={threads} options={options} "
+        f"code={os.path.dirname(engine_pkg.__file__)}"
+    )
+
+    results: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        row: dict[str, Any] = {"round": rnd}
+        for b in batches:
+            row[f"decode_b{b}"] = decode_steps(engine, b, args.context, args.steps, f"r{rnd}")
+        row["prefill_ms"] = prefill_ms(engine, args.prefill_len, args.prefill_repeats, f"r{rnd}")
+        results.append(row)
+        parts = [
+            f"b{b}: step {row[f'decode_b{b}']['step_ms']:.1f} ms "
+            f"(runner {row[f'decode_b{b}']['runner_ms']:.1f}) "
+            f"{row[f'decode_b{b}']['tok_s']:.0f} tok/s"
+            for b in batches
+        ]
+        print(f"round {rnd}: " + " | ".join(parts) + f" | prefill{args.prefill_len} "
+              f"{row['prefill_ms']:.1f} ms")  # fmt: skip
+    if args.rounds > 1:
+        med = {b: statistics.median(r[f"decode_b{b}"]["step_ms"] for r in results) for b in batches}
+        pre = statistics.median(r["prefill_ms"] for r in results)
+        print(
+            "median over rounds: "
+            + " | ".join(
+                f"b{b} {ms:.1f} ms/step ({b / ms * 1e3:.0f} tok/s)" for b, ms in med.items()
+            )
+            + f" | prefill {pre:.1f} ms"
+        )
+    if args.profile != "none":
+        print(
+            profile_decode(
+                engine, args.profile_batch, args.context, args.profile, args.profile_rows
+            )
+        )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"threads": threads, "options": options, "rounds": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
