@@ -41,16 +41,13 @@ def build_sampling_params(
     if req.logit_bias:
         logit_bias = {}
         for key, bias in req.logit_bias.items():
-            try:
-                token_id = int(key)
-            except ValueError:
+            # ASCII digits only: int() would also take " 5", "+5", "1_0" and other scripts' digits.
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
                 raise invalid_request(
                     f"logit_bias keys must be token ids written as strings, got {key!r}",
                     "logit_bias",
-                ) from None
-            if token_id < 0:
-                raise invalid_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
-            logit_bias[token_id] = bias
+                )
+            logit_bias[int(key)] = bias
     if req.seed is not None and req.seed + max(n, best_of or 1) - 1 > MAX_SEED:
         # Sample i is seeded with seed + i, which must stay a 64-bit seed.
         raise invalid_request(
