@@ -106,7 +106,12 @@ class AsyncLLMEngine:
         params: SamplingParams | None,
         prompt: str | None,
     ) -> AsyncIterator[Any]:
-        self.core.validate(prompt_token_ids, params)
+        if params is None:
+            assert isinstance(self.core, EmbeddingEngine)
+            self.core.validate(prompt_token_ids)
+        else:
+            assert isinstance(self.core, LLMEngine)
+            self.core.validate(prompt_token_ids, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._admit(len(prompt_token_ids))
@@ -231,7 +236,7 @@ class AsyncLLMEngine:
                         await self._wakeup.wait()
                         self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                     continue
-                outputs = await asyncio.to_thread(self.core.step)
+                outputs: list[Any] = await asyncio.to_thread(self.core.step)
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

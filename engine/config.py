@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -98,11 +99,11 @@ class EngineConfig:
         top: dict[str, object] = {}
         for key, value in options.items():
             for group_cls, bucket in groups.items():
-                if key in group_cls.__dataclass_fields__:
+                if key in {f.name for f in dataclasses.fields(group_cls)}:
                     bucket[key] = value
                     break
             else:
-                if key in cls.__dataclass_fields__:
+                if key in {f.name for f in dataclasses.fields(cls)}:
                     top[key] = value
                 else:
                     raise ValueError(f"unknown engine option {key!r}")

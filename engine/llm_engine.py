@@ -49,7 +49,7 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)
         self.eos_token_ids = frozenset(loaded.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.vocab_size = int(self.model.vocab_size)
+        self.vocab_size: int = self.model.vocab_size
         self.max_model_len = min(mc.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if mc.max_model_len and mc.max_model_len > loaded.max_model_len:
             logger.warning(

@@ -15,10 +15,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ _CONVERTED_MARKER = ".kvserve-converted"
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: LlamaForCausalLM
     hf_config: Any  # transformers.PretrainedConfig
     dtype: torch.dtype
     device: torch.device

@@ -12,7 +12,8 @@ _EPS = 1e-5
 @dataclass
 class SamplingParams:
     n: int = 1  # samples returned per prompt
-    best_of: int | None = None  # samples drawn; the n with the highest cumulative logprob are returned
+    # Samples drawn; the n with the highest cumulative logprob are returned.
+    best_of: int | None = None
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 -> disabled
@@ -31,7 +32,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-N logprobs per sampled token (0 -> only the sampled token's)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
-    output_kind: OutputKind = "final"  # what each RequestOutput carries: all so far, the new part, or only the end
+    # What each RequestOutput carries: all so far, the new part, or only the end.
+    output_kind: OutputKind = "final"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,7 +49,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"n must be at least 1, got {self.n}")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+        if self.best_of is not None and (
+            not isinstance(self.best_of, int) or self.best_of < self.n
+        ):
             fail("best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of}")
         if not 0.0 <= self.temperature <= 2.0 + _EPS:
             fail("temperature", f"temperature must be in [0, 2], got {self.temperature}")
@@ -58,21 +62,37 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            fail("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            fail(
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            )
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            fail(
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            )
         if not 0.0 < self.repetition_penalty <= 2.0:
-            fail("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            fail(
+                "repetition_penalty",
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            )
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 0
+        ):
             fail("max_tokens", f"max_tokens must be a non-negative integer, got {self.max_tokens}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             fail("min_tokens", f"min_tokens must be a non-negative integer, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            fail(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            fail("prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+            fail(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            )
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
                 if not isinstance(token_id, int) or token_id < 0:
@@ -88,10 +108,16 @@ class SamplingParams:
         """Token ids named by the request must exist in the model's vocabulary."""
         for token_id in self.logit_bias or {}:
             if token_id >= vocab_size:
-                raise SamplingParamsError("logit_bias", f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+                raise SamplingParamsError(
+                    "logit_bias",
+                    f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                )
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
-                raise SamplingParamsError("stop_token_ids", f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+                raise SamplingParamsError(
+                    "stop_token_ids",
+                    f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                )
 
     @property
     def greedy(self) -> bool:
