@@ -75,33 +75,37 @@ def decode_steps(engine: Any, batch: int, context: int, steps: int, tag: str) ->
     for _ in range(2):  # warm-up decodes
         engine.step()
     runner_times = _timed_runner(engine)
-    step_times = []
+    step_times, cpu_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         step_times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     del engine.runner.execute
     _clear(engine, ids)
     return {
         "step_ms": 1e3 * statistics.median(step_times),
+        # CPU time of this process: steadier than wall time on a shared, oversubscribed machine
+        "cpu_ms": 1e3 * statistics.median(cpu_times),
         "runner_ms": 1e3 * statistics.median(runner_times),
         "tok_s": batch / statistics.median(step_times),
     }
 
 
-def prefill_ms(engine: Any, length: int, repeats: int, tag: str) -> float:
-    """Median time of the step that prefills one `length`-token prompt (and samples its token)."""
-    times = []
+def prefill_ms(engine: Any, length: int, repeats: int, tag: str) -> tuple[float, float]:
+    """Median wall and CPU time of the step that prefills one `length`-token prompt (and samples its token)."""
+    times, cpu = [], []
     for r in range(repeats + 1):
         rid = f"{tag}-prefill-{r}"
         prompt = _prompts(engine, 1, length, 1000 + r)[0]  # distinct: no prefix-cache hits
         engine.add_request(rid, prompt, _params(1))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         if r:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         _clear(engine, [rid])
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(times), 1e3 * statistics.median(cpu)
 
 
 def profile_decode(engine: Any, batch: int, context: int, kind: str, rows: int) -> str:
@@ -167,21 +171,23 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"round": rnd}
         for b in batches:
             row[f"decode_b{b}"] = decode_steps(engine, b, args.context, args.steps, f"r{rnd}")
-        row["prefill_ms"] = prefill_ms(engine, args.prefill_len, args.prefill_repeats, f"r{rnd}")
+        row["prefill_ms"], row["prefill_cpu_ms"] = prefill_ms(
+            engine, args.prefill_len, args.prefill_repeats, f"r{rnd}"
+        )
         results.append(row)
         parts = [
-            f"b{b}: step {row[f'decode_b{b}']['step_ms']:.1f} ms "
+            f"b{b}: step {row[f'decode_b{b}']['step_ms']:.1f} ms cpu {row[f'decode_b{b}']['cpu_ms']:.1f} "
             f"(runner {row[f'decode_b{b}']['runner_ms']:.1f}) "
             f"{row[f'decode_b{b}']['tok_s']:.0f} tok/s"
             for b in batches
         ]
         print(f"round {rnd}: " + " | ".join(parts) + f" | prefill{args.prefill_len} "
-              f"{row['prefill_ms']:.1f} ms")  # fmt: skip
+              f"{row['prefill_ms']:.1f} ms cpu {row['prefill_cpu_ms']:.1f}")  # fmt: skip
     if args.rounds > 1:
         med = {b: statistics.median(r[f"decode_b{b}"]["step_ms"] for r in results) for b in batches}
         pre = statistics.median(r["prefill_ms"] for r in results)
         print(
-            "median over rounds: "
+            "median CPU time over rounds: "
             + " | ".join(
                 f"b{b} {ms:.1f} ms/step ({b / ms * 1e3:.0f} tok/s)" for b, ms in med.items()
             )

@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +31,38 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Per-step values every layer shares, built on first use (see decode_context).
+    _shared: dict[object, Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def decode_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table [B, num_blocks], key mask [B, 1, 1, ctx_len]) of the decode sequences,
+        computed once per step and reused by every layer."""
+        cached = self._shared.get("decode")
+        if cached is None:
+            batch = self.num_decode_seqs
+            num_blocks = -(-max(self.seq_lens_cpu[:batch]) // self.block_size)
+            table = self.block_tables[:batch, :num_blocks]
+            positions = torch.arange(num_blocks * self.block_size, device=table.device)
+            mask = positions[None, :] < self.seq_lens[:batch, None]  # [B, ctx_len]
+            cached = self._shared["decode"] = (table, mask[:, None, None, :])
+        return cached
+
+    def prefill_context(self, seq_index: int, query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table [num_blocks], causal mask [query_len, seq_len]) of a prefill chunk that
+        follows cached context; computed once per step."""
+        cached = self._shared.get(seq_index)
+        if cached is None:
+            seq_len = self.seq_lens_cpu[seq_index]
+            table = self.block_tables[seq_index, : -(-seq_len // self.block_size)]
+            # Query j sits at absolute position seq_len - query_len + j and sees keys up to there.
+            key_pos = torch.arange(seq_len, device=table.device)
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=table.device)
+            cached = self._shared[seq_index] = (table, key_pos[None, :] <= query_pos[:, None])
+        return cached
 
     @classmethod
     def from_lists(
@@ -172,22 +201,16 @@ def _sdpa_decode(
 ) -> torch.Tensor:
     """All decode sequences in one SDPA call over their contexts gathered into a padded batch."""
     batch, num_heads, head_dim = q.shape  # [B, num_heads, head_dim]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len = max(meta.seq_lens_cpu[:batch])
-    num_blocks = -(-max_len // block_size)
-    table = meta.block_tables[:batch, :num_blocks]  # [B, num_blocks]
-    ctx_len = num_blocks * block_size
-    # [B, num_blocks, block_size, kv_heads, d] -> [B, kv_heads, ctx_len, d]
-    keys = kv_cache[0][table].view(batch, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = kv_cache[1][table].view(batch, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+    num_kv_heads = kv_cache.shape[3]
+    table, mask = meta.decode_context()  # [B, num_blocks], [B, 1, 1, ctx_len]
+    ctx_len = mask.shape[-1]
+    # K and V in one gather: [2, B, num_blocks, block_size, kv_heads, d] -> [2, B, kv_heads, ctx, d]
+    context = kv_cache[:, table].view(2, batch, ctx_len, num_kv_heads, head_dim).transpose(2, 3)
     # One query token per sequence, so the query heads sharing a KV head can ride along the
     # "query length" axis: GQA without copying K/V.
-    queries = q.view(batch, num_kv_heads, group, head_dim)
-    positions = torch.arange(ctx_len, device=q.device)
-    mask = positions[None, :] < meta.seq_lens[:batch, None]  # [B, ctx_len]
+    queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+        queries, context[0], context[1], attn_mask=mask, scale=scale
     )  # [B, kv_heads, group, d]
     return out.reshape(batch, num_heads, head_dim)
 
@@ -211,16 +234,9 @@ def _sdpa_prefill(
             queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
         return out.transpose(0, 1)
-    block_size = meta.block_size
-    num_blocks = -(-seq_len // block_size)
-    table = meta.block_tables[seq_index, :num_blocks]  # [num_blocks]
+    table, mask = meta.prefill_context(seq_index, query_len)  # [num_blocks], [query_len, seq_len]
     keys = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
     values = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    # Query j sits at absolute position seq_len - query_len + j and sees keys up to there.
-    offset = seq_len - query_len
-    key_pos = torch.arange(seq_len, device=q.device)
-    query_pos = torch.arange(offset, seq_len, device=q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, seq_len]
     out = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )  # [num_heads, query_len, d]
@@ -240,8 +256,10 @@ def _flash_attention(
     """
     from flash_attn import flash_attn_varlen_func
 
-    seq_lens = meta.seq_lens
-    cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+    cu_seqlens_k = meta._shared.get("cu_seqlens_k")
+    if cu_seqlens_k is None:  # once per step, shared by every layer
+        cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
+        meta._shared["cu_seqlens_k"] = cu_seqlens_k
     common = dict(
         cu_seqlens_q=meta.query_start_loc,
         cu_seqlens_k=cu_seqlens_k,
@@ -263,13 +281,19 @@ def _gather_packed_context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's context K/V, packed back to back: [sum(seq_lens), kv_heads, d] each."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    slots = meta._shared.get("packed_slots")
+    if slots is None:  # once per step, shared by every layer
+        slots = meta._shared["packed_slots"] = _packed_slots(meta, block_size, kv_cache.device)
+    return flat[0][slots], flat[1][slots]
+
+
+def _packed_slots(meta: AttentionMetadata, block_size: int, device: torch.device) -> torch.Tensor:
+    """Cache slot of every context token of every sequence, back to back: [sum(seq_lens)]."""
     total = sum(meta.seq_lens_cpu)
-    device = kv_cache.device
     seq_ids = torch.repeat_interleave(
         torch.arange(meta.num_seqs, device=device), meta.seq_lens, output_size=total
     )  # [total]
     starts = F.pad(torch.cumsum(meta.seq_lens, 0), (1, 0))[:-1]  # [num_seqs]
     pos = torch.arange(total, device=device) - starts[seq_ids]  # position within its sequence
-    slots = meta.block_tables[seq_ids, pos // block_size].long() * block_size + pos % block_size
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    return flat[0][slots], flat[1][slots]
+    return meta.block_tables[seq_ids, pos // block_size].long() * block_size + pos % block_size

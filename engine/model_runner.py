@@ -76,8 +76,7 @@ class ModelRunner:
             start, end = s.start_pos, s.start_pos + s.num_new_tokens
             input_ids.extend(s.seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(_slots(s.block_table, start, end, bs))
             query_lens.append(s.num_new_tokens)
             seq_lens.append(end)
         max_blocks = max(len(s.block_table) for s in scheduled)
@@ -124,9 +123,9 @@ class ModelRunner:
         if not sample_seqs:
             return out
 
-        logits = self.model.compute_logits(
-            hidden[torch.tensor(sample_idx, device=self.device)]
-        )  # [n, vocab]
+        if len(sample_idx) < hidden.shape[0]:  # a pure decode step samples every row as it is
+            hidden = hidden[torch.tensor(sample_idx, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # [n, vocab]
         rows = [
             SamplingRow(
                 params=s.seq.params,
@@ -186,3 +185,17 @@ class ModelRunner:
             start + 1,
             compute_prompt_logprobs(logits, targets, num_top),
         )
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """KV-cache slots of positions [start, end): one range per block touched, not per token."""
+    if end - start == 1:
+        return [block_table[start // block_size] * block_size + start % block_size]
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        base = block_table[pos // block_size] * block_size
+        stop = min(end, (pos // block_size + 1) * block_size)
+        slots.extend(range(base + pos % block_size, base + pos % block_size + stop - pos))
+        pos = stop
+    return slots
