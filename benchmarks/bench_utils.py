@@ -106,6 +106,10 @@ def compute_metrics(
         "total_cached_tokens": sum(r.cached_tokens for r in done),
         "request_throughput": per_second(len(done)),
         "output_throughput": per_second(output_tokens),
+        # also counts tokens streamed by requests the deadline cut off (a time-bounded slow server)
+        "streamed_output_throughput": per_second(
+            output_tokens + sum(len(r.chunk_times) for r in records if not r.ok)
+        ),
         "total_token_throughput": per_second(prompt_tokens + output_tokens),
         "ttft_ms": summarize([r.ttft for r in done if r.ttft is not None], percentiles),
         "tpot_ms": summarize([r.tpot for r in done if r.tpot is not None], percentiles),

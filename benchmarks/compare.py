@@ -29,6 +29,7 @@ FIGURES = [
     ("completed", "completed", None),
     ("req/s", "request_throughput", None),
     ("output tok/s", "output_throughput", None),
+    ("streamed tok/s", "streamed_output_throughput", None),
     ("total tok/s", "total_token_throughput", None),
     *[
         (f"{name} {stat} ms", key, stat)

@@ -81,6 +81,9 @@ def test_compute_metrics_throughput_and_failures() -> None:
     assert (m["completed"], m["failed"], m["cancelled"]) == (2, 1, 1)
     assert m["request_throughput"] == pytest.approx(1.0)
     assert m["output_throughput"] == pytest.approx(3.0)
+    assert m["streamed_output_throughput"] == pytest.approx(3.0)
+    cut = RequestRecord(start=0.0, error="cancelled", chunk_times=[0.1, 0.2])
+    assert compute_metrics([*records, cut], 2.0)["streamed_output_throughput"] == pytest.approx(4.0)
     assert m["total_token_throughput"] == pytest.approx(103.0)
     assert m["ttft_ms"]["mean"] == pytest.approx(150.0)
     assert m["itl_ms"]["median"] == pytest.approx(150.0)  # gaps 100, 100, 200, 200
