@@ -127,7 +127,19 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def leader_prefix(self, seq: Sequence) -> list[int]:
+        """For a follower sample (n > 1) with prefix caching off: the leader's full prompt blocks,
+        shared by reference so the prompt is prefilled once per request either way."""
+        if seq.index == 0:
+            return []
+        leader = seq.group.seqs[0]
+        table = self.block_tables.get(leader.seq_id, [])
+        num_blocks = min(leader.num_computed_tokens, seq.num_tokens - 1) // self.block_size
+        return table[:num_blocks]
+
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return  # followers sharing their leader's blocks are not cache lookups
         self.stats.queries += num_query_tokens
         self.stats.hits += num_hit_tokens
 

@@ -103,7 +103,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached_blocks: list[int] = []
             if seq.num_computed_tokens == 0:
-                cached_blocks = self.kv.find_cached_prefix(seq)
+                cached_blocks = self.kv.find_cached_prefix(seq) or self.kv.leader_prefix(seq)
             num_cached = len(cached_blocks) * self.kv.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, num_new, cached_blocks):

@@ -150,3 +150,21 @@ def test_preempted_sequence_resumes_from_its_cached_blocks():
     # The recompute starts after the three cached full blocks, not from scratch.
     assert resumed.start_pos == 12 and resumed.num_new_tokens == seq.num_tokens - 12
     assert seq.num_cached_tokens == 0  # cached_tokens reports the first admission only
+
+
+def test_followers_share_the_leaders_blocks_with_prefix_caching_off():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    g = make_group("a", 12, n=2)
+    sched.add_group(g)
+    run_step(sched)
+    sched.release_followers(g)
+    out = run_step(sched)
+    (follower,) = [s for s in out.scheduled if s.seq.index == 1]
+    assert follower.num_new_tokens == 4  # two shared blocks; only the last block is recomputed
+    leader_table, follower_table = (kv.get_block_table(s) for s in g.seqs)
+    assert follower_table[:2] == leader_table[:2]
+    assert all(kv.pool.ref_counts[b] == 2 for b in leader_table[:2])
+    for s in g.seqs:
+        sched.finish(s, SequenceStatus.FINISHED_LENGTH)
+    assert kv.num_free_blocks == 64
