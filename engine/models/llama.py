@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,21 +45,23 @@ class LlamaAttention(nn.Module):
         self.o_weight = empty_param(hidden, self.q_size, dtype=dtype, device=device)
         self.o_bias = optional_param(hidden, dtype=dtype, device=device, enabled=o_bias)
 
-    def forward(
+    def project_qkv(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [n, 1, head_dim // 2]
-        x: torch.Tensor,  # [n, hidden]
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        x: torch.Tensor,  # [n, hidden], normalized
+        cos: torch.Tensor,  # [n, 1, head_dim // 2]
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, heads, d] and k, v [n, kv_heads, d], rotary applied: pure tensor code."""
         n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
         # q and k sit side by side in qkv, so one rotation covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, d)
-        q, k = apply_rotary(qk, *rope).split([heads, kv_heads], dim=1)
+        q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, d)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [n, num_heads, head_dim]
-        return linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [n, heads, d] -> [n, hidden]
+        return linear(out.reshape(out.shape[0], self.q_size), self.o_weight, self.o_bias)
 
 
 def _attention_biases(cfg: Any) -> tuple[bool, bool]:
@@ -106,9 +108,27 @@ class LlamaDecoderLayer(nn.Module):
         h: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        dense: DenseFns | None = None,
     ) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        h = h + self.self_attn(rope, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # The paged attention stays eager; the dense halves around it may be compiled (`dense`).
+        pre, post = dense or (_pre_attention, _post_attention)
+        q, k, v = pre(self, h, *rope)
+        out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)  # [n, heads, d]
+        return post(self, h, out)
+
+
+def _pre_attention(
+    layer: LlamaDecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer.self_attn.project_qkv(layer.input_layernorm(h), cos, sin)
+
+
+def _post_attention(layer: LlamaDecoderLayer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    h = h + layer.self_attn.project_out(out)  # [n, hidden]
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+DenseFns = tuple[Callable[..., Any], Callable[..., Any]]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(cfg, dtype, device) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.dense: DenseFns | None = None  # compiled dense halves of a layer (compile_dense)
         self.lm_head_weight = optional_param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
             enabled=not self.tie_word_embeddings,
@@ -154,8 +175,17 @@ class LlamaForCausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens.weight)
         rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(rope, h, kv_cache, meta)
+            h = layer(rope, h, kv_cache, meta, self.dense)
         return self.norm(h)
+
+    def compile_dense(self) -> None:
+        """torch.compile the per-layer dense code (norms, projections, rotary, MLP, residuals) once,
+        shared by every layer, with a dynamic token count; paged attention stays eager."""
+        options = {"dynamic": True, "fullgraph": True}
+        self.dense = (
+            torch.compile(_pre_attention, **options),
+            torch.compile(_post_attention, **options),
+        )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
