@@ -43,6 +43,7 @@ class AsyncLLMEngine:
         self._pending: list[tuple[Any, ...]] = []  # adds and aborts applied between steps
         self._pending_tokens = 0
         self._waiting_snapshot = (0, 0)  # (requests, prompt tokens) waiting after the last step
+        self._num_running_seqs = 0  # sequences running after the last step
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.dead_error: BaseException | None = None
@@ -164,9 +165,12 @@ class AsyncLLMEngine:
         waiting, waiting_tokens = self._waiting_snapshot
         if waiting + pending_adds == 0:
             return  # an empty queue takes any request, so a prompt over the token cap still runs
-        if waiting + pending_adds >= sc.max_queued_requests:
+        # Requests that the next step can start right away (free running slots) are not queued.
+        free_slots = max(0, sc.max_num_seqs - self._num_running_seqs)
+        queued = waiting + pending_adds - free_slots
+        if queued >= sc.max_queued_requests:
             raise QueueFullError(
-                f"the server is at capacity ({waiting + pending_adds} requests waiting); retry shortly",
+                f"the server is at capacity ({queued} requests waiting); retry shortly",
                 retry_after=self._retry_after(),
             )
         if (
@@ -230,6 +234,7 @@ class AsyncLLMEngine:
                 self._apply_pending()
                 if not self.core.has_unfinished_requests():
                     self._waiting_snapshot = (0, 0)
+                    self._num_running_seqs = 0
                     if not self._pending:
                         self._flush_log_window()  # the busy period's last stats line, then silence
                         self._wakeup.clear()
@@ -245,6 +250,7 @@ class AsyncLLMEngine:
                     self.core.num_waiting_requests,
                     self.core.num_waiting_tokens,
                 )
+                self._num_running_seqs = self.core.num_running_seqs
                 self._after_step()
                 await asyncio.sleep(0)  # let request handlers run between steps
         except asyncio.CancelledError:

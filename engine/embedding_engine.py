@@ -83,6 +83,8 @@ class EmbeddingEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
 
+    num_running_seqs = 0  # inputs never stay in the engine between steps
+
     @property
     def num_waiting_requests(self) -> int:
         return len(self.waiting)

@@ -164,7 +164,7 @@ class LLMEngine:
                 f"{request_id}/{i}", group, i, list(prompt_token_ids), len(prompt_token_ids)
             )
             if params.seed is not None:
-                seq.generator = make_generator(params.seed + i, self.device)
+                seq.generator = make_generator(sample_seed(params.seed, i), self.device)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -185,6 +185,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return len(self.scheduler.running)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -259,6 +263,15 @@ class LLMEngine:
         t.prefix_cache_hits += stats.prefix_cache_hits
         t.num_finished += len(stats.finished)
         self.last_step = stats
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample 0 uses the request's seed; the others get well-mixed seeds derived from it, so
+    requests with neighbouring seeds do not share samples."""
+    if index == 0:
+        return seed
+    mixed = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 64)
+    return mixed ^ (mixed >> 31)
 
 
 def served_model_name(model: str | None, model_dir: Path) -> str:

@@ -170,17 +170,24 @@ class OutputProcessor:
         finished = seq.status.finished
         detok = seq.detokenizer
         assert detok is not None
+        if delta and seq.final_emitted:
+            return None  # a finished sample of a still-running group: its end was already sent
         start = seq.num_emitted_tokens if delta else 0
         if delta and start >= seq.num_output_tokens and not finished:
             return None
-        text = (
-            detok.take_delta(finished)
-            if delta
-            else (detok.text if finished else detok.visible_text())
-        )
+        if delta:
+            text = detok.take_delta(finished)
+            if not text and not finished and not want_logprobs:
+                return None  # e.g. half of a multi-byte character: wait for visible text
+        elif finished:
+            detok.take_delta(finished=True)  # flush held text, as streaming does, so both agree
+            text = detok.text
+        else:
+            text = detok.visible_text()
         token_ids = seq.output_token_ids[start:]
         logprobs = seq.logprobs[start:] if want_logprobs else None
         seq.num_emitted_tokens = seq.num_output_tokens
+        seq.final_emitted = finished
         return CompletionOutput(
             index=index,
             text=text,

@@ -60,6 +60,7 @@ class Sequence:
     error: str | None = None
     # Output bookkeeping for delta outputs.
     num_emitted_tokens: int = 0
+    final_emitted: bool = False  # its finish_reason has been sent (delta outputs)
     num_preemptions: int = 0
 
     @property
