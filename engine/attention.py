@@ -31,6 +31,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    backend: str | None = None  # force "sdpa" or "flash" for this step; None -> attention_backend()
     # Per-step values every layer shares, built on first use (see decode_context).
     _shared: dict[object, Any] = field(default_factory=dict, init=False, repr=False)
 
@@ -139,7 +140,7 @@ def paged_attention(
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns q's shape.
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
-    if attention_backend(q.device.type, q.dtype) == "flash":
+    if (meta.backend or attention_backend(q.device.type, q.dtype)) == "flash":
         return _flash_attention(q.contiguous(), kv_cache, meta, scale)
     return _sdpa_attention(q, k, v, kv_cache, meta, scale)
 

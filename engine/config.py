@@ -22,7 +22,10 @@ class ModelConfig:
     chat_template: str | None = None  # a file path or an inline Jinja template
     cache_dir: str | None = None  # conversion cache for .gguf models; None -> ~/.cache/kvserve
     seed: int = 0
-    quantization: str | None = None  # None | int8 | int4 (weight-only)
+    quantization: str | None = None  # None | int8 | int4 (weight-only); "none" means None
+    compile: bool = False  # torch.compile the dense part of each layer (slow start-up)
+    num_threads: int | None = None  # torch intra-op threads; None -> torch's default
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -33,8 +36,12 @@ class ModelConfig:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {self.pooling!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be a positive integer")
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)
         if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8 or int4; got {self.quantization!r}")
+            raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be at least 1")
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,9 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model, resolve_model
-from engine.model_runner import ModelRunner, RunnerOutput
+from engine.model_runner import ModelRunner, RunnerOutput, prepare_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.quantization import quantize_model
 from engine.request import RequestGroup, Sequence, SequenceStatus
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -44,7 +43,7 @@ class LLMEngine:
         torch.manual_seed(mc.seed)
         loaded = load_model(self.model_dir, mc.dtype, mc.device)
         self.model = loaded.model
-        quantize_model(self.model, mc.quantization)
+        prepare_model(self.model, mc)  # threads, quantization, compile
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)
@@ -66,7 +65,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
         )
-        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size)
+        self.runner = ModelRunner(
+            self.model, self.device, self.dtype, num_blocks, block_size,
+            cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
+        )  # fmt: skip
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None

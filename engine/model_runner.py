@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.config import ModelConfig
+from engine.cuda_graphs import CudaGraphRunner
 from engine.faults import NAN_AFTER_TOKENS, NAN_LOGITS, fault_injection_enabled, wants_fault
 from engine.outputs import TokenLogprob
+from engine.quantization import quantize_model
 from engine.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -31,6 +34,18 @@ class RunnerOutput:
     )  # seq_id -> message (that sequence fails alone)
 
 
+def prepare_model(model: torch.nn.Module, config: ModelConfig) -> None:
+    """Apply the model options that change how the loaded model runs: threads, weight
+    quantization, torch.compile of the dense layer parts."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    quantize_model(model, config.quantization)
+    if config.compile:
+        if not hasattr(model, "compile_dense"):
+            raise ValueError(f"--compile is not supported for {type(model).__name__}")
+        model.compile_dense()  # compiled lazily by the first steps of each shape kind
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -39,6 +54,8 @@ class ModelRunner:
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int,
+        cuda_graphs: bool = False,
+        max_graph_batch: int = 64,
     ) -> None:
         self.model = model
         self.device = device
@@ -56,6 +73,17 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.fault_injection = fault_injection_enabled()
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if cuda_graphs and device.type == "cuda":
+            # One extra block, never handed out by the cache manager, takes padding rows' K/V.
+            self.kv_caches = allocate_kv_cache(
+                model.num_layers, num_blocks + 1, block_size, model.num_kv_heads,
+                model.head_dim, dtype, device,
+            )  # fmt: skip
+            max_blocks = -(-model.max_position_embeddings // block_size)
+            self.cuda_graphs = CudaGraphRunner(
+                model, self.kv_caches, block_size, max_blocks, max_graph_batch, num_blocks
+            )
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -106,7 +134,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
         scheduled = sched.scheduled
         ids, pos, meta = self._prepare(scheduled)
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            hidden = self.cuda_graphs.run(ids, pos, meta)  # [num_seqs, hidden]
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         out = RunnerOutput()
 
         # Rows whose logits we need: prompt-logprob rows of a chunk, then the chunk's last token to sample.
