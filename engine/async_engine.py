@@ -107,12 +107,7 @@ class AsyncLLMEngine:
         params: SamplingParams | None,
         prompt: str | None,
     ) -> AsyncIterator[Any]:
-        if params is None:
-            assert isinstance(self.core, EmbeddingEngine)
-            self.core.validate(prompt_token_ids)
-        else:
-            assert isinstance(self.core, LLMEngine)
-            self.core.validate(prompt_token_ids, params)
+        self.core.validate(prompt_token_ids, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._admit(len(prompt_token_ids))

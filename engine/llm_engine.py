@@ -106,8 +106,12 @@ class LLMEngine:
         return int(min(num_blocks, max(cap, 2)))
 
     # -- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
         """Check a request against this model; returns the resolved max output tokens."""
+        if params is None:
+            raise ValueError(
+                "this model generates text: a generation request needs sampling parameters"
+            )
         if not prompt_token_ids:
             raise SamplingParamsError("prompt", "the prompt is empty: give at least one token")
         bad = [

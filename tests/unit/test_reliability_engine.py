@@ -79,6 +79,10 @@ class FakeCore:
         return len(self._waiting)
 
     @property
+    def num_running_seqs(self) -> int:
+        return min(len(self.order), self.max_running)
+
+    @property
     def num_waiting_tokens(self) -> int:
         return sum(len(self.groups[r].prompt_token_ids) for r in self._waiting)
 
