@@ -135,6 +135,27 @@ def profile_decode(engine: Any, batch: int, context: int, kind: str, rows: int) 
     return table
 
 
+def measure(engine: Any, batches: list[int], args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for b in batches:
+        row[f"decode_b{b}"] = decode_steps(engine, b, args.context, args.steps, tag)
+    row["prefill_ms"], row["prefill_cpu_ms"] = prefill_ms(
+        engine, args.prefill_len, args.prefill_repeats, tag
+    )
+    return row
+
+
+def _summary(row: dict[str, Any], batches: list[int]) -> str:
+    parts = [
+        f"b{b} step {d['step_ms']:.1f} ms cpu {d['cpu_ms']:.1f} ({d['tok_s']:.0f} tok/s)"
+        for b in batches
+        for d in [row[f"decode_b{b}"]]
+    ]
+    return (
+        " | ".join(parts) + f" | prefill {row['prefill_ms']:.1f} ms cpu {row['prefill_cpu_ms']:.1f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
@@ -145,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: 2)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole measurement")
     p.add_argument(
-        "--engine-options", default="{}", help='JSON engine options, e.g. {"quantization": "int8"}'
+        "--engine-options",
+        default="{}",
+        help='JSON engine options, e.g. {"quantization": "int8"}; a JSON list of them compares '
+        "those engines in one process, round-robin",
     )
     p.add_argument("--profile", choices=("none", "torch", "cprofile"), default="none")
     p.add_argument("--profile-batch", type=int, default=1)
@@ -155,44 +179,32 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "2"))
     torch.set_num_threads(threads)
-    options = json.loads(args.engine_options)
+    parsed = json.loads(args.engine_options)
+    variants = parsed if isinstance(parsed, list) else [parsed]  # a list: A/B in one process
     batches = [int(b) for b in args.batches.split(",") if b]
-    t0 = time.perf_counter()
-    engine = build_engine(dict(options), max(batches))
-    import engine as engine_pkg
-
-    print(
-        f"engine built in {time.perf_counter() - t0:.1f} s; threads={threads} options={options} "
-        f"code={os.path.dirname(engine_pkg.__file__)}"
-    )
+    engines = []
+    for options in variants:
+        t0 = time.perf_counter()
+        engines.append(build_engine(dict(options), max(batches)))
+        print(f"engine {options} built in {time.perf_counter() - t0:.1f} s; threads={threads}")
 
     results: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
-        row: dict[str, Any] = {"round": rnd}
-        for b in batches:
-            row[f"decode_b{b}"] = decode_steps(engine, b, args.context, args.steps, f"r{rnd}")
-        row["prefill_ms"], row["prefill_cpu_ms"] = prefill_ms(
-            engine, args.prefill_len, args.prefill_repeats, f"r{rnd}"
-        )
-        results.append(row)
-        parts = [
-            f"b{b}: step {row[f'decode_b{b}']['step_ms']:.1f} ms cpu {row[f'decode_b{b}']['cpu_ms']:.1f} "
-            f"(runner {row[f'decode_b{b}']['runner_ms']:.1f}) "
-            f"{row[f'decode_b{b}']['tok_s']:.0f} tok/s"
-            for b in batches
-        ]
-        print(f"round {rnd}: " + " | ".join(parts) + f" | prefill{args.prefill_len} "
-              f"{row['prefill_ms']:.1f} ms cpu {row['prefill_cpu_ms']:.1f}")  # fmt: skip
+        for index, (options, engine) in enumerate(zip(variants, engines, strict=True)):
+            row = measure(engine, batches, args, f"r{rnd}v{index}")
+            row.update(round=rnd, variant=index, options=options)
+            results.append(row)
+            print(f"round {rnd} {json.dumps(options)}: {_summary(row, batches)}")
     if args.rounds > 1:
-        med = {b: statistics.median(r[f"decode_b{b}"]["step_ms"] for r in results) for b in batches}
-        pre = statistics.median(r["prefill_ms"] for r in results)
-        print(
-            "median CPU time over rounds: "
-            + " | ".join(
-                f"b{b} {ms:.1f} ms/step ({b / ms * 1e3:.0f} tok/s)" for b, ms in med.items()
+        for index, options in enumerate(variants):
+            rows = [r for r in results if r["variant"] == index]
+            med = {b: statistics.median(r[f"decode_b{b}"]["cpu_ms"] for r in rows) for b in batches}
+            pre = statistics.median(r["prefill_cpu_ms"] for r in rows)
+            shown = " | ".join(
+                f"b{b} {ms:.1f} ms ({b / ms * 1e3:.0f} tok/s)" for b, ms in med.items()
             )
-            + f" | prefill {pre:.1f} ms"
-        )
+            print(f"median CPU time {json.dumps(options)}: {shown} | prefill {pre:.1f} ms")
+    engine = engines[0]
     if args.profile != "none":
         print(
             profile_decode(
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"threads": threads, "options": options, "rounds": results}, f, indent=2)
+            json.dump({"threads": threads, "rounds": results}, f, indent=2)
     return 0
 
 
