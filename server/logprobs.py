@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,22 +27,56 @@ def _ids_needing_strings(entries: Sequence[TokenLogprob | None], limit: int) -> 
 
 
 class CompletionLogprobsBuilder:
-    """Accumulates the legacy `text_offset/token_logprobs/tokens/top_logprobs` lists for one choice."""
+    """Accumulates the legacy `text_offset/token_logprobs/tokens/top_logprobs` lists for one choice.
 
-    def __init__(self, tokenizer: Any, num_top: int, text_offset: int = 0) -> None:
+    `text_offset[i]` is the character index in the returned text where token i's text starts. Tokens
+    are bytes, not characters: a token that continues an incomplete UTF-8 character starts where that
+    character starts. Offsets carry on across `build` calls, so streamed chunks continue each other.
+    """
+
+    def __init__(self, tokenizer: Any, num_top: int, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.num_top = num_top
-        self.offset = text_offset
+        self.skip_special_tokens = skip_special_tokens
+        self._base = 0  # characters before the generated text (an echoed prompt)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0  # complete characters of the generated tokens so far
+
+    def build_prompt(
+        self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], prompt_text: str
+    ) -> dict[str, list[Any]]:
+        """Logprobs of an echoed prompt whose text is `prompt_text`; later tokens follow that text."""
+        offsets = _prompt_offsets(self.tokenizer, token_ids, prompt_text)
+        self._base = len(prompt_text)
+        self._utf8.reset()
+        self._chars = 0
+        return self._lists(token_ids, entries, offsets)
 
     def build(
         self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None] | None
     ) -> dict[str, list[Any]]:
-        """Logprobs for `token_ids` (entries[i] describes token_ids[i]; None -> no logprob, the first prompt token)."""
+        """Logprobs for `token_ids` (entries[i] describes token_ids[i]; None -> no logprob)."""
+        skipped = _skipped_special_ids(self.tokenizer)
+        raws = self.tokenizer.token_bytes(list(token_ids))
+        offsets = []
+        for token_id, raw in zip(token_ids, raws, strict=True):
+            offsets.append(self._base + self._chars)
+            if self.skip_special_tokens and _is_skipped(self.tokenizer, token_id, skipped):
+                continue
+            self._chars += len(self._utf8.decode(bytes(raw)))
+        return self._lists(token_ids, entries, offsets)
+
+    def _lists(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[TokenLogprob | None] | None,
+        offsets: list[int],
+    ) -> dict[str, list[Any]]:
         entries = list(entries) if entries is not None else [None] * len(token_ids)
         needed = sorted(set(token_ids) | set(_ids_needing_strings(entries, self.num_top)))
         strings = dict(zip(needed, self.tokenizer.token_strings(needed), strict=True))
         out: dict[str, list[Any]] = {
-            "text_offset": [],
+            "text_offset": offsets[: len(entries)],
             "token_logprobs": [],
             "tokens": [],
             "top_logprobs": [],
@@ -48,8 +84,6 @@ class CompletionLogprobsBuilder:
         for token_id, entry in zip(token_ids, entries, strict=False):
             token = strings[token_id]
             out["tokens"].append(token)
-            out["text_offset"].append(self.offset)
-            self.offset += len(token)
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -59,6 +93,58 @@ class CompletionLogprobsBuilder:
             top.setdefault(token, finite(entry.logprob))  # the sampled token is always listed
             out["top_logprobs"].append(top)
         return out
+
+
+# tokenizer -> {token id: whether decoding with skip_special_tokens drops it}, filled lazily
+_SKIPPED_CACHE: weakref.WeakKeyDictionary[Any, dict[int, bool]] = weakref.WeakKeyDictionary()
+
+
+def _skipped_special_ids(tokenizer: Any) -> dict[int, bool]:
+    try:
+        return _SKIPPED_CACHE.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no cache
+        return {}
+
+
+def _is_skipped(tokenizer: Any, token_id: int, cache: dict[int, bool]) -> bool:
+    """A special token that decoding with skip_special_tokens leaves out of the text."""
+    skipped = cache.get(token_id)
+    if skipped is None:
+        skipped = tokenizer.decode([token_id], skip_special_tokens=True) == "" and bool(
+            tokenizer.decode([token_id], skip_special_tokens=False)
+        )
+        cache[token_id] = skipped
+    return skipped
+
+
+def _prompt_offsets(tokenizer: Any, token_ids: Sequence[int], text: str) -> list[int]:
+    """Where each prompt token starts in `text` (the prompt as the client sent it, or as decoded).
+
+    Tokens are matched against the text's bytes, so a special token the tokenizer added (a BOS that
+    is not in the text) takes no room, and a leading space the text lacks (SentencePiece) is allowed.
+    """
+    data = text.encode("utf-8")
+    chars_at = [0] * (len(data) + 1)  # complete characters within data[:i]
+    position = 0
+    for count, char in enumerate(text, start=1):
+        width = len(char.encode("utf-8"))
+        for k in range(1, width):
+            chars_at[position + k] = count - 1
+        position += width
+        chars_at[position] = count
+    skipped = _skipped_special_ids(tokenizer)
+    offsets = []
+    position = 0
+    for token_id, raw_list in zip(token_ids, tokenizer.token_bytes(list(token_ids)), strict=True):
+        offsets.append(chars_at[position])
+        raw = bytes(raw_list)
+        if data.startswith(raw, position):
+            position += len(raw)
+        elif raw.startswith(b" ") and data.startswith(raw[1:], position):
+            position += len(raw) - 1
+        elif not _is_skipped(tokenizer, token_id, skipped):
+            position = min(position + len(raw), len(data))
+    return offsets
 
 
 def chat_logprobs(

@@ -123,6 +123,14 @@ def _prompt_text(prompt: Prompt, tokenizer: Any) -> str:
     return text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def _logprobs_builder(
+    req: CompletionRequest, tokenizer: Any, num_top: int
+) -> CompletionLogprobsBuilder:
+    return CompletionLogprobsBuilder(
+        tokenizer, num_top, skip_special_tokens=req.skip_special_tokens is not False
+    )
+
+
 def _full_response(
     req: CompletionRequest,
     tokenizer: Any,
@@ -141,23 +149,15 @@ def _full_response(
             completion_tokens += out.num_output_tokens or len(out.token_ids)
             logprobs: dict[str, list[Any]] | None = None
             if req.logprobs is not None:
-                builder = CompletionLogprobsBuilder(tokenizer, req.logprobs)
-                logprobs = {
-                    "text_offset": [],
-                    "token_logprobs": [],
-                    "tokens": [],
-                    "top_logprobs": [],
-                }
-                parts = []
+                builder = _logprobs_builder(req, tokenizer, req.logprobs)
+                echoed = None
                 if req.echo:
-                    parts.append(
-                        builder.build(prompt[1], final.prompt_logprobs or [None] * len(prompt[1]))
+                    echoed = builder.build_prompt(
+                        prompt[1], final.prompt_logprobs or [None] * len(prompt[1]), prompt_text
                     )
-                    builder.offset = len(prompt_text)
-                parts.append(builder.build(out.token_ids, out.logprobs))
-                for part in parts:
-                    for key in logprobs:
-                        logprobs[key].extend(part[key])
+                logprobs = builder.build(out.token_ids, out.logprobs)
+                if echoed is not None:
+                    logprobs = {k: echoed[k] + logprobs[k] for k in echoed}
             choices.append(
                 {
                     "index": prompt_index * n + out.index,
@@ -232,8 +232,8 @@ class _CompletionStream:
             logprobs = None
             builder = self.builders.get(index)
             if self.req.logprobs is not None and builder is None:
-                builder = self.builders[index] = CompletionLogprobsBuilder(
-                    self.tokenizer, self.req.logprobs
+                builder = self.builders[index] = _logprobs_builder(
+                    self.req, self.tokenizer, self.req.logprobs
                 )
             if self.req.echo and index not in self.echoed:
                 self.echoed.add(index)
@@ -241,10 +241,9 @@ class _CompletionStream:
                 prompt_text = _prompt_text(prompt, self.tokenizer)
                 text = prompt_text + text
                 if builder is not None:
-                    echo_part = builder.build(
-                        prompt[1], output.prompt_logprobs or [None] * len(prompt[1])
+                    echo_part = builder.build_prompt(
+                        prompt[1], output.prompt_logprobs or [None] * len(prompt[1]), prompt_text
                     )
-                    builder.offset = len(prompt_text)
                     gen_part = builder.build(out.token_ids, out.logprobs)
                     logprobs = {k: echo_part[k] + gen_part[k] for k in echo_part}
             elif builder is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,7 +43,11 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Sample i continues the prompt's last byte with +1+i, +2+i, ... ('abc' -> 'def...' for i=0)."""
+    """Sample i continues the prompt's last byte with +1+i, +2+i, ... ('abc' -> 'def...' for i=0).
+
+    With `script` set, every sample emits the UTF-8 bytes of that text instead, one token per byte, and
+    (like the real detokenizer) a streamed delta's text stays empty while a character is incomplete.
+    """
 
     model_name = "fake-model"
     max_model_len = 64
@@ -59,6 +64,7 @@ class FakeEngine:
         self.fail_after: int | None = None  # raise RequestError after this many tokens
         self.step_delay = 0.0
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.script: str | None = None
 
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.active), "num_free_blocks": 10, "num_total_blocks": 10}
@@ -77,7 +83,11 @@ class FakeEngine:
         finished = False
         try:
             max_tokens = params.max_tokens if params.max_tokens is not None else 8
+            script = list(self.script.encode()) if self.script is not None else None
+            if script is not None:
+                max_tokens = min(max_tokens, len(script))
             samples = list(range(params.n))
+            utf8 = {i: codecs.getincrementaldecoder("utf-8")("replace") for i in samples}
             tokens: dict[int, list[int]] = {i: [] for i in samples}
             prompt_logprobs = None
             if params.prompt_logprobs is not None:
@@ -91,11 +101,19 @@ class FakeEngine:
                 done = step == max_tokens
                 outs = []
                 for i in samples:
-                    new = [] if done else [(prompt_token_ids[-1] + 1 + i + step) % 256]
+                    if done:
+                        new = []
+                    elif script is not None:
+                        new = [script[step]]
+                    else:
+                        new = [(prompt_token_ids[-1] + 1 + i + step) % 256]
                     tokens[i] += new
                     if params.output_kind == "final" and not done:
                         continue
                     ids = new if params.output_kind == "delta" else tokens[i]
+                    text = self.tokenizer.decode(ids)
+                    if script is not None and params.output_kind == "delta":
+                        text = utf8[i].decode(bytes(ids), final=done)
                     logprobs = None
                     if params.logprobs is not None:
                         logprobs = [
@@ -107,7 +125,7 @@ class FakeEngine:
                     outs.append(
                         CompletionOutput(
                             index=i,
-                            text=self.tokenizer.decode(ids),
+                            text=text,
                             token_ids=ids,
                             logprobs=logprobs,
                             finish_reason="length" if done else None,

@@ -1,0 +1,125 @@
+"""OpenAI-compatibility details over the fake engine: text offsets of non-ASCII text, max_tokens defaults,
+stream_options, one clear message per invalid field, HEAD /health, and no empty stream chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from engine import TokenLogprob
+from server.app import build_app
+from server.logprobs import CompletionLogprobsBuilder
+from server.state import ServerConfig
+from tests.unit.server_fakes import FakeEngine, FakeTokenizer
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+def _client(engine: FakeEngine, **config: Any) -> httpx.AsyncClient:
+    app = build_app(ServerConfig(**config), engine)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+@pytest.fixture
+async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
+    async with _client(engine) as c:
+        yield c
+
+
+def _chunks(body: str) -> list[dict[str, Any]]:
+    frames = [f.removeprefix("data: ") for f in body.strip().split("\n\n")]
+    assert frames[-1] == "[DONE]"
+    return [json.loads(f) for f in frames[:-1]]
+
+
+def _error(r: httpx.Response, param: str) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    return str(err["message"])
+
+
+# ------------------------------------------------------------------------------------- text_offset
+
+# "、" and "ア" are 3 UTF-8 bytes each; the fake engine emits one token per byte.
+SCRIPT = "a、ア b"
+# A token's offset is where its text starts: a token that continues an incomplete character starts
+# where that character starts, since the character is only complete once its last byte is there.
+SCRIPT_OFFSETS = [0, 1, 1, 1, 2, 2, 2, 3, 4]
+
+
+async def test_text_offset_counts_characters_of_non_ascii_text(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    engine.script = SCRIPT
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "logprobs": 1})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == SCRIPT
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(SCRIPT.encode())
+    assert lp["text_offset"] == SCRIPT_OFFSETS
+    assert all(offset <= len(choice["text"]) for offset in lp["text_offset"])
+
+
+async def test_text_offset_with_echo_counts_prompt_characters(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    engine.script = SCRIPT
+    body = {"prompt": "é!", "max_tokens": 20, "logprobs": 1, "echo": True}
+    choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+    assert choice["text"] == "é!" + SCRIPT
+    assert choice["logprobs"]["text_offset"] == [0, 0, 1] + [2 + o for o in SCRIPT_OFFSETS]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_streamed_text_offsets_continue_across_chunks(
+    client: httpx.AsyncClient, engine: FakeEngine, echo: bool
+) -> None:
+    engine.script = SCRIPT
+    body = {"prompt": "é!", "max_tokens": 20, "logprobs": 1, "echo": echo}
+    whole = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+    r = await client.post("/v1/completions", json={**body, "stream": True})
+    offsets: list[int] = []
+    text = ""
+    for chunk in _chunks(r.text):
+        choice = chunk["choices"][0]
+        text += choice["text"]
+        if choice["logprobs"]:
+            offsets += choice["logprobs"]["text_offset"]
+    assert text == whole["text"]
+    assert offsets == whole["logprobs"]["text_offset"]
+
+
+class _SpecialTokenizer(FakeTokenizer):
+    """Token 1 is a special token "<s>": decoding skips it unless asked not to."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        kept = [i for i in ids if not (i == 1 and skip_special_tokens)]
+        return "".join("<s>" if i == 1 else bytes([i]).decode(errors="replace") for i in kept)
+
+    def token_bytes(self, ids: list[int]) -> list[list[int]]:
+        return [list(b"<s>") if i == 1 else [i] for i in ids]
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return ["<s>" if i == 1 else bytes([i]).decode("latin-1") for i in ids]
+
+
+def test_text_offset_of_skipped_special_tokens() -> None:
+    tokenizer = _SpecialTokenizer()
+    entries = [TokenLogprob(t, -1.0, 1, [(t, -1.0)]) for t in (97, 1, 98)]
+    shown = CompletionLogprobsBuilder(tokenizer, 1, skip_special_tokens=False)
+    assert shown.build([97, 1, 98], entries)["text_offset"] == [0, 1, 4]  # text "a<s>b"
+    skipped = CompletionLogprobsBuilder(tokenizer, 1, skip_special_tokens=True)
+    assert skipped.build([97, 1, 98], entries)["text_offset"] == [0, 1, 1]  # text "ab"
+    # An echoed text prompt: a special token the tokenizer added (not in the text) takes no room,
+    # one written in the text does.
+    echo = CompletionLogprobsBuilder(tokenizer, 1)
+    assert echo.build_prompt([1, 97, 1], [None, *entries[:2]], "a<s>")["text_offset"] == [0, 0, 1]
+    assert echo.build([98], entries[2:])["text_offset"] == [4]
