@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128
 MAX_STOP = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none)
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
@@ -95,7 +96,7 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    max_tokens: NonNegInt | None = 16
+    max_tokens: NonNegInt | None = DEFAULT_COMPLETION_MAX_TOKENS  # null: the default too
     suffix: None = None  # not implemented: any value is a 400
 
 

@@ -21,7 +21,7 @@ from server.generation import (
     start_streams,
 )
 from server.logprobs import CompletionLogprobsBuilder
-from server.protocol import CompletionRequest
+from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from server.sse import DONE_FRAME, sse_frame, sse_response
 from server.state import ServerState
 
@@ -52,6 +52,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         )
     if req.echo and req.stream and req.best_of is not None and req.best_of > n:
         raise invalid_request("echo with best_of > n is not supported", "echo")
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     prompts = _prompts(req, tokenizer)
     max_prompts = getattr(engine, "max_queued_requests", None)
     if max_prompts is not None and len(prompts) > max_prompts:
@@ -60,13 +61,13 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
             "prompt",
         )
     for _, ids in prompts:
-        check_prompt_ids(ids, tokenizer.vocab_size, engine.max_model_len, req.max_tokens, "prompt")
+        check_prompt_ids(ids, tokenizer.vocab_size, engine.max_model_len, max_tokens, "prompt")
     want_prompt_logprobs = bool(req.echo) and req.logprobs is not None
     params = build_sampling_params(
         req,
         n=n,
         best_of=req.best_of,
-        max_tokens=req.max_tokens,
+        max_tokens=max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
         output_kind="delta" if req.stream else "final",

@@ -123,3 +123,24 @@ def test_text_offset_of_skipped_special_tokens() -> None:
     echo = CompletionLogprobsBuilder(tokenizer, 1)
     assert echo.build_prompt([1, 97, 1], [None, *entries[:2]], "a<s>")["text_offset"] == [0, 0, 1]
     assert echo.build([98], entries[2:])["text_offset"] == [4]
+
+
+# --------------------------------------------------------------------------------------- max_tokens
+
+
+async def test_completion_max_tokens_null_means_the_default_16(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    for extra in ({}, {"max_tokens": None}):
+        r = await client.post("/v1/completions", json={"prompt": "abc", **extra})
+        assert r.status_code == 200, r.text
+        assert engine.requests[-1][2].max_tokens == 16
+        assert r.json()["usage"]["completion_tokens"] == 16
+
+
+async def test_chat_max_tokens_null_means_until_the_model_length(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert engine.requests[-1][2].max_tokens is None
