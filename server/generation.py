@@ -25,6 +25,14 @@ class ClientDisconnected(Exception):
     """The HTTP client went away; its engine requests have been aborted."""
 
 
+def check_stream_options(req: SamplingFields) -> None:
+    """stream_options only means something for a streamed response; OpenAI rejects it otherwise."""
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request(
+            "stream_options is only allowed when stream is true", "stream_options"
+        )
+
+
 def build_sampling_params(
     req: SamplingFields,
     *,

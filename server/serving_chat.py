@@ -16,6 +16,7 @@ from server.generation import (
     ClientDisconnected,
     build_sampling_params,
     check_prompt_ids,
+    check_stream_options,
     finish_reason,
     merge_outputs,
     start_streams,
@@ -69,6 +70,7 @@ async def create_chat_completion(
     engine = state.require_engine()
     model = state.check_model(req.model)
     tokenizer = engine.tokenizer
+    check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = (

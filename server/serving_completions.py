@@ -16,6 +16,7 @@ from server.generation import (
     ClientDisconnected,
     build_sampling_params,
     check_prompt_ids,
+    check_stream_options,
     finish_reason,
     merge_outputs,
     start_streams,
@@ -43,6 +44,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     engine = state.require_engine()
     model = state.check_model(req.model)
     tokenizer = engine.tokenizer
+    check_stream_options(req)
     n = req.n or 1
     if req.best_of is not None and req.best_of < n:
         raise invalid_request(f"best_of ({req.best_of}) must be at least n ({n})", "best_of")

@@ -144,3 +144,26 @@ async def test_chat_max_tokens_null_means_until_the_model_length(
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None}
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     assert engine.requests[-1][2].max_tokens is None
+
+
+# ----------------------------------------------------------------------------------- stream_options
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "abc", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]
+)
+async def test_stream_options_require_stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    options = {"stream_options": {"include_usage": True}}
+    for stream in ({}, {"stream": False}, {"stream": None}):
+        message = _error(
+            await client.post(path, json={**body, **options, **stream}), "stream_options"
+        )
+        assert "stream" in message
+    assert (await client.post(path, json={**body, "stream_options": None})).status_code == 200
+    r = await client.post(path, json={**body, **options, "stream": True})
+    assert r.status_code == 200 and _chunks(r.text)[-1]["usage"]
