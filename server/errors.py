@@ -109,26 +109,95 @@ def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     )
 
 
+def _is_member_tag(item: Any) -> bool:
+    """pydantic's names for union members and wrappers in an error's loc, e.g. "list[int]", "str"."""
+    if not isinstance(item, str):
+        return False
+    return (
+        "[" in item
+        or "function-" in item
+        or item.startswith(("literal[", "constrained-"))
+        or item in ("str", "int", "float", "bool", "dict", "list", "none")
+    )
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     """("body", "messages", 0, "content") -> "messages[0].content"; pydantic union tags are dropped."""
     parts: list[str] = []
     for item in loc:
-        if item in ("body", "query", "path", "header"):
+        if item in ("body", "query", "path", "header") or _is_member_tag(item):
             continue
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif isinstance(item, str) and (
-            "[" in item or "function-" in item or item.startswith("literal[")
-        ):
-            continue  # pydantic's names for union members and wrappers, e.g. "list[int]"
-        elif item in ("str", "int", "float", "bool", "dict", "list", "none"):
-            continue
         else:
             parts.append(("." if parts else "") + str(item))
     return "".join(parts) or None
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
+def _split_union(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], str, tuple[Any, ...]] | None:
+    """(field path, union member tag, path inside the member), or None outside a union."""
+    for k, item in enumerate(loc):
+        if _is_member_tag(item):
+            return loc[:k], item, loc[k + 1 :]
+    return None
+
+
+def _is_type_error(error: dict[str, Any]) -> bool:
+    kind = str(error.get("type", ""))
+    return kind.endswith(("_type", "_parsing")) or kind == "is_instance_of"
+
+
+_MEMBER_NOUNS = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean",
+    "none": "null",
+    "dict": "an object",
+    "list": "a list",
+}
+
+
+def _member_noun(tag: str) -> str:
+    if tag.startswith("list["):
+        return "a list"
+    if tag.startswith("dict["):
+        return "an object"
+    if tag.startswith("constrained-"):
+        tag = tag[len("constrained-") :]
+    if tag.startswith("literal[") and tag.endswith("]"):
+        return tag[len("literal[") : -1]
+    return _MEMBER_NOUNS.get(tag, tag)
+
+
+def _union_error(errors: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None] | None:
+    """For a union field, the one error worth showing: from the member that got furthest into the
+    value (a later list index, then a deeper path), preferring a broken constraint to a wrong type.
+    Returns (error, message override when no member took the value's type), or None if no union."""
+    split = _split_union(tuple(errors[0].get("loc", ())))
+    if split is None:
+        return None
+    field = split[0]
+    first_per_member: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    for error in errors:
+        parts = _split_union(tuple(error.get("loc", ())))
+        if parts is not None and parts[0] == field:
+            first_per_member.setdefault(parts[1], (parts[2], error))
+
+    def progress(entry: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:
+        inner, error = entry
+        indexes = tuple(i for i in inner if isinstance(i, int))
+        return (indexes, len(inner), not _is_type_error(error))
+
+    inner, best = max(first_per_member.values(), key=progress)
+    if inner or not _is_type_error(best):
+        return best, None
+    nouns = list(dict.fromkeys(_member_noun(tag) for tag in first_per_member))
+    wanted = nouns[0] if len(nouns) == 1 else ", ".join(nouns[:-1]) + " or " + nouns[-1]
+    return best, f"Input should be {wanted}"
+
+
+def validation_error(errors: list[dict[str, Any]], content_type: str | None = None) -> APIError:
     """Turn pydantic errors into one 400 naming the first offending field."""
     if not errors:
         return invalid_request("Invalid request.")
@@ -140,8 +209,13 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
             "The request body is not valid JSON: " + str(first.get("msg", "")).strip(),
             code="invalid_json",
         )
-    if kind == "missing" and param is None:
-        return invalid_request("The request body must be a JSON object.")
+    if param is None and (kind == "missing" or _is_type_error(first)):
+        message = "The request body must be a JSON object."
+        if content_type is not None and "json" not in content_type.lower():
+            message += (
+                f" It was sent as {content_type!r}; send JSON with Content-Type: application/json."
+            )
+        return invalid_request(message)
     if kind == "none_required" and param:
         return invalid_request(
             UNSUPPORTED_MESSAGE.format(field=param), param=param, code="unsupported_parameter"
@@ -152,10 +226,19 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
             param=param,
             code="unknown_parameter",
         )
+    where = param
     message = str(first.get("msg", "invalid value"))
+    union = _union_error(errors)
+    if union is not None:
+        best, override = union
+        field, _, _ = _split_union(tuple(best["loc"])) or ((), "", ())
+        param = _loc_to_param(field)
+        where = _loc_to_param(tuple(best["loc"]))
+        message = override or str(best.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    return invalid_request(f"{param}: {message}" if param else message, param=param)
+    message = message.replace(" after validation", "")
+    return invalid_request(f"{where}: {message}" if where else message, param=param)
 
 
 async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -165,7 +248,7 @@ async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(list(exc.errors())).response()
+    return validation_error(list(exc.errors()), request.headers.get("content-type")).response()
 
 
 async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:

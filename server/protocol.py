@@ -116,6 +116,19 @@ class ChatMessage(StrictModel):
     refusal: None = None
     audio: None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Name the real problem (an image or audio part) instead of the union's type mismatch."""
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"only text content parts are supported, but part {i} has type {kind!r}"
+                    )
+        return value
+
 
 class ResponseFormatText(StrictModel):
     type: Literal["text"]

@@ -167,3 +167,51 @@ async def test_stream_options_require_stream(
     assert (await client.post(path, json={**body, "stream_options": None})).status_code == 200
     r = await client.post(path, json={**body, **options, "stream": True})
     assert r.status_code == 200 and _chunks(r.text)[-1]["usage"]
+
+
+# ------------------------------------------------------------------------------ validation messages
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": [-1]}, "prompt", "prompt[0]: Input should be greater than or equal to 0"),
+        ({"prompt": []}, "prompt", "prompt: List should have at least 1 item"),
+        ({"prompt": [[]]}, "prompt", "prompt[0]: List should have at least 1 item"),
+        ({"prompt": ["a", 1]}, "prompt", "prompt[1]: Input should be a valid string"),
+        ({"prompt": [1, True]}, "prompt", "prompt[1]: Input should be a valid integer"),
+        ({"prompt": [[1], [-1]]}, "prompt", "prompt[1][0]: Input should be greater than or equal"),
+        ({"prompt": 5}, "prompt", "prompt: Input should be a string or a list"),
+        ({"prompt": "a", "stop": ["x"] * 17}, "stop", "stop: List should have at most 16 items"),
+        ({"prompt": "a", "stop": 5}, "stop", "stop: Input should be a string or a list"),
+    ],
+)
+async def test_union_fields_get_the_relevant_message(
+    client: httpx.AsyncClient, body: dict[str, Any], param: str, message: str
+) -> None:
+    got = _error(await client.post("/v1/completions", json=body), param)
+    assert got.startswith(message), got
+
+
+async def test_non_text_content_part_says_only_text_is_supported(
+    client: httpx.AsyncClient,
+) -> None:
+    part = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, part]}]}
+    message = _error(await client.post("/v1/chat/completions", json=body), "messages[0].content")
+    assert "only text" in message and "image_url" in message, message
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [(b'{"prompt": "a"}', "text/plain"), (b'["a"]', "application/json"), (b'"a"', None)],
+)
+async def test_a_body_that_is_not_a_json_object_says_so(
+    client: httpx.AsyncClient, content: bytes, content_type: str | None
+) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    r = await client.post("/v1/completions", content=content, headers=headers)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "must be a JSON object" in err["message"], err
