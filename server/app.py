@@ -69,6 +69,7 @@ def _state(request: Request) -> ServerState:
 router = APIRouter()
 
 
+@router.head("/health", include_in_schema=False)  # load balancers probe with HEAD
 @router.get("/health", responses={503: {"model": ErrorResponse}})
 async def health(request: Request) -> Response:
     """200 once the model is loaded and the engine runs; 503 while loading, draining or dead."""

@@ -215,3 +215,16 @@ async def test_a_body_that_is_not_a_json_object_says_so(
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
     assert "must be a JSON object" in err["message"], err
+
+
+# ------------------------------------------------------------------------------------- HEAD /health
+
+
+async def test_head_health_without_api_key(engine: FakeEngine) -> None:
+    async with _client(engine, api_key="sekret") as c:
+        r = await c.head("/health")
+        assert r.status_code == 200 and r.content == b""
+        assert (await c.get("/health")).json() == {"status": "ok"}
+        assert (await c.head("/v1/models")).status_code == 401
+    async with _client(None) as c:  # type: ignore[arg-type]
+        assert (await c.head("/health")).status_code == 503
