@@ -252,8 +252,8 @@ class _CompletionStream:
             elif builder is not None:
                 logprobs = builder.build(out.token_ids, out.logprobs)
             reason = finish_reason(out.finish_reason)
-            if not text and not out.token_ids and reason is None:
-                continue
+            if not text and reason is None and not (logprobs and logprobs["tokens"]):
+                continue  # e.g. half a multi-byte character: nothing to show yet
             frames.append(
                 self._chunk(
                     {

@@ -228,3 +228,45 @@ async def test_head_health_without_api_key(engine: FakeEngine) -> None:
         assert (await c.head("/v1/models")).status_code == 401
     async with _client(None) as c:  # type: ignore[arg-type]
         assert (await c.head("/health")).status_code == 503
+
+
+# --------------------------------------------------------------------------- no empty stream chunks
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+async def test_completion_stream_sends_no_empty_chunks(
+    client: httpx.AsyncClient, engine: FakeEngine, logprobs: int | None
+) -> None:
+    engine.script = SCRIPT
+    body = {"prompt": "x", "max_tokens": 20, "stream": True, "logprobs": logprobs}
+    chunks = _chunks((await client.post("/v1/completions", json=body)).text)
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        assert (
+            choice["text"] or choice["finish_reason"] or (choice["logprobs"] or {}).get("tokens")
+        ), chunk
+    assert "".join(c["choices"][0]["text"] for c in chunks) == SCRIPT
+
+
+async def test_chat_stream_sends_no_empty_chunks_after_the_role(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    engine.script = SCRIPT
+    body = {**CHAT, "max_tokens": 20, "stream": True, "n": 2}
+    chunks = _chunks((await client.post("/v1/chat/completions", json=body)).text)
+    roles = [c for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert len(roles) == 2
+    for chunk in chunks:
+        if chunk in roles:
+            continue
+        choice = chunk["choices"][0]
+        assert choice["delta"].get("content") or choice["finish_reason"], chunk
+    texts = [
+        "".join(
+            c["choices"][0]["delta"].get("content") or ""
+            for c in chunks
+            if c["choices"][0]["index"] == i
+        )
+        for i in (0, 1)
+    ]
+    assert texts == [SCRIPT, SCRIPT]
