@@ -262,3 +262,38 @@ def test_concurrent_greedy_streams_equal_alone(tiny_server: ServerProcess, model
     alone, together = asyncio.run(run_all())
     assert together == alone
     assert all(alone)
+
+
+def test_text_offsets_of_non_ascii_text(tiny_server: ServerProcess, model: str) -> None:
+    """Each offset is where the token's text starts in prompt + completion, counted in characters."""
+    url, prompt = tiny_server.url, "日本の首都は"
+    ids = httpx.post(url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+
+    def complete_chars(n: int) -> int:  # characters fully spelled by the first n prompt tokens
+        text = httpx.post(url + "/detokenize", json={"tokens": ids[:n]}).json()["prompt"]
+        return len(text.rstrip("\ufffd"))
+
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+            "echo": True, "ignore_eos": True}  # fmt: skip
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    offsets, tokens = lp["text_offset"], lp["tokens"]
+    assert text.startswith(prompt) and len(tokens) == len(ids) + 12
+    assert any(t.startswith("bytes:") for t in tokens[: len(ids)]), "no character split in tokens"
+    assert offsets[: len(ids)] == [complete_chars(n) for n in range(len(ids))]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for i, (offset, token) in enumerate(zip(offsets, tokens, strict=True)):
+        whole = not token.startswith("bytes:") and not tokens[i - 1].startswith("bytes:")
+        if i > len(ids) and whole and not token.startswith("<|"):
+            assert text.startswith(token, offset), (offset, token, text)
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [json.loads(line[6:]) for line in r.text.split("\n\n") if line[6:].startswith("{")]
+    streamed = [
+        o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])
+    ]
+    assert streamed == offsets
+
+
+def test_head_health(tiny_server: ServerProcess) -> None:
+    r = httpx.head(tiny_server.url + "/health")
+    assert r.status_code == 200 and r.content == b""
