@@ -24,7 +24,9 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def embed_engine(minilm_dir):
     # A budget of 40 tokens forces these inputs into several engine steps.
-    config = EngineConfig.from_options(str(minilm_dir), dtype="float32", task="embed", max_num_batched_tokens=40)
+    config = EngineConfig.from_options(
+        str(minilm_dir), dtype="float32", task="embed", max_num_batched_tokens=40
+    )
     return AsyncLLMEngine.from_config(config)
 
 
@@ -35,7 +37,9 @@ def test_concurrent_embeddings_equal_the_model_alone(embed_engine, minilm_dir):
     async def run():
         await embed_engine.start()
         try:
-            return await asyncio.gather(*(embed_engine.embed(f"e{i}", x) for i, x in enumerate(ids)))
+            return await asyncio.gather(
+                *(embed_engine.embed(f"e{i}", x) for i, x in enumerate(ids))
+            )
         finally:
             await embed_engine.shutdown()
 
