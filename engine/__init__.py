@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    DTYPES,
+    POOLINGS,
+    TASKS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -37,6 +45,9 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "DTYPES",
+    "POOLINGS",
+    "TASKS",
     "LLM",
     "LLMEngine",
     "AsyncLLMEngine",

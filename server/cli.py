@@ -89,7 +89,7 @@ def _load_in_daemon_thread(engine_config: Any) -> asyncio.Future[Any]:
 
     def load() -> None:
         try:
-            from engine.async_engine import AsyncLLMEngine
+            from engine import AsyncLLMEngine
 
             engine = AsyncLLMEngine.from_config(engine_config)
         except BaseException as e:  # noqa: BLE001 - handed to the loop

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.config import DTYPES, POOLINGS
+from engine import DTYPES, POOLINGS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from server.state import ServerConfig
 
 ENV_PREFIX = "KVSERVE_"
