@@ -4,6 +4,7 @@ on first use over static input buffers and replayed; prefill and mixed steps sta
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ class CudaGraphRunner:
         self.block_tables = torch.full((n, w), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool: tuple[int, int] | None = None  # one memory pool shared by every graph
+        self.pool: Any = None  # one memory pool shared by every graph
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return (

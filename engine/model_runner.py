@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,15 +42,16 @@ def prepare_model(model: torch.nn.Module, config: ModelConfig) -> None:
         torch.set_num_threads(config.num_threads)
     quantize_model(model, config.quantization)
     if config.compile:
-        if not hasattr(model, "compile_dense"):
+        compile_dense = getattr(model, "compile_dense", None)
+        if compile_dense is None:
             raise ValueError(f"--compile is not supported for {type(model).__name__}")
-        model.compile_dense()  # compiled lazily by the first steps of each shape kind
+        compile_dense()  # compiled lazily by the first steps of each shape kind
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,  # a model of engine.models (num_layers, num_kv_heads, head_dim, ...)
         device: torch.device,
         dtype: torch.dtype,
         num_blocks: int,
@@ -62,9 +64,12 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        use_graphs = cuda_graphs and device.type == "cuda"
+        # With CUDA graphs, one extra block (never handed out by the cache manager) takes the
+        # K/V that padding rows write.
         self.kv_caches = allocate_kv_cache(
             model.num_layers,
-            num_blocks,
+            num_blocks + int(use_graphs),
             block_size,
             model.num_kv_heads,
             model.head_dim,
@@ -74,19 +79,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.fault_injection = fault_injection_enabled()
         self.cuda_graphs: CudaGraphRunner | None = None
-        if cuda_graphs and device.type == "cuda":
-            # One extra block, never handed out by the cache manager, takes padding rows' K/V.
-            self.kv_caches = allocate_kv_cache(
-                model.num_layers, num_blocks + 1, block_size, model.num_kv_heads,
-                model.head_dim, dtype, device,
-            )  # fmt: skip
+        if use_graphs:
             max_blocks = -(-model.max_position_embeddings // block_size)
             self.cuda_graphs = CudaGraphRunner(
                 model, self.kv_caches, block_size, max_blocks, max_graph_batch, num_blocks
             )
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 

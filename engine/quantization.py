@@ -19,6 +19,9 @@ DEFAULT_INT4_GROUP_SIZE = 32
 class Int8Weight(nn.Module):
     """Symmetric per-output-channel int8: w ~= q * scale[:, None], q in [-127, 127]."""
 
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
     def __init__(self, weight: torch.Tensor) -> None:  # weight: [out, in]
         super().__init__()
         w = weight.float()
@@ -38,6 +41,9 @@ class Int8Weight(nn.Module):
 class Int4Weight(nn.Module):
     """Asymmetric int4 per group of `group_size` input channels (as GGUF Q4_1): each group keeps a
     scale and a minimum; q in [0, 15], w ~= (q - 8) * scale + zero with zero = min + 8 * scale."""
+
+    qweight: torch.Tensor
+    scales_zeros: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, group_size: int) -> None:  # weight: [out, in]
         super().__init__()

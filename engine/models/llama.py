@@ -181,10 +181,9 @@ class LlamaForCausalLM(nn.Module):
     def compile_dense(self) -> None:
         """torch.compile the per-layer dense code (norms, projections, rotary, MLP, residuals) once,
         shared by every layer, with a dynamic token count; paged attention stays eager."""
-        options = {"dynamic": True, "fullgraph": True}
         self.dense = (
-            torch.compile(_pre_attention, **options),
-            torch.compile(_post_attention, **options),
+            torch.compile(_pre_attention, dynamic=True, fullgraph=True),
+            torch.compile(_post_attention, dynamic=True, fullgraph=True),
         )
 
     @torch.inference_mode()
@@ -192,12 +191,12 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         return linear(hidden, weight).float()
 
-    def quantizable_weights(self) -> list[tuple[nn.Module, str]]:
+    def quantizable_weights(self) -> list[tuple[Any, str]]:
         """(module, attribute) of every matmul weight, for engine.quantization. A tied head gets
         its own reference to the embedding, so the head can be packed while lookups stay exact."""
         if self.lm_head_weight is None:
-            self.lm_head_weight = self.embed_tokens.weight
-        found: list[tuple[nn.Module, str]] = [(self, "lm_head_weight")]
+            self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]
+        found: list[tuple[Any, str]] = [(self, "lm_head_weight")]
         for layer in self.layers:
             found += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]
             found += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
