@@ -39,7 +39,16 @@ def server(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """At most one queued request (so a burst gets 429s), a fast stats log, DEBUG request lines."""
-    args = [*TINY_ARGS, "--max-queued-requests", "1", "--log-stats-interval", "0.5"]
+    # Two running slots and one queued request: a concurrent burst overflows admission.
+    args = [
+        *TINY_ARGS,
+        "--max-num-seqs",
+        "2",
+        "--max-queued-requests",
+        "1",
+        "--log-stats-interval",
+        "0.5",
+    ]
     args += ["--log-level", "debug"]
     proc = ServerProcess(tiny_llama_dir, args, tmp_path_factory.mktemp("logs") / "metrics.log")
     proc.wait_ready()
