@@ -24,8 +24,10 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # torch's rms_norm accumulates bf16/fp16 input in float32 and rounds once, which is
+        # bitwise what upcasting first gives, in two ops fewer.
+        normed = F.rms_norm(x, (self.hidden_size,), eps=self.eps)
+        return self.weight * normed
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
