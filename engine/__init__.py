@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.config import (
     DTYPES,
     POOLINGS,
@@ -22,6 +24,13 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
+    from engine.async_engine import AsyncLLMEngine
+    from engine.llm import LLM
+    from engine.llm_engine import ContextLengthError, LLMEngine
+    from engine.stats import FinishedRequestStats, StepStats
+    from engine.tokenizer import Tokenizer
 
 _LAZY = {
     "LLM": "engine.llm",

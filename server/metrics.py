@@ -17,8 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.state import ServerState
 
-if TYPE_CHECKING:  # engine/__init__ exports these lazily, which type checkers cannot follow
-    from engine.stats import FinishedRequestStats, StepStats
+if TYPE_CHECKING:
+    from engine import FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 
