@@ -23,19 +23,18 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import ContextLengthError, SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
     from engine.llm import LLM
-    from engine.llm_engine import ContextLengthError, LLMEngine
+    from engine.llm_engine import LLMEngine
     from engine.stats import FinishedRequestStats, StepStats
     from engine.tokenizer import Tokenizer
 
 _LAZY = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
-    "ContextLengthError": "engine.llm_engine",
     "AsyncLLMEngine": "engine.async_engine",
     "StepStats": "engine.stats",
     "FinishedRequestStats": "engine.stats",

@@ -12,7 +12,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.embedding_model import EmbeddingModel
 from engine.outputs import EmbeddingOutput
-from engine.sampling_params import SamplingParamsError
+from engine.sampling_params import ContextLengthError, check_token_ids
 from engine.stats import EngineTotals, FinishedRequestStats, StepStats
 from engine.tokenizer import Tokenizer
 
@@ -45,24 +45,13 @@ class EmbeddingEngine:
         self.last_step: StepStats | None = None
 
     def validate(self, prompt_token_ids: list[int], params: object = None) -> int:
-        if not prompt_token_ids:
-            raise SamplingParamsError("input", "the input is empty: give at least one token")
-        bad = [
-            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise SamplingParamsError(
-                "input", f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-            )
+        check_token_ids(prompt_token_ids, self.vocab_size, "input")
         if len(prompt_token_ids) > self.max_model_len:
-            from engine.llm_engine import ContextLengthError
-
-            err = ContextLengthError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "
-                f"{len(prompt_token_ids)} tokens. Shorten it or ask for truncation (truncate_prompt_tokens)."
+                f"{len(prompt_token_ids)} tokens. Shorten it or ask for truncation (truncate_prompt_tokens).",
+                param="input",
             )
-            err.param = "input"
-            raise err
         return 0
 
     def add_request(

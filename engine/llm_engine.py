@@ -20,7 +20,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import RequestGroup, Sequence, SequenceStatus
 from engine.sampler import make_generator
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import ContextLengthError, SamplingParams, check_token_ids
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineTotals, StepStats
 from engine.tokenizer import Tokenizer
@@ -112,16 +112,7 @@ class LLMEngine:
             raise ValueError(
                 "this model generates text: a generation request needs sampling parameters"
             )
-        if not prompt_token_ids:
-            raise SamplingParamsError("prompt", "the prompt is empty: give at least one token")
-        bad = [
-            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise SamplingParamsError(
-                "prompt",
-                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})",
-            )
+        check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
         params.validate_for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
         max_tokens = (
@@ -287,11 +278,3 @@ def served_model_name(model: str | None, model_dir: Path) -> str:
     if "/" in model and not Path(model).expanduser().exists():
         return model  # a hub id
     return Path(model).expanduser().name.removesuffix(".gguf")
-
-
-class ContextLengthError(SamplingParamsError):
-    """Prompt plus completion exceed the model's maximum length (or the KV pool)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("max_tokens", message)
-        self.code = "context_length_exceeded"

@@ -135,3 +135,22 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(SamplingParamsError):
+    """Prompt plus completion exceed the model's maximum length (or the KV pool)."""
+
+    def __init__(self, message: str, param: str = "max_tokens") -> None:
+        super().__init__(param, message)
+        self.code = "context_length_exceeded"
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """A request's input tokens: at least one, each inside the vocabulary."""
+    if not token_ids:
+        raise SamplingParamsError(param, f"the {param} is empty: give at least one token")
+    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SamplingParamsError(
+            param, f"{param} token id {bad} is outside the vocabulary (size {vocab_size})"
+        )
