@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.errors import invalid_request, to_api_error
+from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
     build_sampling_params,
@@ -23,8 +22,9 @@ from server.generation import (
 )
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, ChatMessage
-from server.sse import DONE_FRAME, sse_frame, sse_response
+from server.sse import sse_response
 from server.state import ServerState
+from server.streaming import ChunkStream, usage_block
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -53,15 +53,6 @@ def apply_template(
             f"Cannot apply the chat template: {e}. Serve the model with --chat-template FILE.",
             "messages",
         ) from None
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
 
 
 async def create_chat_completion(
@@ -144,14 +135,18 @@ async def create_chat_completion(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": _usage(len(prompt_ids), completion_tokens, final.num_cached_tokens),
+        "usage": usage_block(len(prompt_ids), completion_tokens, final.num_cached_tokens),
         "system_fingerprint": None,
     }
     return JSONResponse(body)
 
 
-class _ChatStream:
+class _ChatStream(ChunkStream):
     """Delta RequestOutputs -> chat.completion.chunk frames; the first delta of each choice has the role."""
+
+    object_name = "chat.completion.chunk"
+    error_param = "messages"
+    req: ChatCompletionRequest
 
     def __init__(
         self,
@@ -164,41 +159,27 @@ class _ChatStream:
         n: int,
         num_top: int,
     ) -> None:
-        self.req = req
-        self.tokenizer = tokenizer
-        self.model = model
-        self.request_id = request_id
-        self.created = created
-        self.prompt_tokens = prompt_tokens
-        self.n = n
+        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n)
         self.num_top = num_top
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.output_tokens: dict[int, int] = {}
         self.pending_logprobs: dict[int, list[Any]] = {}  # tokens whose text is still held back
-        self.cached = 0
 
-    def _chunk(
-        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, last: bool = False
-    ) -> str:
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
-        if self.include_usage:
-            payload["usage"] = usage
-        return sse_frame(payload)
+    def _opening_frames(self) -> list[str]:
+        roles = [
+            {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for index in range(self.n)
+        ]
+        return [self._chunk([role]) for role in roles]
 
-    def _frames_for(self, output: RequestOutput) -> list[str]:
+    def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
         frames = []
-        self.cached = output.num_cached_tokens
+        self.cached[prompt_index] = output.num_cached_tokens
         for out in output.outputs:
-            self.output_tokens[out.index] = out.num_output_tokens or self.output_tokens.get(
-                out.index, 0
-            ) + len(out.token_ids)
+            self._count(out.index, out)
             reason = finish_reason(out.finish_reason)
             pending = self.pending_logprobs.setdefault(out.index, [])
             pending.extend(out.logprobs or [])
@@ -222,35 +203,3 @@ class _ChatStream:
                 choice["stop_reason"] = out.stop_reason
             frames.append(self._chunk([choice]))
         return frames
-
-    async def frames(
-        self,
-        first: tuple[int, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    ) -> AsyncIterator[str]:
-        try:
-            for index in range(self.n):
-                role = {
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield self._chunk([role])
-            if first is not None:
-                for frame in self._frames_for(first[1]):
-                    yield frame
-            async for _, output in outputs:
-                for frame in self._frames_for(output):
-                    yield frame
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield sse_frame(to_api_error(e, "messages").body())
-            return
-        finally:
-            await outputs.aclose()
-        if self.include_usage:
-            usage = _usage(self.prompt_tokens, sum(self.output_tokens.values()), self.cached)
-            yield self._chunk([], usage)
-        yield DONE_FRAME

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.errors import invalid_request, to_api_error
+from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
     build_sampling_params,
@@ -23,8 +23,9 @@ from server.generation import (
 )
 from server.logprobs import CompletionLogprobsBuilder
 from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
-from server.sse import DONE_FRAME, sse_frame, sse_response
+from server.sse import sse_response
 from server.state import ServerState
+from server.streaming import ChunkStream, usage_block
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
@@ -112,15 +113,6 @@ async def _collect(
     return [latest[i] for i in range(count)]
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
 def _prompt_text(prompt: Prompt, tokenizer: Any) -> str:
     text, ids = prompt
     return text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
@@ -179,13 +171,16 @@ def _full_response(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": _usage(prompt_tokens, completion_tokens, cached),
+        "usage": usage_block(prompt_tokens, completion_tokens, cached),
         "system_fingerprint": None,
     }
 
 
-class _CompletionStream:
+class _CompletionStream(ChunkStream):
     """Turns delta RequestOutputs into OpenAI completion chunks, one choice per chunk."""
+
+    object_name = "text_completion"
+    req: CompletionRequest
 
     def __init__(
         self,
@@ -197,40 +192,18 @@ class _CompletionStream:
         prompts: list[Prompt],
         n: int,
     ) -> None:
-        self.req = req
-        self.tokenizer = tokenizer
-        self.model = model
-        self.request_id = request_id
-        self.created = created
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n)
         self.prompts = prompts
-        self.n = n
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
         self.echoed: set[int] = set()
-        self.output_tokens: dict[int, int] = {}
-        self.cached: dict[int, int] = {}
 
-    def _chunk(self, choice: dict[str, Any]) -> str:
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "system_fingerprint": None,
-        }
-        if self.include_usage:
-            payload["usage"] = None
-        return sse_frame(payload)
-
-    def _choice_frames(self, prompt_index: int, output: RequestOutput) -> list[str]:
+    def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
         frames = []
         self.cached[prompt_index] = output.num_cached_tokens
         for out in output.outputs:
             index = prompt_index * self.n + out.index
-            self.output_tokens[index] = out.num_output_tokens or self.output_tokens.get(
-                index, 0
-            ) + len(out.token_ids)
+            self._count(index, out)
             text = out.text
             logprobs = None
             builder = self.builders.get(index)
@@ -254,52 +227,12 @@ class _CompletionStream:
             reason = finish_reason(out.finish_reason)
             if not text and reason is None and not (logprobs and logprobs["tokens"]):
                 continue  # e.g. half a multi-byte character: nothing to show yet
-            frames.append(
-                self._chunk(
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": reason,
-                        "stop_reason": out.stop_reason,
-                    }
-                )
-            )
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                "stop_reason": out.stop_reason,
+            }
+            frames.append(self._chunk([choice]))
         return frames
-
-    async def frames(
-        self,
-        first: tuple[int, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    ) -> AsyncIterator[str]:
-        try:
-            if first is not None:
-                for frame in self._choice_frames(*first):
-                    yield frame
-            async for prompt_index, output in outputs:
-                for frame in self._choice_frames(prompt_index, output):
-                    yield frame
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield sse_frame(to_api_error(e).body())
-            return
-        finally:
-            await outputs.aclose()
-        if self.include_usage:
-            prompt_tokens = sum(len(ids) for _, ids in self.prompts)
-            usage = _usage(
-                prompt_tokens, sum(self.output_tokens.values()), sum(self.cached.values())
-            )
-            yield sse_frame(
-                {
-                    "id": self.request_id,
-                    "object": "text_completion",
-                    "created": self.created,
-                    "model": self.model,
-                    "choices": [],
-                    "usage": usage,
-                    "system_fingerprint": None,
-                }
-            )
-        yield DONE_FRAME

@@ -1,0 +1,101 @@
+"""What chat and text completions share: the usage block, and the SSE chunk stream skeleton that turns
+delta RequestOutputs into chunk frames, reports errors in-band and ends with usage and [DONE]."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from typing import Any
+
+from engine import CompletionOutput, RequestOutput
+from server.errors import to_api_error
+from server.generation import ClientDisconnected
+from server.sse import DONE_FRAME, sse_frame
+
+
+def usage_block(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class ChunkStream:
+    """Base of a streamed response: subclasses set `object_name` and turn one engine output into frames."""
+
+    object_name = ""
+    error_param = "prompt"  # the request field a prompt error names
+
+    def __init__(
+        self,
+        req: Any,
+        tokenizer: Any,
+        model: str,
+        request_id: str,
+        created: int,
+        prompt_tokens: int,
+        n: int,
+    ) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.model = model
+        self.request_id = request_id
+        self.created = created
+        self.prompt_tokens = prompt_tokens
+        self.n = n
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.output_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
+        self.cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the cache
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": self.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if self.include_usage:
+            payload["usage"] = usage
+        return sse_frame(payload)
+
+    def _count(self, index: int, out: CompletionOutput) -> None:
+        """Track choice `index`'s output tokens (the engine's count when it gives one)."""
+        counted = self.output_tokens.get(index, 0) + len(out.token_ids)
+        self.output_tokens[index] = out.num_output_tokens or counted
+
+    def _opening_frames(self) -> Iterable[str]:
+        return ()
+
+    def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        raise NotImplementedError
+
+    async def frames(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncIterator[str]:
+        try:
+            for frame in self._opening_frames():
+                yield frame
+            if first is not None:
+                for frame in self._frames_for(*first):
+                    yield frame
+            async for prompt_index, output in outputs:
+                for frame in self._frames_for(prompt_index, output):
+                    yield frame
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            yield sse_frame(to_api_error(e, self.error_param).body())
+            return
+        finally:
+            await outputs.aclose()
+        if self.include_usage:
+            usage = usage_block(
+                self.prompt_tokens, sum(self.output_tokens.values()), sum(self.cached.values())
+            )
+            yield self._chunk([], usage)
+        yield DONE_FRAME
