@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import RequestOutput
+from engine import CompletionOutput, RequestOutput
 from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
@@ -126,6 +126,20 @@ def _logprobs_builder(
     )
 
 
+def _echo_logprobs(
+    builder: CompletionLogprobsBuilder,
+    prompt: Prompt,
+    prompt_text: str,
+    output: RequestOutput,
+    out: CompletionOutput,
+) -> dict[str, list[Any]]:
+    """Logprobs of the echoed prompt, then of the generated tokens (built in that order: offsets run on)."""
+    ids = prompt[1]
+    echoed = builder.build_prompt(ids, output.prompt_logprobs or [None] * len(ids), prompt_text)
+    generated = builder.build(out.token_ids, out.logprobs)
+    return {k: echoed[k] + generated[k] for k in echoed}
+
+
 def _full_response(
     req: CompletionRequest,
     tokenizer: Any,
@@ -145,14 +159,10 @@ def _full_response(
             logprobs: dict[str, list[Any]] | None = None
             if req.logprobs is not None:
                 builder = _logprobs_builder(req, tokenizer, req.logprobs)
-                echoed = None
                 if req.echo:
-                    echoed = builder.build_prompt(
-                        prompt[1], final.prompt_logprobs or [None] * len(prompt[1]), prompt_text
-                    )
-                logprobs = builder.build(out.token_ids, out.logprobs)
-                if echoed is not None:
-                    logprobs = {k: echoed[k] + logprobs[k] for k in echoed}
+                    logprobs = _echo_logprobs(builder, prompt, prompt_text, final, out)
+                else:
+                    logprobs = builder.build(out.token_ids, out.logprobs)
             choices.append(
                 {
                     "index": prompt_index * n + out.index,
@@ -217,11 +227,7 @@ class _CompletionStream(ChunkStream):
                 prompt_text = _prompt_text(prompt, self.tokenizer)
                 text = prompt_text + text
                 if builder is not None:
-                    echo_part = builder.build_prompt(
-                        prompt[1], output.prompt_logprobs or [None] * len(prompt[1]), prompt_text
-                    )
-                    gen_part = builder.build(out.token_ids, out.logprobs)
-                    logprobs = {k: echo_part[k] + gen_part[k] for k in echo_part}
+                    logprobs = _echo_logprobs(builder, prompt, prompt_text, output, out)
             elif builder is not None:
                 logprobs = builder.build(out.token_ids, out.logprobs)
             reason = finish_reason(out.finish_reason)
