@@ -74,15 +74,14 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Build from host lists (decodes first); slots are the last query_len positions of each
-        sequence. A convenience for tests and simple callers; the runner may build its own."""
+        """The one builder (runner, embedding adapter, tests): host lists, decodes first; each
+        sequence's new tokens are the last query_len positions of its seq_len context."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
         slots: list[int] = []
         for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            for pos in range(seq_len - query_len, seq_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            slots.extend(slots_of(table, seq_len - query_len, seq_len, block_size))
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         starts = [0]
@@ -100,6 +99,20 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens),
             block_size=block_size,
         )
+
+
+def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """KV-cache slots of positions [start, end): one range per block touched, not per token."""
+    if end - start == 1:
+        return [block_table[start // block_size] * block_size + start % block_size]
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        base = block_table[pos // block_size] * block_size
+        stop = min(end, (pos // block_size + 1) * block_size)
+        slots.extend(range(base + pos % block_size, base + pos % block_size + stop - pos))
+        pos = stop
+    return slots
 
 
 def allocate_kv_cache(

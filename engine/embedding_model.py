@@ -214,31 +214,16 @@ def _decoder_forward(
     device = input_ids.device
     block = _SCRATCH_BLOCK_SIZE
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    blocks_per_seq = [-(-n // block) for n in lengths]
-    first_block = [0]
-    for count in blocks_per_seq:
-        first_block.append(first_block[-1] + count)
-    max_blocks = max(blocks_per_seq)
-    tables = [
-        list(range(first_block[i], first_block[i + 1])) + [0] * (max_blocks - blocks_per_seq[i])
-        for i in range(len(lengths))
-    ]
-    slots = [first_block[i] * block + p for i, n in enumerate(lengths) for p in range(n)]
-    meta = AttentionMetadata(
-        num_decode_seqs=0,
-        query_start_loc=cu_seqlens.to(torch.int32),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_lens_cpu=lengths,
-        seq_lens_cpu=lengths,
-        max_query_len=max(lengths),
-        max_seq_len=max(lengths),
-        block_size=block,
-    )
+    tables: list[list[int]] = []
+    num_blocks = 0
+    for n in lengths:  # each sequence gets its own run of scratch blocks
+        count = -(-n // block)
+        tables.append(list(range(num_blocks, num_blocks + count)))
+        num_blocks += count
+    meta = AttentionMetadata.from_lists(lengths, lengths, tables, block, device)
     param = next(model.parameters())
     scratch = torch.empty(
-        (2, first_block[-1], block, model.num_kv_heads, model.head_dim),
+        (2, num_blocks, block, model.num_kv_heads, model.head_dim),
         dtype=param.dtype,
         device=device,
     )  # [2, num_blocks, block_size, num_kv_heads, head_dim], shared by all layers

@@ -96,34 +96,17 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        bs = self.block_size
         for s in scheduled:
             start, end = s.start_pos, s.start_pos + s.num_new_tokens
             input_ids.extend(s.seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(_slots(s.block_table, start, end, bs))
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in scheduled]
-        query_start = [0]
-        for q in query_lens:
-            query_start.append(query_start[-1] + q)
         dev = self.device
-        meta = AttentionMetadata(
-            num_decode_seqs=sum(1 for s in scheduled if s.is_decode),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
+        meta = AttentionMetadata.from_lists(
+            [s.num_new_tokens for s in scheduled],
+            [s.start_pos + s.num_new_tokens for s in scheduled],
+            [s.block_table for s in scheduled],
+            self.block_size,
+            dev,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -216,17 +199,3 @@ class ModelRunner:
             start + 1,
             compute_prompt_logprobs(logits, targets, num_top),
         )
-
-
-def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """KV-cache slots of positions [start, end): one range per block touched, not per token."""
-    if end - start == 1:
-        return [block_table[start // block_size] * block_size + start % block_size]
-    slots: list[int] = []
-    pos = start
-    while pos < end:
-        base = block_table[pos // block_size] * block_size
-        stop = min(end, (pos // block_size + 1) * block_size)
-        slots.extend(range(base + pos % block_size, base + pos % block_size + stop - pos))
-        pos = stop
-    return slots
