@@ -184,6 +184,22 @@ async def merge_outputs(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def first_output(
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> tuple[int, RequestOutput] | None:
+    """Await the first (stream index, output) before answering, so that a refused request (queue full,
+    bad params) still gets an HTTP error status; closes `outputs` on any failure but a disconnect."""
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        return None
+    except ClientDisconnected:
+        raise
+    except BaseException:
+        await outputs.aclose()
+        raise
+
+
 def log_id(request: Request | None) -> str:
     """The X-Request-Id the middleware gave this HTTP request ("-" outside HTTP)."""
     state = request.scope.get("state", {}) if request is not None else {}

@@ -17,6 +17,7 @@ from server.generation import (
     check_prompt_ids,
     check_stream_options,
     finish_reason,
+    first_output,
     merge_outputs,
     start_streams,
 )
@@ -90,14 +91,9 @@ async def create_chat_completion(
         start_streams(engine, request_id, [(None, prompt_ids)], params, raw), raw
     )
     try:
-        first = await anext(outputs)
-    except StopAsyncIteration:
-        first = None
+        first = await first_output(outputs)
     except ClientDisconnected:
         return Response(status_code=499)
-    except BaseException:
-        await outputs.aclose()
-        raise
     if req.stream:
         stream = _ChatStream(
             req, tokenizer, model, request_id, created, len(prompt_ids), n, num_top

@@ -18,6 +18,7 @@ from server.generation import (
     check_prompt_ids,
     check_stream_options,
     finish_reason,
+    first_output,
     merge_outputs,
     start_streams,
 )
@@ -80,14 +81,9 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     created = int(time.time())
     outputs = merge_outputs(start_streams(engine, request_id, prompts, params, raw), raw)
     try:
-        first = await anext(outputs)
-    except StopAsyncIteration:
-        first = None
+        first = await first_output(outputs)
     except ClientDisconnected:
         return Response(status_code=499)
-    except BaseException:
-        await outputs.aclose()
-        raise
     if req.stream:
         stream = _CompletionStream(req, tokenizer, model, request_id, created, prompts, n)
         return sse_response(stream.frames(first, outputs))
