@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_loader import iter_weights, resolve_device, resolve_dtype
+from engine.model_loader import checkpoint_dtype, iter_weights, resolve_device, resolve_dtype
 from engine.pooling import PoolingConfig, normalize, pool, resolve_pooling
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class EmbeddingModel:
             raise ValueError(f"could not read {model_dir / 'config.json'}: {e}") from e
         is_encoder = is_encoder_config(hf_config)
         torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, torch_device)
+        torch_dtype = resolve_dtype(dtype, torch_device, checkpoint_dtype(hf_config))
         pooling_config = resolve_pooling(model_dir, pooling, is_encoder)
         start = time.perf_counter()
         if is_encoder:

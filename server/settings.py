@@ -127,7 +127,14 @@ OPTIONS: tuple[Option, ...] = (
         "seconds running requests may take to finish after SIGTERM/Ctrl-C",
     ),
     Option("log-level", "server.log_level", str.lower, "logging level", choices=LOG_LEVELS),
-    Option("dtype", "model.dtype", str, "weight and activation dtype", choices=DTYPES),
+    Option(
+        "dtype",
+        "model.dtype",
+        str,
+        "weight and activation dtype; auto = the checkpoint's (float32 stays float32 on CPU, "
+        "bfloat16 on CUDA)",
+        choices=DTYPES,
+    ),
     Option("device", "model.device", str, "auto, cpu, cuda or cuda:N"),
     Option(
         "max-model-len",

@@ -114,7 +114,8 @@ def tiny_server(
 def smol_server(
     smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    args = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "128",
+    # No --dtype: the default a user gets (auto = the converted checkpoint's float32 on CPU).
+    args = ["--device", "cpu", "--max-model-len", "1024", "--num-kv-blocks", "128",
             "--served-model-name", "smol", "--log-level", "warning"]  # fmt: skip
     server = ServerProcess(smollm2_dir, args, tmp_path_factory.mktemp("logs") / "smol.log")
     server.wait_ready()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -145,3 +146,32 @@ def test_smollm2_answers_sensibly(smol_server: ServerProcess) -> None:
         temperature=0,
     )
     assert "Paris" in (chat.choices[0].message.content or "")
+
+
+def test_default_server_greedy_chat_is_the_same_alone_and_concurrent(
+    smol_server: ServerProcess,
+) -> None:
+    """16 concurrent greedy chats on the real model with default settings answer exactly as each
+    does alone (batch composition must not change greedy output)."""
+    topics = ["cats", "rivers", "bread", "trains", "stars", "chess", "rain", "music",
+              "bees", "glass", "maps", "tea", "snow", "bridges", "owls", "paper"]  # fmt: skip
+
+    async def one(client: openai.AsyncOpenAI, topic: str) -> str:
+        out = await client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": f"Write one sentence about {topic}."}],
+            max_tokens=24,
+            temperature=0,
+        )
+        return out.choices[0].message.content or ""
+
+    async def run_all() -> tuple[list[str], list[str]]:
+        client = openai.AsyncOpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0)
+        alone = [await one(client, t) for t in topics]
+        together = await asyncio.gather(*(one(client, t) for t in topics))
+        await client.close()
+        return alone, list(together)
+
+    alone, together = asyncio.run(run_all())
+    assert all(alone)
+    assert together == alone

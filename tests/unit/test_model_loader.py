@@ -213,8 +213,27 @@ def test_non_gguf_file_is_rejected(tmp_path: Path):
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype must be"):
         resolve_dtype("float64", torch.device("cpu"))
-    assert resolve_dtype("auto", torch.device("cpu")) in (torch.float32, torch.bfloat16)
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+
+
+def test_auto_dtype_follows_the_checkpoint():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # A float32 checkpoint (the converted bundled GGUF) stays float32 on CPU: batch-invariant greedy.
+    assert resolve_dtype("auto", cpu, "torch.float32") == torch.float32
+    assert resolve_dtype("auto", cpu, None) == torch.float32
+    assert resolve_dtype("auto", cpu, "float16") == torch.float32  # no fast fp16 on CPU
+    assert resolve_dtype("auto", cpu, "bfloat16") in (torch.bfloat16, torch.float32)  # if native
+    assert resolve_dtype("auto", cuda, "float32") == torch.bfloat16
+    assert resolve_dtype("auto", cuda, "float16") == torch.float16
+
+
+def test_bundled_model_serves_in_float32_by_default(smollm2_dir):
+    from transformers import AutoConfig
+
+    from engine.model_loader import checkpoint_dtype
+
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    assert resolve_dtype("auto", torch.device("cpu"), checkpoint_dtype(config)) == torch.float32
 
 
 # ---------------------------------------------------------------- bundled models and GGUF cache
