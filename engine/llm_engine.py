@@ -150,8 +150,14 @@ class LLMEngine:
         if params.num_samples > params.n and params.logprobs is None:
             # best_of ranks samples by cumulative logprob, so the sampler must report them.
             sample_params = dataclasses.replace(params, logprobs=0)
-        group = RequestGroup(request_id, prompt, list(prompt_token_ids), sample_params, max_tokens)
-        group.user_params = params  # type: ignore[attr-defined]
+        group = RequestGroup(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            sample_params,
+            max_tokens,
+            user_params=params,
+        )
         if arrival_time is not None:
             group.metrics.arrival_time = arrival_time
         if params.prompt_logprobs is not None:

@@ -10,7 +10,6 @@ import time
 from engine.model_runner import RunnerOutput
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import RequestGroup, Sequence, SequenceStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import FinishedRequestStats, StepStats
 
@@ -120,7 +119,7 @@ class OutputProcessor:
 
     # -- outputs ---------------------------------------------------------------------------------
     def make_output(self, group: RequestGroup) -> RequestOutput | None:
-        user_params: SamplingParams = group.user_params  # type: ignore[attr-defined]
+        user_params = group.requested
         kind = user_params.output_kind
         finished = group.finished
         if group.error is not None:

@@ -95,8 +95,9 @@ class RequestGroup:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # what the sampler uses (best_of adds logprobs=0 to rank samples)
     max_output_tokens: int  # max_tokens resolved against the model length
+    user_params: SamplingParams | None = None  # as the caller asked; None means the same as params
     metrics: RequestMetrics = field(
         default_factory=lambda: RequestMetrics(arrival_time=time.monotonic())
     )
@@ -109,6 +110,11 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         return bool(self.seqs) and all(s.status.finished for s in self.seqs)
+
+    @property
+    def requested(self) -> SamplingParams:
+        """The caller's own parameters (what outputs must honour)."""
+        return self.user_params or self.params
 
     @property
     def num_cached_tokens(self) -> int:
