@@ -33,7 +33,7 @@ RUN case "$TORCH_VARIANT" in \
         *) echo "TORCH_VARIANT must be cpu or cuda, got '$TORCH_VARIANT'" >&2; exit 1 ;; \
     esac \
     && scripts/install.sh "$KVSERVE_EXTRAS" \
-    && python -c "from engine.model_loader import resolve_model; print(resolve_model(None))"
+    && python -c "from engine.models.loader import resolve_model; print(resolve_model(None))"
 
 
 FROM python:3.11-slim AS runtime

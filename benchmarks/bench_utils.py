@@ -181,7 +181,7 @@ def load_tokenizer(spec: str | None) -> TextTokenizer | None:
         return None
     if spec == "auto":
         try:
-            from engine.model_loader import resolve_model
+            from engine.models.loader import resolve_model
 
             return _HFTokenizer(resolve_model(None))
         except Exception as e:  # noqa: BLE001 - fall back to word counts, loudly

@@ -171,7 +171,7 @@ def _fmt(value: float, digits: int = 1) -> str:
 
 
 def _resolve_model_dir(model: str | None) -> str:
-    from engine.model_loader import resolve_model
+    from engine.models.loader import resolve_model
 
     return str(resolve_model(model))
 

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModel, AutoTokenizer
 
-    from engine.embedding_model import EmbeddingModel
-    from engine.model_loader import find_bundled_embedding_model, resolve_device
+    from engine.embeddings.embedding_model import EmbeddingModel
+    from engine.models.loader import find_bundled_embedding_model, resolve_device
 
     model_dir = Path(args.model) if args.model else find_bundled_embedding_model()
     device = resolve_device(args.device)

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    from engine.model_loader import resolve_model
+    from engine.models.loader import resolve_model
 
     model_dir = resolve_model(args.model)
     prompts = make_prompts(

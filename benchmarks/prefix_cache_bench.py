@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_questions < 2:
         print("error: --num-questions must be at least 2", file=sys.stderr)
         return 1
-    from engine.model_loader import resolve_model
+    from engine.models.loader import resolve_model
 
     model_dir = resolve_model(args.model)
     prompts = make_prompts(model_dir, args.doc_len, args.num_questions, args.question_len)

@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_config(model: str | None) -> dict[str, Any]:
-    from engine.model_loader import resolve_model
+    from engine.models.loader import resolve_model
 
     return json.loads((resolve_model(model) / "config.json").read_text())
 

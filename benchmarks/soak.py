@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import shlex
 
-            from engine.model_loader import resolve_model
+            from engine.models.loader import resolve_model
 
             port = free_port()
             argv_ = [sys.executable, "-m", "server", "serve", str(resolve_model(args.model))]

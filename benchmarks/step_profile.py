@@ -19,7 +19,7 @@ import torch
 
 
 def build_engine(options: dict[str, Any], max_batch: int) -> Any:
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     options = {"max_num_seqs": max(64, max_batch), "num_blocks": 64 + max_batch * 16, **options}

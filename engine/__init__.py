@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config import (
+from engine.core.config import (
     DTYPES,
     POOLINGS,
     TASKS,
@@ -13,7 +13,7 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from engine.outputs import (
+from engine.core.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EngineDeadError,
@@ -23,22 +23,22 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.sampling_params import ContextLengthError, SamplingParams, SamplingParamsError
+from engine.core.sampling_params import ContextLengthError, SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
+    from engine.core.stats import FinishedRequestStats, StepStats
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
-    from engine.stats import FinishedRequestStats, StepStats
-    from engine.tokenizer import Tokenizer
+    from engine.text.tokenizer import Tokenizer
 
 _LAZY = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "AsyncLLMEngine": "engine.async_engine",
-    "StepStats": "engine.stats",
-    "FinishedRequestStats": "engine.stats",
-    "Tokenizer": "engine.tokenizer",
+    "StepStats": "engine.core.stats",
+    "FinishedRequestStats": "engine.core.stats",
+    "Tokenizer": "engine.text.tokenizer",
 }
 
 

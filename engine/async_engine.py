@@ -10,20 +10,20 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.embedding_engine import EmbeddingEngine
-from engine.faults import ENGINE_DEATH, fault_injection_enabled, wants_fault
-from engine.llm_engine import LLMEngine, served_model_name
-from engine.model_loader import find_bundled_embedding_model, resolve_model
-from engine.outputs import (
+from engine.core.config import EngineConfig
+from engine.core.outputs import (
     EmbeddingOutput,
     EngineDeadError,
     QueueFullError,
     RequestError,
     RequestOutput,
 )
-from engine.sampling_params import SamplingParams
-from engine.stats import StepStats
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import StepStats
+from engine.embeddings.embedding_engine import EmbeddingEngine
+from engine.faults import ENGINE_DEATH, fault_injection_enabled, wants_fault
+from engine.llm_engine import LLMEngine, served_model_name
+from engine.models.loader import find_bundled_embedding_model, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ def detect_task(model_dir: Path) -> str:
     """Encoders and sentence-transformers folders embed; everything else generates."""
     import json
 
-    from engine.embedding_model import ENCODER_MODEL_TYPES
+    from engine.embeddings.embedding_model import ENCODER_MODEL_TYPES
 
     if (model_dir / "modules.json").is_file():
         return "embed"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

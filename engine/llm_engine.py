@@ -11,19 +11,20 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_loader import load_model, resolve_model
-from engine.model_runner import ModelRunner, RunnerOutput, prepare_model
+from engine.core.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import RequestOutput
+from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.runner_output import RunnerOutput
+from engine.core.sampling_params import ContextLengthError, SamplingParams, check_token_ids
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.stats import EngineTotals, StepStats
+from engine.executor.model_runner import ModelRunner, prepare_model
+from engine.executor.sampler import make_generator
+from engine.models.loader import load_model, resolve_model
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.request import RequestGroup, Sequence, SequenceStatus
-from engine.sampler import make_generator
-from engine.sampling_params import ContextLengthError, SamplingParams, check_token_ids
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.stats import EngineTotals, StepStats
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.model_runner import RunnerOutput
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import RequestGroup, Sequence, SequenceStatus
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.stats import FinishedRequestStats, StepStats
+from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.runner_output import RunnerOutput
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.stats import FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 

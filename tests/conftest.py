@@ -28,7 +28,7 @@ TOKENIZER_FILES = (
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted once to a float32 safetensors folder."""
-    from engine.model_loader import resolve_model
+    from engine.models.loader import resolve_model
 
     return resolve_model(None)
 
@@ -76,6 +76,6 @@ def tiny_llama_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """The bundled all-MiniLM-L6-v2 Hugging Face folder."""
-    from engine.model_loader import find_bundled_embedding_model
+    from engine.models.loader import find_bundled_embedding_model
 
     return find_bundled_embedding_model()

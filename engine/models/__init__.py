@@ -1,4 +1,5 @@
-"""Model registry: Hugging Face architecture names -> kvserve model classes."""
+"""Models and their weights: plain-torch Llama and BERT, shared layers, weight quantization, and
+loading Hugging Face folders or GGUF files. The registry maps config.json architectures to classes."""
 
 from __future__ import annotations
 

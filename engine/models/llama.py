@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import (
+from engine.executor.attention import AttentionMetadata, paged_attention
+from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
@@ -23,7 +23,7 @@ from engine.layers import (
     optional_param,
     rope_parameters,
 )
-from engine.quantization import linear
+from engine.models.quantization import linear
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, weight).float()
 
     def quantizable_weights(self) -> list[tuple[Any, str]]:
-        """(module, attribute) of every matmul weight, for engine.quantization. A tied head gets
+        """(module, attribute) of every matmul weight, for engine.models.quantization. A tied head gets
         its own reference to the embedding, so the head can be packed while lookups stay exact."""
         if self.lm_head_weight is None:
             self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]

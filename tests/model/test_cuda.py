@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import allocate_kv_cache
-from engine.cuda_graphs import CudaGraphRunner
+from engine.executor.attention import allocate_kv_cache
+from engine.executor.cuda_graphs import CudaGraphRunner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import AsyncLLMEngine, EngineConfig, SamplingParams
-from engine.embedding_model import EmbeddingModel
+from engine.embeddings.embedding_model import EmbeddingModel
 
 TEXTS = [
     "The cat sat on the mat.",

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.embedding_model import EmbeddingModel
-from engine.pooling import truncate_dimensions
+from engine.embeddings.embedding_model import EmbeddingModel
+from engine.embeddings.pooling import truncate_dimensions
 
 SENTENCES = [
     "Hello world!",

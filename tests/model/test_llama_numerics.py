@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.model_loader import load_model
+from engine.executor.attention import AttentionMetadata, allocate_kv_cache
+from engine.models.loader import load_model
 
 TOLERANCE = 1e-3  # max |log_softmax difference|
 BLOCK_SIZE = 8

@@ -81,8 +81,8 @@ def _top_logprob_of(entry, token_id: int) -> float:
 
 
 def test_quantization_shrinks_the_served_weights(smollm2_dir):
-    from engine.model_loader import load_model
-    from engine.quantization import quantize_model
+    from engine.models.loader import load_model
+    from engine.models.quantization import quantize_model
 
     sizes = {}
     for method in (None, "int8", "int4"):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, allocate_kv_cache, paged_attention
+from engine.executor.attention import AttentionMetadata, allocate_kv_cache, paged_attention
 
 
 def dense_reference(q, k_ctx, v_ctx, query_len, scale):
@@ -130,7 +130,7 @@ def test_metadata_from_lists_slots_and_decode_count():
 def test_packed_context_gather_for_flash_backend():
     """The flash backend's gather (used when block_size is not a multiple of 256) is plain torch,
     so its layout is checked here: contexts back to back, in position order."""
-    from engine.attention import _gather_packed_context
+    from engine.executor.attention import _gather_packed_context
 
     torch.manual_seed(0)
     rng = random.Random(4)
@@ -143,7 +143,7 @@ def test_packed_context_gather_for_flash_backend():
 
 
 def test_backend_choice_and_override(monkeypatch):
-    from engine.attention import attention_backend
+    from engine.executor.attention import attention_backend
 
     try:
         attention_backend.cache_clear()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
 
 MULTILINGUAL = "Hello 😀👍🏽 你好，世界！ café 🇯🇵 done"
 

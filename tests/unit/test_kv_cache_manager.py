@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager, hash_block
-from engine.request import RequestGroup, Sequence
-from engine.sampling_params import SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager, hash_block
+from engine.core.request import RequestGroup, Sequence
+from engine.core.sampling_params import SamplingParams
 
 
 def make_seq(tokens: list[int], name: str = "r", params: SamplingParams | None = None) -> Sequence:

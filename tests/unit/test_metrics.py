@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.stats import FinishedRequestStats, StepStats
+from engine.core.stats import FinishedRequestStats, StepStats
 from server.app import build_app
 from server.metrics import ServerMetrics
 from server.state import ServerConfig, ServerState

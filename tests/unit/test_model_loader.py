@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.layers import rope_parameters
-from engine.model_loader import (
+from engine.executor.attention import AttentionMetadata, allocate_kv_cache
+from engine.models.layers import rope_parameters
+from engine.models.loader import (
     find_bundled_embedding_model,
     find_bundled_model,
     load_model,
@@ -230,7 +230,7 @@ def test_auto_dtype_follows_the_checkpoint():
 def test_bundled_model_serves_in_float32_by_default(smollm2_dir):
     from transformers import AutoConfig
 
-    from engine.model_loader import checkpoint_dtype
+    from engine.models.loader import checkpoint_dtype
 
     config = AutoConfig.from_pretrained(smollm2_dir)
     assert resolve_dtype("auto", torch.device("cpu"), checkpoint_dtype(config)) == torch.float32

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.bert import PackedLayout, packed_attention
-from engine.pooling import (
+from engine.embeddings.pooling import (
     PoolingConfig,
     normalize,
     pool,
@@ -19,6 +18,7 @@ from engine.pooling import (
     resolve_pooling,
     truncate_dimensions,
 )
+from engine.models.bert import PackedLayout, packed_attention
 
 # Three sequences of lengths 2, 3 and 1, packed back to back: token i has state [i, 10 * i].
 HIDDEN = torch.tensor([[float(i), 10.0 * i] for i in range(6)])  # [6, 2]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.quantization import Int4Weight, Int8Weight, linear, quantize_weight
+from engine.models.quantization import Int4Weight, Int8Weight, linear, quantize_weight
 
 
 def _assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from engine import (
     SamplingParams,
 )
 from engine.async_engine import AsyncLLMEngine
-from engine.config import QUEUED_TOKENS_PER_BATCH, SchedulerConfig
+from engine.core.config import QUEUED_TOKENS_PER_BATCH, SchedulerConfig
 from engine.faults import ENGINE_DEATH, FAULT_INJECTION_ENV, NAN_LOGITS, wants_fault
 
 

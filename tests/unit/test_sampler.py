@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import (
+from engine.core.sampling_params import SamplingParams
+from engine.executor.sampler import (
     RowError,
     Sampler,
     SamplingRow,
     compute_prompt_logprobs,
     make_generator,
 )
-from engine.sampling_params import SamplingParams
 
 
 def row(

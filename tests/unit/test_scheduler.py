@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import RequestGroup, Sequence, SequenceStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 
 def make_group(name: str, num_tokens: int, n: int = 1, max_tokens: int = 16) -> RequestGroup:

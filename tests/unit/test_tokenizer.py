@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer, _generation_config_eos
+from engine.text.tokenizer import Tokenizer, _generation_config_eos
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.request import Sequence
+from engine.core.request import Sequence
 
 _ROOT_HASH = 0x6B7673657276  # parent hash of a sequence's first block
 

@@ -9,12 +9,12 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.embedding_model import EmbeddingModel
-from engine.outputs import EmbeddingOutput
-from engine.sampling_params import ContextLengthError, check_token_ids
-from engine.stats import EngineTotals, FinishedRequestStats, StepStats
-from engine.tokenizer import Tokenizer
+from engine.core.config import EngineConfig
+from engine.core.outputs import EmbeddingOutput
+from engine.core.sampling_params import ContextLengthError, check_token_ids
+from engine.core.stats import EngineTotals, FinishedRequestStats, StepStats
+from engine.embeddings.embedding_model import EmbeddingModel
+from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.executor.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

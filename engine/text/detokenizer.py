@@ -5,7 +5,7 @@ Decoding uses a small window of tokens (prefix offset / read offset), so each to
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (spacing rules)

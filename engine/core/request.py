@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import RequestMetrics, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestMetrics, TokenLogprob
+from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine.text.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):

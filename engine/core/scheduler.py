@@ -7,9 +7,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import RequestGroup, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -4,35 +4,20 @@ attention metadata, runs the model forward over the paged KV cache, and samples.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.config import ModelConfig
-from engine.cuda_graphs import CudaGraphRunner
+from engine.core.config import ModelConfig
+from engine.core.runner_output import RunnerOutput
+from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.executor.attention import AttentionMetadata, allocate_kv_cache
+from engine.executor.cuda_graphs import CudaGraphRunner
+from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.faults import NAN_AFTER_TOKENS, NAN_LOGITS, fault_injection_enabled, wants_fault
-from engine.outputs import TokenLogprob
-from engine.quantization import quantize_model
-from engine.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.models.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # seq_id -> token id
-    logprobs: dict[str, TokenLogprob] = field(
-        default_factory=dict
-    )  # seq_id -> sampled token's logprobs
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(
-        default_factory=dict
-    )  # seq_id -> (first pos, rows)
-    errors: dict[str, str] = field(
-        default_factory=dict
-    )  # seq_id -> message (that sequence fails alone)
 
 
 def prepare_model(model: torch.nn.Module, config: ModelConfig) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_loader import checkpoint_dtype, iter_weights, resolve_device, resolve_dtype
-from engine.pooling import PoolingConfig, normalize, pool, resolve_pooling
+from engine.embeddings.pooling import PoolingConfig, normalize, pool, resolve_pooling
+from engine.models.loader import checkpoint_dtype, iter_weights, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def _decoder_forward(
     model: Any, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> torch.Tensor:
     """Final-norm hidden states [num_tokens, hidden] of a full causal pass over packed sequences."""
-    from engine.attention import AttentionMetadata
+    from engine.executor.attention import AttentionMetadata
 
     device = input_ids.device
     block = _SCRATCH_BLOCK_SIZE

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import TokenLogprob
+from engine.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
