@@ -44,7 +44,7 @@ def run_kvserve(
 ) -> tuple[float, list[list[int]]]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype=dtype, **options)  # type: ignore[operator]
+    llm = LLM(str(model_dir), dtype=dtype, **options)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     start = time.perf_counter()

@@ -62,7 +62,7 @@ def run_offline(
     """The first question alone (it fills the cache), then the other K-1 submitted together."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype=args.dtype, enable_prefix_caching=caching)  # type: ignore[operator]
+    llm = LLM(str(model_dir), dtype=args.dtype, enable_prefix_caching=caching)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(["Warm-up: count to three."], SamplingParams(max_tokens=2, temperature=0.0))
     start = time.perf_counter()

@@ -23,7 +23,12 @@ from engine.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import ContextLengthError, SamplingParams, SamplingParamsError
+from engine.core.sampling_params import (
+    ContextLengthError,
+    OutputKind,
+    SamplingParams,
+    SamplingParamsError,
+)
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
@@ -69,6 +74,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "ModelConfig",
+    "OutputKind",
     "QueueFullError",
     "RequestError",
     "RequestMetrics",

@@ -12,7 +12,13 @@ from typing import Any
 
 from fastapi import Request
 
-from engine import QueueFullError, RequestOutput, SamplingParams, SamplingParamsError
+from engine import (
+    OutputKind,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+)
 from server.errors import context_length_exceeded, invalid_request
 from server.protocol import SamplingFields
 
@@ -41,7 +47,7 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
-    output_kind: str,
+    output_kind: OutputKind,
     vocab_size: int,
 ) -> SamplingParams:
     """SamplingParams from the API fields; range errors become 400s naming the field."""
@@ -84,7 +90,7 @@ def build_sampling_params(
             skip_special_tokens=req.skip_special_tokens is not False,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            output_kind=output_kind,  # type: ignore[arg-type]
+            output_kind=output_kind,
         )
         params.validate_for_vocab(vocab_size)
     except SamplingParamsError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TASKS = ("generate", "embed")
@@ -98,12 +99,13 @@ class EngineConfig:
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
         """Build from flat keyword options (`LLM(model, dtype=..., max_num_seqs=...)`)."""
-        groups: dict[type, dict[str, object]] = {
+        # Values are checked by each dataclass's __post_init__, not by the type checker.
+        groups: dict[type, dict[str, Any]] = {
             ModelConfig: {},
             CacheConfig: {},
             SchedulerConfig: {},
         }
-        top: dict[str, object] = {}
+        top: dict[str, Any] = {}
         for key, value in options.items():
             for group_cls, bucket in groups.items():
                 if key in {f.name for f in dataclasses.fields(group_cls)}:
@@ -115,8 +117,8 @@ class EngineConfig:
                 else:
                     raise ValueError(f"unknown engine option {key!r}")
         return cls(
-            model=ModelConfig(model=model, **groups[ModelConfig]),  # type: ignore[arg-type]
-            cache=CacheConfig(**groups[CacheConfig]),  # type: ignore[arg-type]
-            scheduler=SchedulerConfig(**groups[SchedulerConfig]),  # type: ignore[arg-type]
-            **top,  # type: ignore[arg-type]
+            model=ModelConfig(model=model, **groups[ModelConfig]),
+            cache=CacheConfig(**groups[CacheConfig]),
+            scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+            **top,
         )

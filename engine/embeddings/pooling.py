@@ -7,7 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -141,10 +141,17 @@ def normalize(vectors: torch.Tensor) -> torch.Tensor:
     return F.normalize(vectors, p=2.0, dim=-1)
 
 
-VectorsT = TypeVar("VectorsT", torch.Tensor, list[float], list[list[float]])
+@overload
+def truncate_dimensions(vectors: torch.Tensor, dimensions: int) -> torch.Tensor: ...
+@overload
+def truncate_dimensions(vectors: list[float], dimensions: int) -> list[float]: ...
+@overload
+def truncate_dimensions(vectors: list[list[float]], dimensions: int) -> list[list[float]]: ...
 
 
-def truncate_dimensions(vectors: VectorsT, dimensions: int) -> VectorsT:
+def truncate_dimensions(
+    vectors: torch.Tensor | list[float] | list[list[float]], dimensions: int
+) -> torch.Tensor | list[float] | list[list[float]]:
     """Matryoshka truncation: keep the first `dimensions` values of each vector and re-normalize.
 
     Accepts a tensor [..., hidden] or a (list of) list of floats and returns the same kind.
@@ -161,4 +168,7 @@ def truncate_dimensions(vectors: VectorsT, dimensions: int) -> VectorsT:
     ):
         raise ValueError(f"dimensions must be an integer from 1 to {size}; got {dimensions!r}")
     truncated = normalize(tensor[..., :dimensions])
-    return truncated.tolist() if as_list else truncated  # type: ignore[return-value]
+    if as_list:
+        rows: list[float] | list[list[float]] = truncated.tolist()
+        return rows
+    return truncated

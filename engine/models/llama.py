@@ -158,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.dense: DenseFns | None = None  # compiled dense halves of a layer (compile_dense)
-        self.lm_head_weight = optional_param(
+        self.lm_head_weight: torch.Tensor | None = optional_param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
             enabled=not self.tie_word_embeddings,
         )  # fmt: skip
@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         """(module, attribute) of every matmul weight, for engine.models.quantization. A tied head gets
         its own reference to the embedding, so the head can be packed while lookups stay exact."""
         if self.lm_head_weight is None:
-            self.lm_head_weight = self.embed_tokens.weight  # type: ignore[assignment]
+            self.lm_head_weight = self.embed_tokens.weight
         found: list[tuple[Any, str]] = [(self, "lm_head_weight")]
         for layer in self.layers:
             found += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]

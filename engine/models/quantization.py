@@ -115,8 +115,11 @@ def quantize_model(
             f"--quantization {method} uses torch's CPU weight-only kernels; on {device} serve "
             "bf16/fp16 weights (drop --quantization)"
         )
+    find_weights = getattr(type(model), "quantizable_weights", None)
+    if find_weights is None:
+        raise ValueError(f"--quantization is not supported for {type(model).__name__} models")
     before = _weight_bytes(model)
-    for owner, attr in model.quantizable_weights():  # type: ignore[operator]
+    for owner, attr in find_weights(model):
         weight = getattr(owner, attr)
         quantized = quantize_weight(weight.data, method, group_size)
         if attr in owner._parameters:
