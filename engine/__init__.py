@@ -13,6 +13,13 @@ from engine.core.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from engine.core.engine_client import EngineClient
+from engine.core.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    PromptError,
+    SamplingParamsError,
+)
 from engine.core.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -23,11 +30,13 @@ from engine.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import (
-    ContextLengthError,
-    OutputKind,
-    SamplingParams,
-    SamplingParamsError,
+from engine.core.sampling_params import OutputKind, SamplingParams
+from engine.core.snapshot import (
+    BlockHolders,
+    EngineHealth,
+    EngineSnapshot,
+    RequestProgress,
+    SnapshotDetail,
 )
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
@@ -64,7 +73,15 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "AsyncLLMEngine",
+    "BlockHolders",
     "ContextLengthError",
+    "EngineClient",
+    "EngineHealth",
+    "EngineSnapshot",
+    "InvalidRequestError",
+    "PromptError",
+    "RequestProgress",
+    "SnapshotDetail",
     "StepStats",
     "FinishedRequestStats",
     "Tokenizer",

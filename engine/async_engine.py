@@ -1,16 +1,19 @@
-"""Async front of the engine: one asyncio task owns the core and runs each step in a worker thread;
-per-request output queues; abort on cancel; admission control; the engine's health."""
+"""Async front of the engine, implementing engine.core.engine_client.EngineClient: one asyncio task owns
+the core and runs each step in a worker thread; adds and aborts wait as typed PendingWork between steps;
+per-request output queues; abort on cancel; admission control; health; the core's published snapshots."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from engine.core.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.errors import InvalidRequestError
 from engine.core.outputs import (
     EmbeddingOutput,
     EngineDeadError,
@@ -18,32 +21,33 @@ from engine.core.outputs import (
     RequestError,
     RequestOutput,
 )
+from engine.core.pending import AbortRequest, AddRequest, PendingWork
 from engine.core.sampling_params import SamplingParams
+from engine.core.snapshot import EngineHealth, EngineSnapshot
 from engine.core.stats import StepStats
 from engine.embeddings.embedding_engine import EmbeddingEngine
-from engine.faults import ENGINE_DEATH, fault_injection_enabled, wants_fault
+from engine.faults import EngineDeathFault, fault_injection_enabled
 from engine.llm_engine import LLMEngine, served_model_name
 from engine.models.loader import find_bundled_embedding_model, resolve_model
+from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+_Output = RequestOutput | EmbeddingOutput
+_QueueItem = _Output | BaseException
+
 
 class AsyncLLMEngine:
-    def __init__(self, core: LLMEngine | EmbeddingEngine) -> None:
+    def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.config = core.config
-        self.tokenizer = core.tokenizer
-        self.model_name = core.model_name
-        self.max_model_len = core.max_model_len
-        self.task: str = core.task
-        # A request batch (a list of prompts) larger than this can never be admitted.
-        self.max_queued_requests = core.config.scheduler.max_queued_requests
-        self._fault_injection = fault_injection_enabled()
-        self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._pending: list[tuple[Any, ...]] = []  # adds and aborts applied between steps
-        self._pending_tokens = 0
-        self._waiting_snapshot = (0, 0)  # (requests, prompt tokens) waiting after the last step
-        self._num_running_seqs = 0  # sequences running after the last step
+        # Test-only hook, installed here when KVSERVE_FAULT_INJECTION=1 (None otherwise).
+        self._add_hook: Callable[[AddRequest], None] | None = (
+            EngineDeathFault() if fault_injection_enabled() else None
+        )
+        self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
+        self._pending = PendingWork()  # adds and aborts applied between steps
+        self._detail_waiters: list[asyncio.Future[EngineSnapshot]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.dead_error: BaseException | None = None
@@ -55,6 +59,35 @@ class AsyncLLMEngine:
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
         """Blocking: loads the model. Call it through asyncio.to_thread from async code."""
         return cls(create_engine_core(config))
+
+    # -- the served model's facts -------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.core.model_name
+
+    @property
+    def task(self) -> str:
+        return self.core.task
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
+
+    @property
+    def max_queued_requests(self) -> int:
+        return self.config.scheduler.max_queued_requests
+
+    @property
+    def max_queued_tokens(self) -> int | None:
+        return self.config.scheduler.max_queued_tokens
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -71,9 +104,14 @@ class AsyncLLMEngine:
                 pass
             self._task = None
 
+    def health(self) -> EngineHealth:
+        if self.dead_error is not None:
+            return EngineHealth("dead", str(self.dead_error))
+        return EngineHealth("ready" if self._task is not None else "starting")
+
     @property
     def is_ready(self) -> bool:
-        return self._task is not None and self.dead_error is None
+        return self.health().ready
 
     @property
     def errored(self) -> bool:
@@ -84,20 +122,24 @@ class AsyncLLMEngine:
         return len(self._queues)
 
     # -- requests --------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
+        return self.core.validate(prompt_token_ids, params)
+
     async def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as the engine produces them; closing the iterator aborts it."""
         self._check_alive()
         if self.task != "generate":
-            raise ValueError(
+            raise InvalidRequestError(
                 "this server runs an embedding model: use /v1/embeddings, not text generation"
             )
         async for out in self._submit(request_id, prompt_token_ids, params, prompt):
+            assert isinstance(out, RequestOutput)
             yield out
 
     async def _submit(
@@ -106,18 +148,17 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None,
         prompt: str | None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[_Output]:
         self.core.validate(prompt_token_ids, params)
         if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._admit(len(prompt_token_ids))
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
         # Arrival is now: time spent here until the next step applies the add counts as queue time.
-        self._pending.append(
-            ("add", request_id, prompt_token_ids, params, prompt, time.monotonic())
+        self._pending.add(
+            AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
         )
-        self._pending_tokens += len(prompt_token_ids)
         self._wake()
         finished = False
         try:
@@ -136,44 +177,47 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self._pending.append(("abort", request_id))
+                self._pending.abort(request_id)
                 self._wake()
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
         """The input's pooled, normalized vector; batched with other requests by the engine."""
         self._check_alive()
         if self.task != "embed":
-            raise ValueError(
+            raise InvalidRequestError(
                 "this server runs a generative model: /v1/embeddings needs an embedding model (--task embed)"
             )
         async for out in self._submit(request_id, prompt_token_ids, None, None):
+            assert isinstance(out, EmbeddingOutput)
             return out
         raise RequestError("the engine returned no embedding")
 
     async def abort(self, request_id: str) -> None:
-        self._pending.append(("abort", request_id))
+        self._pending.abort(request_id)
         self._wake()
 
     def _admit(self, num_prompt_tokens: int) -> None:
+        """O(1): the last snapshot's counts plus the running totals of the adds not applied yet."""
         sc = self.config.scheduler
-        pending_adds = sum(1 for p in self._pending if p[0] == "add")
-        waiting, waiting_tokens = self._waiting_snapshot
-        if waiting + pending_adds == 0:
+        snap = self.core.snapshot
+        waiting = snap.num_requests_waiting + self._pending.num_adds
+        if waiting == 0:
             return  # an empty queue takes any request, so a prompt over the token cap still runs
         # Requests that the next step can start right away (free running slots) are not queued.
-        free_slots = max(0, sc.max_num_seqs - self._num_running_seqs)
-        queued = waiting + pending_adds - free_slots
+        free_slots = max(0, sc.max_num_seqs - snap.num_running)
+        queued = waiting - free_slots
         if queued >= sc.max_queued_requests:
             raise QueueFullError(
                 f"the server is at capacity ({queued} requests waiting); retry shortly",
                 retry_after=self._retry_after(),
             )
+        waiting_tokens = snap.num_waiting_tokens + self._pending.num_add_tokens
         if (
             sc.max_queued_tokens is not None
-            and waiting_tokens + self._pending_tokens + num_prompt_tokens > sc.max_queued_tokens
+            and waiting_tokens + num_prompt_tokens > sc.max_queued_tokens
         ):
             raise QueueFullError(
-                f"the server is at capacity ({waiting_tokens + self._pending_tokens} prompt tokens waiting); retry shortly",
+                f"the server is at capacity ({waiting_tokens} prompt tokens waiting); retry shortly",
                 retry_after=self._retry_after(),
             )
 
@@ -193,59 +237,56 @@ class AsyncLLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        self._pending_tokens = 0
-        waiting, waiting_tokens = self._waiting_snapshot
-        for item in pending:
-            if item[0] == "abort":
-                self.core.abort_request(item[1])
-                continue
-            _, request_id, prompt_token_ids, params, prompt, arrival_time = item
-            queue = self._queues.get(request_id)
-            if queue is None:
-                continue  # the client left before the request reached the engine
-            if self._fault_injection and wants_fault(prompt, ENGINE_DEATH):
-                raise RuntimeError("injected engine failure (KVSERVE_FAULT_INJECTION)")
-            try:
-                self.core.add_request(
-                    request_id, prompt_token_ids, params, prompt, arrival_time=arrival_time
-                )
-            except ValueError as e:
-                queue.put_nowait(e)
-                continue
-            except Exception as e:  # a bug while adding one request fails that request only
-                logger.exception("adding request %s failed", request_id)
-                queue.put_nowait(RequestError(f"the request could not be started: {e}"))
-                continue
-            # Counted as waiting until the next step's snapshot, so admission stays strict meanwhile.
-            waiting += 1
-            waiting_tokens += len(prompt_token_ids)
-        self._waiting_snapshot = (waiting, waiting_tokens)
+        """Hand the queued adds and aborts to the core (between steps, on the event loop), then
+        publish a fresh snapshot so admission and readers see them before the next step ends."""
+        items = self._pending.take()
+        for item in items:
+            if isinstance(item, AbortRequest):
+                self.core.abort_request(item.request_id)
+            else:
+                self._add_to_core(item)
+        if items:
+            self.core.snapshot = self.core.build_snapshot()
+
+    def _add_to_core(self, item: AddRequest) -> None:
+        queue = self._queues.get(item.request_id)
+        if queue is None:
+            return  # the client left before the request reached the engine
+        if self._add_hook is not None:
+            self._add_hook(item)
+        try:
+            self.core.add_request(
+                item.request_id,
+                item.prompt_token_ids,
+                item.params,
+                item.prompt,
+                arrival_time=item.arrival_time,
+            )
+        except InvalidRequestError as e:
+            queue.put_nowait(e)
+        except Exception as e:  # a bug while adding one request fails that request only
+            logger.exception("adding request %s failed", item.request_id)
+            queue.put_nowait(RequestError(f"the request could not be started: {e}"))
 
     async def _run(self) -> None:
         assert self._wakeup is not None
         try:
             while True:
                 self._apply_pending()
+                if self._detail_waiters:
+                    self._publish_detail()
                 if not self.core.has_unfinished_requests():
-                    self._waiting_snapshot = (0, 0)
-                    self._num_running_seqs = 0
                     if not self._pending:
                         self._flush_log_window()  # the busy period's last stats line, then silence
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                     continue
-                outputs: list[Any] = await asyncio.to_thread(self.core.step)
+                outputs: Sequence[_Output] = await asyncio.to_thread(self.core.step)
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-                self._waiting_snapshot = (
-                    self.core.num_waiting_requests,
-                    self.core.num_waiting_tokens,
-                )
-                self._num_running_seqs = self.core.num_running_seqs
                 self._after_step()
                 await asyncio.sleep(0)  # let request handlers run between steps
         except asyncio.CancelledError:
@@ -257,6 +298,9 @@ class AsyncLLMEngine:
                 queue.put_nowait(
                     EngineDeadError(f"the engine stopped after an internal error: {e}")
                 )
+            for waiter in self._detail_waiters:
+                if not waiter.done():
+                    waiter.set_exception(EngineDeadError(f"the engine stopped: {e}"))
 
     def _after_step(self) -> None:
         stats = self.core.last_step
@@ -297,46 +341,34 @@ class AsyncLLMEngine:
             sum(s.num_preemptions for s in w),
         )
 
-    # -- introspection -------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        t = self.core.totals
-        stats: dict[str, Any] = {
-            "task": self.task,
-            "num_unfinished_requests": len(self._queues),
-            "num_prompt_tokens": t.num_prompt_tokens,
-            "num_generation_tokens": t.num_generation_tokens,
-            "num_preemptions": t.num_preemptions,
-            "prefix_cache_queries": t.prefix_cache_queries,
-            "prefix_cache_hits": t.prefix_cache_hits,
-        }
-        if isinstance(self.core, EmbeddingEngine):
-            stats.update(
-                num_running=0,
-                num_waiting=len(self.core.waiting),
-                num_requests_running=0,
-                num_requests_waiting=len(self.core.waiting),
-                kv_cache_usage=0.0,
-                num_free_blocks=0,
-                num_total_blocks=0,
-            )
-        else:
-            kv = self.core.kv
-            # Sequences (num_running/num_waiting) vs requests: n > 1 samples are one request.
-            running = {s.group.request_id for s in list(self.core.scheduler.running)}
-            waiting = {s.group.request_id for s in list(self.core.scheduler.waiting)} - running
-            stats.update(
-                num_running=len(self.core.scheduler.running),
-                num_waiting=len(self.core.scheduler.waiting),
-                num_requests_running=len(running),
-                num_requests_waiting=len(waiting),
-                kv_cache_usage=kv.usage,
-                num_free_blocks=kv.num_free_blocks,
-                num_total_blocks=kv.num_blocks,
-            )
-        return stats
+    # -- snapshots -------------------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """The snapshot the core published last (after a step, or after adds and aborts), plus the
+        requests this front holds; never reads live scheduler state."""
+        return dataclasses.replace(self.core.snapshot, num_unfinished_requests=len(self._queues))
+
+    async def detailed_snapshot(self) -> EngineSnapshot:
+        """A snapshot with the per-block detail, built by the loop between two steps."""
+        self._check_alive()
+        waiter: asyncio.Future[EngineSnapshot] = asyncio.get_running_loop().create_future()
+        self._detail_waiters.append(waiter)
+        self._wake()
+        return dataclasses.replace(await waiter, num_unfinished_requests=len(self._queues))
+
+    def _publish_detail(self) -> None:
+        snapshot = self.core.build_snapshot(detail=True)
+        self.core.snapshot = snapshot
+        waiters, self._detail_waiters = self._detail_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(snapshot)
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        if listener not in self.step_listeners:
+            self.step_listeners.append(listener)
 
 
-def create_engine_core(config: EngineConfig) -> LLMEngine | EmbeddingEngine:
+def create_engine_core(config: EngineConfig) -> EngineCore:
     """Load the model and build the core its task needs (given, or told by the model's files)."""
     mc = config.model
     if mc.model is None and mc.task == "embed":

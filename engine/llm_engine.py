@@ -1,5 +1,6 @@
 """The synchronous engine core: add requests, then step() = schedule -> run -> update -> detokenize ->
-outputs. Owns the scheduler, the KV cache manager, the model runner and the tokenizer."""
+outputs -> publish an EngineSnapshot. Owns the scheduler, the KV cache manager, the model runner and the
+tokenizer; implements engine.core.engine_core.EngineCore."""
 
 from __future__ import annotations
 
@@ -12,15 +13,24 @@ from pathlib import Path
 import torch
 
 from engine.core.config import EngineConfig
+from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
-from engine.core.sampling_params import ContextLengthError, SamplingParams, check_token_ids
+from engine.core.sampling_params import SamplingParams, check_token_ids, resolve_max_tokens
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.snapshot import (
+    BlockHolders,
+    EngineSnapshot,
+    RequestProgress,
+    RequestState,
+    SnapshotDetail,
+)
 from engine.core.stats import EngineTotals, StepStats
 from engine.executor.model_runner import ModelRunner, prepare_model
 from engine.executor.sampler import make_generator
+from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.models.loader import load_model, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -66,13 +76,16 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
         )
-        self.runner = ModelRunner(
+        # Test-only fault hooks are a runner subclass chosen here, never a check inside a step.
+        runner_class = FaultInjectingRunner if fault_injection_enabled() else ModelRunner
+        self.runner = runner_class(
             self.model, self.device, self.dtype, num_blocks, block_size,
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
         )  # fmt: skip
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
+        self.snapshot = self.build_snapshot()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
             self.model_dir.name,
@@ -110,23 +123,13 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
         """Check a request against this model; returns the resolved max output tokens."""
         if params is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 "this model generates text: a generation request needs sampling parameters"
             )
         check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
         params.validate_for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        )
-        if num_prompt + max_tokens > self.max_model_len or (
-            params.max_tokens is None and max_tokens <= 0
-        ):
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the length of the prompt or the completion."
-            )
+        max_tokens = resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
         needed = self.kv.blocks_needed(num_prompt + max_tokens)
         if needed > self.kv.num_blocks:
             raise ContextLengthError(
@@ -139,14 +142,15 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | None,
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """`arrival_time` (time.monotonic()) is when the caller received the request, if earlier."""
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        assert params is not None  # validate() refuses a generation request without params
         sample_params = params
         if params.num_samples > params.n and params.logprobs is None:
             # best_of ranks samples by cumulative logprob, so the sampler must report them.
@@ -190,18 +194,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
-    @property
-    def num_running_seqs(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return self.scheduler.num_waiting_tokens
-
-    @property
-    def num_waiting_requests(self) -> int:
-        return len({s.group.request_id for s in self.scheduler.waiting})
-
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
@@ -209,6 +201,7 @@ class LLMEngine:
         queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.snapshot = self.build_snapshot()
             return []
         stats = self._new_step_stats(sched)
         now = time.monotonic()
@@ -243,7 +236,73 @@ class LLMEngine:
         stats.prefix_cache_queries = self.kv.stats.queries - queries_before
         stats.prefix_cache_hits = self.kv.stats.hits - hits_before
         self._accumulate(stats)
+        self.snapshot = self.build_snapshot()  # one store: readers see the old or the new whole
         return outputs
+
+    def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
+        """The state now, for readers on other threads; call it only where steps run (or between them)."""
+        running = waiting = 0
+        rows: list[RequestProgress] = []
+        for group in self.groups.values():
+            state: RequestState = "waiting"
+            for seq in group.seqs:
+                if seq.status is SequenceStatus.RUNNING:
+                    state = "running"
+                    break
+                if seq.status is SequenceStatus.PREEMPTED:
+                    state = "preempted"
+            if state == "running":
+                running += 1
+            else:
+                waiting += 1
+            lead = group.seqs[0]
+            rows.append(
+                RequestProgress(
+                    group.request_id,
+                    state,
+                    len(group.seqs),
+                    lead.num_prompt_tokens,
+                    lead.num_computed_tokens,
+                    lead.num_cached_tokens,
+                    lead.num_output_tokens,
+                    group.metrics.arrival_time,
+                )
+            )
+        t, kv = self.totals, self.kv
+        return EngineSnapshot(
+            task=self.task,
+            num_steps=t.num_steps,
+            time=time.monotonic(),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_requests_running=running,
+            num_requests_waiting=waiting,
+            num_waiting_tokens=self.scheduler.num_waiting_tokens,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            num_prompt_tokens=t.num_prompt_tokens,
+            num_generation_tokens=t.num_generation_tokens,
+            num_preemptions=t.num_preemptions,
+            prefix_cache_queries=t.prefix_cache_queries,
+            prefix_cache_hits=t.prefix_cache_hits,
+            num_finished=t.num_finished,
+            requests=tuple(rows),
+            detail=self._snapshot_detail() if detail else None,
+        )
+
+    def _snapshot_detail(self) -> SnapshotDetail:
+        pool = self.kv.pool
+        holders: dict[int, list[str]] = {}
+        for seq_id, table in self.kv.block_tables.items():
+            for block_id in table:
+                holders.setdefault(block_id, []).append(seq_id)
+        blocks = tuple(
+            BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
+            for block_id, seq_ids in sorted(holders.items())
+        )
+        cached_free = sum(1 for b in pool.free_queue if pool.block_hashes[b] is not None)
+        return SnapshotDetail(blocks, cached_free)
 
     def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
         if sched.num_prefill_tokens == 0:

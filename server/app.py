@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 from typing import Any
@@ -10,6 +11,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from engine import EngineClient
 from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
 from server.metrics import MetricsMiddleware, ServerMetrics
 from server.metrics import router as metrics_router
@@ -94,7 +96,7 @@ def _model_card(state: ServerState) -> ModelCard:
     return ModelCard(
         id=state.model_name,
         created=state.created,
-        root=str(getattr(engine, "model_name", state.model_name)),
+        root=engine.model_name,
         max_model_len=engine.max_model_len,
     )
 
@@ -150,6 +152,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.messages is not None:
         tokens = apply_template(tokenizer, body.messages, body.add_generation_prompt is not False)
     else:
+        assert body.prompt is not None  # exactly one of the two is given
         tokens = list(
             tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         )
@@ -176,14 +179,17 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 
 
 @router.get("/v1/internal/stats", include_in_schema=False)
-async def engine_stats(request: Request) -> dict[str, Any]:
-    """Engine counters (KV blocks, running/waiting) for tests and debugging."""
+async def engine_stats(request: Request, detail: bool = False) -> dict[str, Any]:
+    """The engine's latest EngineSnapshot as JSON (counts, KV blocks, one progress row per request;
+    `?detail=true` adds who holds each KV block) and the HTTP requests in flight, for tests and
+    debugging."""
     state = _state(request)
     engine = state.require_engine()
-    return {**engine.stats(), "in_flight_http_requests": state.in_flight}
+    snapshot = await engine.detailed_snapshot() if detail else engine.snapshot()
+    return {**dataclasses.asdict(snapshot), "in_flight_http_requests": state.in_flight}
 
 
-def build_app(config: ServerConfig, engine: Any = None) -> FastAPI:
+def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastAPI:
     """The app for `config`; `engine` may be attached later (`app.state.server.engine = ...`)."""
     app = FastAPI(
         title="kvserve", version=kvserve_version(), description="OpenAI-compatible LLM server"

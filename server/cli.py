@@ -12,9 +12,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.settings import add_serve_arguments, build_configs, resolve
+
+if TYPE_CHECKING:
+    from engine import EngineClient, EngineConfig
+    from server.state import ServerConfig
 
 logger = logging.getLogger("kvserve")
 
@@ -74,24 +78,24 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(serve(engine_config, server_config))
 
 
-def _load_in_daemon_thread(engine_config: Any) -> asyncio.Future[Any]:
+def _load_in_daemon_thread(engine_config: EngineConfig) -> asyncio.Future[EngineClient]:
     """Load the engine off the event loop in a daemon thread (a shutdown never waits for a half load)."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
+    future: asyncio.Future[EngineClient] = loop.create_future()
 
-    def settle(result: Any, error: BaseException | None) -> None:
+    def settle(result: EngineClient | None, error: BaseException | None) -> None:
         if future.done():
             return
         if error is not None:
             future.set_exception(error)
-        else:
+        elif result is not None:
             future.set_result(result)
 
     def load() -> None:
         try:
             from engine import AsyncLLMEngine
 
-            engine = AsyncLLMEngine.from_config(engine_config)
+            engine: EngineClient = AsyncLLMEngine.from_config(engine_config)
         except BaseException as e:  # noqa: BLE001 - handed to the loop
             loop.call_soon_threadsafe(settle, None, e)
             return
@@ -101,7 +105,7 @@ def _load_in_daemon_thread(engine_config: Any) -> asyncio.Future[Any]:
     return future
 
 
-async def serve(engine_config: Any, server_config: Any) -> int:
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     import uvicorn
 
     from server.app import build_app

@@ -1,4 +1,5 @@
-"""The OpenAI error envelope: one exception type, the mapping from engine errors, and FastAPI handlers."""
+"""The OpenAI error envelope: one exception type, the mapping from engine errors (by exception type,
+never by message text), and FastAPI handlers."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import EngineDeadError, QueueFullError, RequestError, SamplingParamsError
+from engine import (
+    ContextLengthError,
+    EngineDeadError,
+    InvalidRequestError,
+    PromptError,
+    QueueFullError,
+    RequestError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +85,9 @@ def service_unavailable(message: str) -> APIError:
 
 
 def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
-    """Map an exception raised while serving a request to the error the client sees."""
+    """Map an exception raised while serving a request to the error the client sees. Only the engine's
+    InvalidRequestError family blames the request (400; a PromptError names `prompt_param`, this API's
+    field for the prompt); any other exception, a plain ValueError too, is a bug: a logged 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
@@ -91,15 +101,14 @@ def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
         )
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"The engine is not running: {exc}")
-    if isinstance(exc, SamplingParamsError):
+    if isinstance(exc, ContextLengthError):
+        return context_length_exceeded(str(exc), prompt_param)
+    if isinstance(exc, PromptError):
+        return invalid_request(str(exc), param=prompt_param)
+    if isinstance(exc, InvalidRequestError):
         return invalid_request(str(exc), param=exc.param)
     if isinstance(exc, RequestError):
         return APIError(str(exc), status=500, type="server_error", code="internal_error")
-    if isinstance(exc, ValueError):
-        message = str(exc)
-        if "maximum context length" in message:
-            return context_length_exceeded(message, prompt_param)
-        return invalid_request(message)
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(
         "The server had an error while processing your request.",
@@ -300,7 +309,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
-    for engine_error in (QueueFullError, EngineDeadError, RequestError, ValueError):
+    for engine_error in (QueueFullError, EngineDeadError, RequestError, InvalidRequestError):
         app.add_exception_handler(engine_error, _unexpected_handler)
     # Anything else is a bug: answered as a 500 envelope (Starlette then re-raises it for the log).
     app.add_exception_handler(Exception, _unexpected_handler)

@@ -1,5 +1,6 @@
-"""Shared request plumbing: sampling params from API fields, prompt checks, and the engine-stream fan-in
-that aborts every engine request when the client disconnects."""
+"""Shared request plumbing: sampling params from API fields, the engine's prompt checks mapped to this
+API's field names, and the engine-stream fan-in that aborts every engine request when the client
+disconnects."""
 
 from __future__ import annotations
 
@@ -13,18 +14,17 @@ from typing import Any
 from fastapi import Request
 
 from engine import (
+    EngineClient,
+    InvalidRequestError,
     OutputKind,
     QueueFullError,
     RequestOutput,
     SamplingParams,
-    SamplingParamsError,
 )
-from server.errors import context_length_exceeded, invalid_request
+from server.errors import invalid_request, to_api_error
 from server.protocol import SamplingFields
 
 logger = logging.getLogger(__name__)
-
-MAX_SEED = 2**64 - 1
 
 
 class ClientDisconnected(Exception):
@@ -48,9 +48,9 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     output_kind: OutputKind,
-    vocab_size: int,
 ) -> SamplingParams:
-    """SamplingParams from the API fields; range errors become 400s naming the field."""
+    """SamplingParams from the API fields; the engine's range checks (SamplingParamsError) become
+    400s naming the field, through the error handlers."""
     logit_bias: dict[int, float] | None = None
     if req.logit_bias:
         logit_bias = {}
@@ -62,66 +62,45 @@ def build_sampling_params(
                     "logit_bias",
                 )
             logit_bias[int(key)] = bias
-    if req.seed is not None and req.seed + max(n, best_of or 1) - 1 > MAX_SEED:
-        # Sample i is seeded with seed + i, which must stay a 64-bit seed.
-        raise invalid_request(
-            f"seed must be at most {MAX_SEED} minus the number of samples", "seed"
-        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    try:
-        params = SamplingParams(
-            n=n,
-            best_of=best_of,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k in (None, -1) else req.top_k,
-            min_p=req.min_p or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=logit_bias,
-            seed=req.seed,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens or 0,
-            stop=stop,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos),
-            include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            skip_special_tokens=req.skip_special_tokens is not False,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            output_kind=output_kind,
-        )
-        params.validate_for_vocab(vocab_size)
-    except SamplingParamsError as e:
-        raise invalid_request(str(e), e.param) from None
-    return params
+    return SamplingParams(
+        n=n,
+        best_of=best_of,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or 0,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        output_kind=output_kind,
+    )
 
 
-def check_prompt_ids(
-    prompt_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None, param: str
+def check_prompts(
+    engine: EngineClient,
+    prompts: Sequence[list[int]],
+    params: SamplingParams | None,
+    prompt_param: str,
 ) -> None:
-    """Token ids inside the vocabulary, and prompt plus max_tokens within the model length."""
-    if not prompt_ids:
-        raise invalid_request("The prompt is empty; give at least one token.", param)
-    bad = next((t for t in prompt_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise invalid_request(
-            f"token id {bad} is outside the vocabulary (size {vocab_size})", param
-        )
-    needed = len(prompt_ids) + (max_tokens if max_tokens is not None else 1)
-    if needed > max_model_len:
-        asked = (
-            f"{max_tokens} in the completion"
-            if max_tokens is not None
-            else "at least 1 to generate"
-        )
-        raise context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{needed} tokens ({len(prompt_ids)} in the prompt, {asked}). "
-            "Please reduce the prompt or the completion length.",
-            param,
-        )
+    """The engine's own checks of each prompt (tokens, context length, the params against the
+    vocabulary) before anything starts, so a bad prompt is a 400 naming this API's prompt field."""
+    try:
+        for ids in prompts:
+            engine.validate(ids, params)
+    except InvalidRequestError as e:
+        raise to_api_error(e, prompt_param) from None
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -246,7 +225,7 @@ class _RequestLog:
                 sum(n for n, _ in self.tokens.values()),
                 ",".join(sorted({str(reason) for _, reason in self.tokens.values()})),
             )
-        elif isinstance(outcome, (QueueFullError, SamplingParamsError, ValueError)):
+        elif isinstance(outcome, (QueueFullError, InvalidRequestError)):
             logger.debug("request %s: refused: %s", self.request_id, outcome)
         elif isinstance(outcome, BaseException):
             logger.warning("request %s: failed after %.3fs: %s", self.request_id, elapsed, outcome)
@@ -257,12 +236,12 @@ class _RequestLog:
 
 
 def start_streams(
-    engine: Any,
+    engine: EngineClient,
     request_id: str,
     prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams,
     request: Request | None = None,
-) -> list[AsyncIterator[RequestOutput]]:
+) -> list[AsyncGenerator[RequestOutput, None]]:
     """One engine request per prompt, ids `<request_id>-<prompt index>`."""
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
@@ -274,15 +253,13 @@ def start_streams(
             params.max_tokens,
             params.n,
         )
-    streams: list[AsyncIterator[RequestOutput]] = []
+    streams: list[AsyncGenerator[RequestOutput, None]] = []
     try:
         for i, (text, ids) in enumerate(prompts):
             streams.append(engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
     except BaseException:
         for stream in streams:
-            close = getattr(stream, "aclose", None)
-            if close is not None:
-                asyncio.ensure_future(close())
+            asyncio.ensure_future(stream.aclose())
         raise
     return streams
 

@@ -6,9 +6,12 @@ import codecs
 import math
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import TokenLogprob
+
+if TYPE_CHECKING:
+    from engine import Tokenizer
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a finite number
 
@@ -34,7 +37,9 @@ class CompletionLogprobsBuilder:
     character starts. Offsets carry on across `build` calls, so streamed chunks continue each other.
     """
 
-    def __init__(self, tokenizer: Any, num_top: int, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, num_top: int, skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.num_top = num_top
         self.skip_special_tokens = skip_special_tokens
@@ -99,14 +104,14 @@ class CompletionLogprobsBuilder:
 _SKIPPED_CACHE: weakref.WeakKeyDictionary[Any, dict[int, bool]] = weakref.WeakKeyDictionary()
 
 
-def _skipped_special_ids(tokenizer: Any) -> dict[int, bool]:
+def _skipped_special_ids(tokenizer: Tokenizer) -> dict[int, bool]:
     try:
         return _SKIPPED_CACHE.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: no cache
         return {}
 
 
-def _is_skipped(tokenizer: Any, token_id: int, cache: dict[int, bool]) -> bool:
+def _is_skipped(tokenizer: Tokenizer, token_id: int, cache: dict[int, bool]) -> bool:
     """A special token that decoding with skip_special_tokens leaves out of the text."""
     skipped = cache.get(token_id)
     if skipped is None:
@@ -117,7 +122,7 @@ def _is_skipped(tokenizer: Any, token_id: int, cache: dict[int, bool]) -> bool:
     return skipped
 
 
-def _prompt_offsets(tokenizer: Any, token_ids: Sequence[int], text: str) -> list[int]:
+def _prompt_offsets(tokenizer: Tokenizer, token_ids: Sequence[int], text: str) -> list[int]:
     """Where each prompt token starts in `text` (the prompt as the client sent it, or as decoded).
 
     Tokens are matched against the text's bytes, so a special token the tokenizer added (a BOS that
@@ -148,7 +153,7 @@ def _prompt_offsets(tokenizer: Any, token_ids: Sequence[int], text: str) -> list
 
 
 def chat_logprobs(
-    tokenizer: Any, entries: Sequence[TokenLogprob], num_top: int
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprob], num_top: int
 ) -> list[dict[str, Any]]:
     """Chat format: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}] per sampled token."""
     needed = _ids_needing_strings(entries, num_top)

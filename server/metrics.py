@@ -1,11 +1,12 @@
 """Prometheus metrics for one app: engine step stats fed by a step listener, queue and KV gauges read at
-scrape time, and HTTP request counts by route template; `GET /metrics` serves them."""
+scrape time from the engine's published snapshot, and HTTP request counts by route template;
+`GET /metrics` serves them."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -18,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine import FinishedRequestStats, StepStats
+    from engine import EngineClient, FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -38,40 +39,30 @@ UNMATCHED_ROUTE = "unmatched"  # one label for every unknown path, so cardinalit
 
 
 class _QueueGauges:
-    """Running/waiting requests and KV usage, read from the engine at scrape time (exact when idle,
-    also after aborts that happen between engine steps)."""
+    """Running/waiting requests and KV usage from the engine's latest snapshot, read at scrape time
+    (the core republishes it after every step and after adds and aborts, so it is exact when idle)."""
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._engine_stats()
-        running = stats.get("num_requests_running", stats.get("num_running", 0))
-        waiting = stats.get("num_requests_waiting", stats.get("num_waiting", 0))
+        engine = self.state.engine
+        snapshot = engine.snapshot() if engine is not None else None
         yield GaugeMetricFamily(
-            "kvserve_num_requests_running", "Requests with sequences in the running batch.", running
+            "kvserve_num_requests_running",
+            "Requests with sequences in the running batch.",
+            snapshot.num_requests_running if snapshot else 0,
         )
         yield GaugeMetricFamily(
             "kvserve_num_requests_waiting",
             "Requests waiting to be scheduled (including preempted ones).",
-            waiting,
+            snapshot.num_requests_waiting if snapshot else 0,
         )
         yield GaugeMetricFamily(
             "kvserve_kv_cache_usage_ratio",
             "Fraction of KV cache blocks held by live sequences (0 to 1).",
-            stats.get("kv_cache_usage", 0.0),
+            snapshot.kv_cache_usage if snapshot else 0.0,
         )
-
-    def _engine_stats(self) -> dict[str, Any]:
-        engine = self.state.engine
-        stats = getattr(engine, "stats", None)
-        if stats is None:
-            return {}
-        try:
-            return dict(stats())
-        except Exception:  # a scrape must not fail because the engine is half loaded or dead
-            logger.debug("engine stats unavailable for /metrics", exc_info=True)
-            return {}
 
 
 class ServerMetrics:
@@ -80,7 +71,7 @@ class ServerMetrics:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.registry = CollectorRegistry()
-        self._engine: Any = None
+        self._engine: EngineClient | None = None
         r = self.registry
         r.register(_QueueGauges(state))
         self.prompt_tokens = Counter(
@@ -168,9 +159,8 @@ class ServerMetrics:
         engine = self.state.engine
         if engine is self._engine:
             return
-        listeners = getattr(engine, "step_listeners", None)
-        if listeners is not None and self.on_step not in listeners:
-            listeners.append(self.on_step)
+        if engine is not None:
+            engine.add_step_listener(self.on_step)
         self._engine = engine
 
     def on_step(self, stats: StepStats) -> None:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import RequestOutput
+from engine import InvalidRequestError, RequestOutput
 from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
     build_sampling_params,
-    check_prompt_ids,
+    check_prompts,
     check_stream_options,
     finish_reason,
     first_output,
@@ -26,6 +26,9 @@ from server.protocol import ChatCompletionRequest, ChatMessage
 from server.sse import sse_response
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
+
+if TYPE_CHECKING:
+    from engine import Tokenizer
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -41,7 +44,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 def apply_template(
-    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
     try:
         return list(
@@ -49,7 +52,7 @@ def apply_template(
                 template_messages(messages), add_generation_prompt=add_generation_prompt
             )
         )
-    except ValueError as e:
+    except InvalidRequestError as e:
         raise invalid_request(
             f"Cannot apply the chat template: {e}. Serve the model with --chat-template FILE.",
             "messages",
@@ -73,7 +76,6 @@ async def create_chat_completion(
         raise invalid_request(f"{param} must be at least 1 for chat completions", param)
     n = req.n or 1
     prompt_ids = apply_template(tokenizer, req.messages, req.add_generation_prompt is not False)
-    check_prompt_ids(prompt_ids, tokenizer.vocab_size, engine.max_model_len, max_tokens, "messages")
     num_top = req.top_logprobs or 0
     params = build_sampling_params(
         req,
@@ -83,8 +85,8 @@ async def create_chat_completion(
         logprobs=num_top if req.logprobs else None,
         prompt_logprobs=None,
         output_kind="delta" if req.stream else "final",
-        vocab_size=tokenizer.vocab_size,
     )
+    check_prompts(engine, [prompt_ids], params, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     outputs = merge_outputs(
@@ -147,7 +149,7 @@ class _ChatStream(ChunkStream):
     def __init__(
         self,
         req: ChatCompletionRequest,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         model: str,
         request_id: str,
         created: int,

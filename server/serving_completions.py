@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -15,7 +15,7 @@ from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
     build_sampling_params,
-    check_prompt_ids,
+    check_prompts,
     check_stream_options,
     finish_reason,
     first_output,
@@ -31,7 +31,11 @@ from server.streaming import ChunkStream, usage_block
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
 
-def _prompts(req: CompletionRequest, tokenizer: Any) -> list[Prompt]:
+if TYPE_CHECKING:
+    from engine import Tokenizer
+
+
+def _prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[Prompt]:
     p: Any = req.prompt
     if isinstance(p, str):
         return [(p, tokenizer.encode(p))]
@@ -48,24 +52,14 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     tokenizer = engine.tokenizer
     check_stream_options(req)
     n = req.n or 1
-    if req.best_of is not None and req.best_of < n:
-        raise invalid_request(f"best_of ({req.best_of}) must be at least n ({n})", "best_of")
-    if req.stream and req.best_of is not None and req.best_of > n:
-        raise invalid_request(
-            "best_of greater than n cannot be streamed; set stream to false", "best_of"
-        )
-    if req.echo and req.stream and req.best_of is not None and req.best_of > n:
-        raise invalid_request("echo with best_of > n is not supported", "echo")
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     prompts = _prompts(req, tokenizer)
-    max_prompts = getattr(engine, "max_queued_requests", None)
-    if max_prompts is not None and len(prompts) > max_prompts:
+    max_prompts = engine.max_queued_requests
+    if len(prompts) > max_prompts:
         raise invalid_request(
             f"Too many prompts ({len(prompts)}); this server takes at most {max_prompts} per request.",
             "prompt",
         )
-    for _, ids in prompts:
-        check_prompt_ids(ids, tokenizer.vocab_size, engine.max_model_len, max_tokens, "prompt")
     want_prompt_logprobs = bool(req.echo) and req.logprobs is not None
     params = build_sampling_params(
         req,
@@ -75,8 +69,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
         output_kind="delta" if req.stream else "final",
-        vocab_size=tokenizer.vocab_size,
     )
+    check_prompts(engine, [ids for _, ids in prompts], params, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     outputs = merge_outputs(start_streams(engine, request_id, prompts, params, raw), raw)
@@ -109,13 +103,13 @@ async def _collect(
     return [latest[i] for i in range(count)]
 
 
-def _prompt_text(prompt: Prompt, tokenizer: Any) -> str:
+def _prompt_text(prompt: Prompt, tokenizer: Tokenizer) -> str:
     text, ids = prompt
     return text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _logprobs_builder(
-    req: CompletionRequest, tokenizer: Any, num_top: int
+    req: CompletionRequest, tokenizer: Tokenizer, num_top: int
 ) -> CompletionLogprobsBuilder:
     return CompletionLogprobsBuilder(
         tokenizer, num_top, skip_special_tokens=req.skip_special_tokens is not False
@@ -138,7 +132,7 @@ def _echo_logprobs(
 
 def _full_response(
     req: CompletionRequest,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     model: str,
     request_id: str,
     created: int,
@@ -191,7 +185,7 @@ class _CompletionStream(ChunkStream):
     def __init__(
         self,
         req: CompletionRequest,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         model: str,
         request_id: str,
         created: int,

@@ -9,21 +9,24 @@ import contextlib
 import math
 import struct
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import EmbeddingOutput
-from server.errors import APIError, context_length_exceeded, invalid_request
-from server.generation import wait_for_disconnect
+from engine import EmbeddingOutput, EngineClient
+from server.errors import APIError, invalid_request
+from server.generation import check_prompts, wait_for_disconnect
 from server.protocol import EmbeddingRequest
 from server.state import ServerState
 
+if TYPE_CHECKING:
+    from engine import Tokenizer
 
-def require_task(engine: Any, task: str) -> None:
+
+def require_task(engine: EngineClient, task: str) -> None:
     """A 400 when the route needs a different kind of model than the one served."""
-    served = getattr(engine, "task", "generate")
+    served = engine.task
     if served == task:
         return
     if served == "embed":
@@ -39,7 +42,7 @@ def require_task(engine: Any, task: str) -> None:
     raise APIError(message, status=400, code="unsupported_task")
 
 
-def _inputs(req: EmbeddingRequest, tokenizer: Any, keep: int | None) -> list[list[int]]:
+def _inputs(req: EmbeddingRequest, tokenizer: Tokenizer, keep: int | None) -> list[list[int]]:
     """Token ids of each input, at most `keep` of them (texts keep the model's special tokens);
     empty inputs are 400s."""
     raw: Any = req.input
@@ -60,7 +63,7 @@ def _inputs(req: EmbeddingRequest, tokenizer: Any, keep: int | None) -> list[lis
     return inputs
 
 
-def _encode(tokenizer: Any, text: str, keep: int | None) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str, keep: int | None) -> list[int]:
     """The text's ids; with `keep`, its last tokens, still framed by the model's special tokens."""
     ids = list(tokenizer.encode(text))
     if keep is None or len(ids) <= keep:
@@ -96,36 +99,20 @@ def _truncation(req: EmbeddingRequest, max_model_len: int) -> int | None:
     return keep
 
 
-def _check_input(ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise invalid_request(
-            f"token id {bad} is outside the vocabulary (size {vocab_size})", "input"
-        )
-    if len(ids) > max_model_len:
-        raise context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, an input has "
-            f"{len(ids)} tokens. Shorten it, or set truncate_prompt_tokens to keep its last tokens.",
-            "input",
-        )
-
-
-def _check_capacity(engine: Any, inputs: list[list[int]]) -> None:
+def _check_capacity(engine: EngineClient, inputs: list[list[int]]) -> None:
     """A request the engine's queue could never admit whole is a 400, not a 429 that never clears."""
-    scheduler = getattr(getattr(engine, "config", None), "scheduler", None)
-    if scheduler is None:
-        return
-    if len(inputs) > scheduler.max_queued_requests:
+    if len(inputs) > engine.max_queued_requests:
         raise invalid_request(
-            f"this server accepts at most {scheduler.max_queued_requests} inputs per request "
+            f"this server accepts at most {engine.max_queued_requests} inputs per request "
             "(--max-queued-requests); split the request",
             "input",
         )
     total = sum(len(ids) for ids in inputs)
-    if scheduler.max_queued_tokens is not None and total > scheduler.max_queued_tokens:
+    max_tokens = engine.max_queued_tokens
+    if max_tokens is not None and total > max_tokens:
         raise invalid_request(
             f"the inputs have {total} tokens but this server queues at most "
-            f"{scheduler.max_queued_tokens} (--max-queued-tokens); split the request",
+            f"{max_tokens} (--max-queued-tokens); split the request",
             "input",
         )
 
@@ -135,7 +122,7 @@ class _ClientGone(Exception):
 
 
 async def _embed_all(
-    engine: Any, request_id: str, inputs: list[list[int]], raw: Request | None
+    engine: EngineClient, request_id: str, inputs: list[list[int]], raw: Request | None
 ) -> list[EmbeddingOutput]:
     """Submit every input at once (the engine batches them); a disconnect or error cancels the rest."""
     tasks = [
@@ -188,8 +175,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
     tokenizer = engine.tokenizer
     keep = _truncation(req, engine.max_model_len)
     inputs = _inputs(req, tokenizer, keep)
-    for ids in inputs:
-        _check_input(ids, tokenizer.vocab_size, engine.max_model_len)
+    check_prompts(engine, inputs, None, "input")
     _check_capacity(engine, inputs)
     request_id = f"embd-{uuid.uuid4().hex}"
     try:

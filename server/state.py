@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
+from engine import EngineClient
 from server.errors import model_not_found, service_unavailable
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
@@ -34,43 +34,37 @@ class ServerConfig:
 
 
 class ServerState:
-    """What every route needs; `engine` is None until the model has loaded."""
+    """What every route needs; `engine` is None until the model has loaded. The engine is reached only
+    through the EngineClient protocol."""
 
-    def __init__(self, config: ServerConfig, engine: Any = None) -> None:
+    def __init__(self, config: ServerConfig, engine: EngineClient | None = None) -> None:
         self.config = config
-        self.engine: Any = engine
+        self.engine: EngineClient | None = engine
         self.draining = False
         self.in_flight = 0
         self.created = int(time.time())
 
     @property
     def ready(self) -> bool:
-        engine = self.engine
-        return (
-            engine is not None
-            and not self.draining
-            and bool(getattr(engine, "is_ready", True))
-            and not bool(getattr(engine, "errored", False))
-        )
+        return self.engine is not None and not self.draining and self.engine.health().ready
 
-    def require_engine(self) -> Any:
+    def require_engine(self) -> EngineClient:
         if self.draining:
             raise service_unavailable("The server is shutting down.")
         if self.engine is None:
             raise service_unavailable(
                 "The model is still loading; retry when GET /health answers 200."
             )
-        if getattr(self.engine, "errored", False):
-            raise service_unavailable(
-                f"The engine is not running: {getattr(self.engine, 'dead_error', None)}"
-            )
+        health = self.engine.health()
+        if health.state == "dead":
+            raise service_unavailable(f"The engine is not running: {health.error}")
         return self.engine
 
     @property
     def model_name(self) -> str:
         if self.config.served_model_name:
             return self.config.served_model_name
-        return str(getattr(self.engine, "model_name", None) or "kvserve")
+        return self.engine.model_name if self.engine is not None else "kvserve"
 
     def check_model(self, requested: str | None) -> str:
         """The served name for a request's `model` (None means the one served model)."""

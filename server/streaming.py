@@ -4,12 +4,15 @@ delta RequestOutputs into chunk frames, reports errors in-band and ends with usa
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import CompletionOutput, RequestOutput
 from server.errors import to_api_error
 from server.generation import ClientDisconnected
 from server.sse import DONE_FRAME, sse_frame
+
+if TYPE_CHECKING:
+    from engine import Tokenizer
 
 
 def usage_block(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -30,7 +33,7 @@ class ChunkStream:
     def __init__(
         self,
         req: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         model: str,
         request_id: str,
         created: int,

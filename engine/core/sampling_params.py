@@ -1,12 +1,19 @@
-"""Per-request sampling and stopping parameters, validated on construction (no torch)."""
+"""Per-request sampling and stopping parameters, validated on construction, and the request checks every
+engine and API share: prompt tokens, context length, seeds (no torch). Each rule is written here once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.core.errors import ContextLengthError, PromptError, SamplingParamsError
+
 OutputKind = Literal["cumulative", "delta", "final"]
 _EPS = 1e-5
+# torch.Generator.manual_seed takes any 64-bit value, signed or not; samples after the first get seeds
+# mixed from (seed, index) (see engine.llm_engine.sample_seed), always inside this range too.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -53,6 +60,13 @@ class SamplingParams:
             not isinstance(self.best_of, int) or self.best_of < self.n
         ):
             fail("best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of}")
+        if self.output_kind == "delta" and self.num_samples > self.n:
+            # Ranking by cumulative logprob needs every sample finished: nothing can be streamed.
+            fail("best_of", "best_of greater than n cannot be streamed; set stream to false")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED
+        ):
+            fail("seed", f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
         if not 0.0 <= self.temperature <= 2.0 + _EPS:
             fail("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -129,28 +143,56 @@ class SamplingParams:
         return self.best_of or self.n
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; `param` names it for the API error envelope."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ContextLengthError(SamplingParamsError):
-    """Prompt plus completion exceed the model's maximum length (or the KV pool)."""
-
-    def __init__(self, message: str, param: str = "max_tokens") -> None:
-        super().__init__(param, message)
-        self.code = "context_length_exceeded"
-
-
-def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     """A request's input tokens: at least one, each inside the vocabulary."""
     if not token_ids:
-        raise SamplingParamsError(param, f"the {param} is empty: give at least one token")
+        raise PromptError(f"the {param} is empty: give at least one token", param)
     bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise SamplingParamsError(
-            param, f"{param} token id {bad} is outside the vocabulary (size {vocab_size})"
+        raise PromptError(
+            f"{param} token id {bad} is outside the vocabulary (size {vocab_size})", param
         )
+
+
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The completion's token budget (None: up to the model length); a ContextLengthError when prompt
+    plus completion do not fit the model."""
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, the prompt "
+                f"has {num_prompt_tokens} tokens, which leaves none to generate. Please reduce the "
+                "length of the prompt."
+            )
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+            "for the completion). Please reduce the length of the prompt or the completion."
+        )
+    return max_tokens
+
+
+def check_input_length(num_tokens: int, max_model_len: int, param: str = "input") -> None:
+    """An input that is only encoded (an embedding) must fit the model whole."""
+    if num_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your input has "
+            f"{num_tokens} tokens. Shorten it or ask for truncation (truncate_prompt_tokens).",
+            param,
+        )
+
+
+__all__ = [
+    "MAX_SEED",
+    "MIN_SEED",
+    "ContextLengthError",
+    "OutputKind",
+    "PromptError",
+    "SamplingParams",
+    "SamplingParamsError",
+    "check_input_length",
+    "check_token_ids",
+    "resolve_max_tokens",
+]

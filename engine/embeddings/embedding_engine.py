@@ -1,5 +1,6 @@
 """Engine core for embedding models: requests wait in arrival order and each step runs as many whole
-inputs as fit the token budget and sequence cap through the model in one packed batch (no KV kept)."""
+inputs as fit the token budget and sequence cap through the model in one packed batch (no KV kept);
+implements engine.core.engine_core.EngineCore, publishing an EngineSnapshot after each step."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.config import EngineConfig
+from engine.core.errors import InvalidRequestError
 from engine.core.outputs import EmbeddingOutput
-from engine.core.sampling_params import ContextLengthError, check_token_ids
+from engine.core.sampling_params import SamplingParams, check_input_length, check_token_ids
+from engine.core.snapshot import EngineSnapshot, RequestProgress
 from engine.core.stats import EngineTotals, FinishedRequestStats, StepStats
 from engine.embeddings.embedding_model import EmbeddingModel
 from engine.text.tokenizer import Tokenizer
@@ -40,47 +43,61 @@ class EmbeddingEngine:
         self.max_model_len = min(
             mc.max_model_len or self.model.max_model_len, self.model.max_model_len
         )
-        self.waiting: deque[_EmbedRequest] = deque()
+        self.waiting: deque[_EmbedRequest] = deque()  # arrival order; aborted entries are skipped
+        self.live: dict[str, _EmbedRequest] = {}  # the waiting requests not aborted
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
+        self.snapshot = self.build_snapshot()
 
-    def validate(self, prompt_token_ids: list[int], params: object = None) -> int:
-        check_token_ids(prompt_token_ids, self.vocab_size, "input")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "
-                f"{len(prompt_token_ids)} tokens. Shorten it or ask for truncation (truncate_prompt_tokens).",
-                param="input",
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+        if params is not None:
+            raise InvalidRequestError(
+                "this model embeds text: an embedding input takes no sampling parameters"
             )
+        check_token_ids(prompt_token_ids, self.vocab_size, "input")
+        check_input_length(len(prompt_token_ids), self.max_model_len, "input")
         return 0
 
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: object = None,
+        params: SamplingParams | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        self.validate(prompt_token_ids)
+        if request_id in self.live:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.waiting.append(_EmbedRequest(request_id, list(prompt_token_ids), arrival))
+        request = _EmbedRequest(request_id, list(prompt_token_ids), arrival)
+        self.waiting.append(request)
+        self.live[request_id] = request
 
     def abort_request(self, request_id: str) -> None:
-        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        self.live.pop(request_id, None)  # O(1): the step skips it when it reaches the queue's head
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.live)
 
-    num_running_seqs = 0  # inputs never stay in the engine between steps
-
-    @property
-    def num_waiting_requests(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.waiting)
+    def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
+        """Counts and rows of the waiting inputs (nothing stays running between steps; no KV)."""
+        rows = tuple(
+            RequestProgress(r.request_id, "waiting", 1, len(r.token_ids), 0, 0, 0, r.arrival_time)
+            for r in self.live.values()
+        )
+        t = self.totals
+        return EngineSnapshot(
+            task=self.task,
+            num_steps=t.num_steps,
+            time=time.monotonic(),
+            num_waiting=len(rows),
+            num_requests_waiting=len(rows),
+            num_waiting_tokens=sum(row.num_prompt_tokens for row in rows),
+            num_prompt_tokens=t.num_prompt_tokens,
+            num_finished=t.num_finished,
+            requests=rows,
+        )
 
     def _schedule(self) -> list[_EmbedRequest]:
         """Whole inputs in arrival order within the token budget (the first always goes)."""
@@ -88,10 +105,15 @@ class EmbeddingEngine:
         batch: list[_EmbedRequest] = []
         tokens = 0
         while self.waiting and len(batch) < sc.max_num_seqs:
-            n = len(self.waiting[0].token_ids)
+            head = self.waiting[0]
+            if self.live.get(head.request_id) is not head:
+                self.waiting.popleft()  # aborted
+                continue
+            n = len(head.token_ids)
             if batch and tokens + n > sc.max_num_batched_tokens:
                 break
             batch.append(self.waiting.popleft())
+            del self.live[head.request_id]
             tokens += n
         return batch
 
@@ -99,11 +121,13 @@ class EmbeddingEngine:
         t0 = time.monotonic()
         batch = self._schedule()
         if not batch:
+            self.snapshot = self.build_snapshot()
             return []
         try:
             vectors = self.model.embed([r.token_ids for r in batch])  # [batch, hidden] float32
         except Exception as e:  # fail this batch's requests, keep serving
             logger.exception("embedding step failed for %d requests", len(batch))
+            self.snapshot = self.build_snapshot()
             return [
                 EmbeddingOutput(r.request_id, [], len(r.token_ids), error=f"embedding failed: {e}")
                 for r in batch
@@ -115,7 +139,7 @@ class EmbeddingEngine:
             duration=now - t0,
             num_batched_tokens=num_tokens,
             num_prefill_tokens=num_tokens,
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.live),
             num_new_prompt_tokens=num_tokens,
         )
         outputs = []
@@ -130,4 +154,5 @@ class EmbeddingEngine:
         self.totals.num_prompt_tokens += num_tokens
         self.totals.num_finished += len(batch)
         self.last_step = stats
+        self.snapshot = self.build_snapshot()
         return outputs

@@ -14,7 +14,6 @@ from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.executor.attention import AttentionMetadata, allocate_kv_cache
 from engine.executor.cuda_graphs import CudaGraphRunner
 from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
-from engine.faults import NAN_AFTER_TOKENS, NAN_LOGITS, fault_injection_enabled, wants_fault
 from engine.models.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,6 @@ class ModelRunner:
             device,
         )
         self.sampler = Sampler()
-        self.fault_injection = fault_injection_enabled()
         self.cuda_graphs: CudaGraphRunner | None = None
         if use_graphs:
             max_blocks = -(-model.max_position_embeddings // block_size)
@@ -135,14 +133,6 @@ class ModelRunner:
             )
             for s in sample_seqs
         ]
-        if self.fault_injection:
-            bad = [
-                i
-                for i, s in enumerate(sample_seqs)
-                if wants_fault(s.seq.group.prompt, NAN_LOGITS)
-                and s.seq.num_output_tokens >= NAN_AFTER_TOKENS
-            ]
-            logits[bad] = float("nan")  # exercises the sampler's per-row non-finite check
         self._sample(logits, rows, sample_seqs, out)
         return out
 

@@ -52,7 +52,7 @@ class SamplerOutput:
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator owned by one sequence; for n > 1 the runner passes seed + sample index."""
+    """A generator owned by one sequence, seeded with its sample's seed (see llm_engine.sample_seed)."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator

@@ -10,6 +10,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.core.errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte-fallback pieces
@@ -90,7 +92,7 @@ class Tokenizer:
     ) -> list[int]:
         """Render messages (role + content) with the chat template and tokenize the result."""
         if not self.chat_template:
-            raise ValueError(
+            raise InvalidRequestError(
                 "this model has no chat template; pass one with --chat-template "
                 "(a file path or inline Jinja), or use the completions API"
             )
@@ -104,7 +106,9 @@ class Tokenizer:
                 tokenize=False,
             )
         except TemplateError as exc:
-            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+            raise InvalidRequestError(
+                f"the chat template rejected these messages: {exc}", "messages"
+            ) from exc
         assert isinstance(text, str)
         # The rendered text already holds any BOS the template wants, like transformers does.
         return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,80 @@
+"""The one typed boundary between an API front end (server/) and the engine (no torch): requests in,
+outputs out, the served model's facts, health, and immutable state snapshots. AsyncLLMEngine implements
+it for a generative or an embedding core; the server holds nothing of the engine but this protocol."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Protocol
+
+from engine.core.outputs import EmbeddingOutput, RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.snapshot import EngineHealth, EngineSnapshot
+from engine.core.stats import StepStats
+
+if TYPE_CHECKING:
+    from engine.text.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    # -- the served model's facts ----------------------------------------------------------------
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def task(self) -> str:
+        """ "generate" or "embed": which requests this engine serves."""
+        ...
+
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def max_queued_requests(self) -> int:
+        """A request batch (prompts or inputs) larger than this can never be admitted."""
+        ...
+
+    @property
+    def max_queued_tokens(self) -> int | None:
+        """The prompt tokens the queue holds at most (None: unbounded)."""
+        ...
+
+    # -- requests ----------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
+        """Check a request against the model before submitting it: InvalidRequestError subclasses
+        (PromptError, ContextLengthError, SamplingParamsError) name the fault. Returns the resolved
+        max output tokens (0 for an embedding input)."""
+        ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs as the engine produces them; closing the iterator aborts it."""
+        ...
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput: ...
+    async def abort(self, request_id: str) -> None: ...
+
+    # -- health and state --------------------------------------------------------------------------
+    def health(self) -> EngineHealth: ...
+    def snapshot(self) -> EngineSnapshot:
+        """The state published after the latest step (cheap; safe from any thread)."""
+        ...
+
+    async def detailed_snapshot(self) -> EngineSnapshot:
+        """A snapshot that also carries the per-block detail, built between steps."""
+        ...
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call `listener` with every step's stats (on the event loop; once per listener)."""
+        ...
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
