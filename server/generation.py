@@ -170,16 +170,20 @@ async def merge_outputs(
 
 
 async def first_output(
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None], prompt_param: str = "prompt"
 ) -> tuple[int, RequestOutput] | None:
     """Await the first (stream index, output) before answering, so that a refused request (queue full,
-    bad params) still gets an HTTP error status; closes `outputs` on any failure but a disconnect."""
+    bad params) still gets an HTTP error status; closes `outputs` on any failure but a disconnect. An
+    engine PromptError names `prompt_param`, this API's field for the prompt."""
     try:
         return await anext(outputs)
     except StopAsyncIteration:
         return None
     except ClientDisconnected:
         raise
+    except InvalidRequestError as e:
+        await outputs.aclose()
+        raise to_api_error(e, prompt_param) from None
     except BaseException:
         await outputs.aclose()
         raise

@@ -16,7 +16,6 @@ MAX_STOP = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none)
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
-SeedInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 
 def _has_lone_surrogate(value: Any) -> bool:
@@ -68,7 +67,7 @@ class SamplingFields(StrictModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    seed: SeedInt | None = None
+    seed: int | None = None  # its range is the engine's rule (SamplingParams)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

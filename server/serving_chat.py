@@ -93,7 +93,7 @@ async def create_chat_completion(
         start_streams(engine, request_id, [(None, prompt_ids)], params, raw), raw
     )
     try:
-        first = await first_output(outputs)
+        first = await first_output(outputs, "messages")
     except ClientDisconnected:
         return Response(status_code=499)
     if req.stream:

@@ -1,20 +1,28 @@
-"""A byte-level fake tokenizer and a scripted fake engine for fast server tests (no model, no torch)."""
+"""A byte-level fake tokenizer and scripted fake engines for fast server tests (no model, no torch).
+They implement engine.EngineClient, the one interface the server uses, and validate requests with the
+engine's own checks (engine.core.sampling_params), so the server never sees a fake rule."""
 
 from __future__ import annotations
 
 import asyncio
 import codecs
-from collections.abc import AsyncIterator
-from typing import Any
+import time
+from collections.abc import AsyncGenerator, Callable
 
 from engine import (
     CompletionOutput,
+    EmbeddingOutput,
+    EngineHealth,
+    EngineSnapshot,
+    InvalidRequestError,
     QueueFullError,
     RequestError,
     RequestOutput,
     SamplingParams,
+    StepStats,
     TokenLogprob,
 )
+from engine.core.sampling_params import check_input_length, check_token_ids, resolve_max_tokens
 
 
 class FakeTokenizer:
@@ -42,23 +50,69 @@ class FakeTokenizer:
         return [[i] for i in ids]
 
 
-class FakeEngine:
+class FakeClientBase:
+    """The EngineClient plumbing both fakes share: health, snapshots, listeners, lifecycle."""
+
+    model_name = "fake-model"
+    task = "generate"
+    max_model_len = 64
+    max_queued_requests = 1024
+    max_queued_tokens: int | None = None
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.active: set[str] = set()
+        self.health_state = EngineHealth("ready")
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self.published: EngineSnapshot | None = None  # what snapshot() returns once set
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size)
+
+    def health(self) -> EngineHealth:
+        return self.health_state
+
+    def snapshot(self) -> EngineSnapshot:
+        if self.published is not None:
+            return self.published
+        return EngineSnapshot(
+            task=self.task,
+            num_steps=0,
+            time=time.monotonic(),
+            num_running=len(self.active),
+            num_requests_running=len(self.active),
+            num_free_blocks=10,
+            num_total_blocks=10,
+            num_unfinished_requests=len(self.active),
+        )
+
+    async def detailed_snapshot(self) -> EngineSnapshot:
+        return self.snapshot()
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        if listener not in self.step_listeners:
+            self.step_listeners.append(listener)
+
+    async def abort(self, request_id: str) -> None:
+        self.active.discard(request_id)
+
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class FakeEngine(FakeClientBase):
     """Sample i continues the prompt's last byte with +1+i, +2+i, ... ('abc' -> 'def...' for i=0).
 
     With `script` set, every sample emits the UTF-8 bytes of that text instead, one token per byte, and
     (like the real detokenizer) a streamed delta's text stays empty while a character is incomplete.
     """
 
-    model_name = "fake-model"
-    max_model_len = 64
-    task = "generate"
-    is_ready = True
-    errored = False
-    dead_error = None
-
     def __init__(self) -> None:
-        self.tokenizer = FakeTokenizer()
-        self.active: set[str] = set()
+        super().__init__()
         self.aborted: list[str] = []
         self.queue_full = False
         self.fail_after: int | None = None  # raise RequestError after this many tokens
@@ -66,8 +120,15 @@ class FakeEngine:
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.script: str | None = None
 
-    def stats(self) -> dict[str, Any]:
-        return {"num_running": len(self.active), "num_free_blocks": 10, "num_total_blocks": 10}
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
+        if params is None:
+            raise InvalidRequestError("a generation request needs sampling parameters")
+        check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
+        params.validate_for_vocab(self.vocab_size)
+        return resolve_max_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+        raise InvalidRequestError("this fake generates text")
 
     async def generate(
         self,
@@ -75,7 +136,8 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
+        self.validate(prompt_token_ids, params)
         if self.queue_full:
             raise QueueFullError("queue is full", retry_after=2.5)
         self.requests.append((request_id, prompt_token_ids, params))
@@ -147,3 +209,32 @@ class FakeEngine:
             self.active.discard(request_id)
             if not finished:
                 self.aborted.append(request_id)
+
+
+class FakeEmbeddingClient(FakeClientBase):
+    """The EngineClient parts of an embedding engine: the task, and the engine's input checks."""
+
+    model_name = "fake-embedder"
+    task = "embed"
+    max_model_len = 32
+    max_queued_requests = 16
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
+        if params is not None:
+            raise InvalidRequestError("an embedding input takes no sampling parameters")
+        check_token_ids(prompt_token_ids, self.vocab_size, "input")
+        check_input_length(len(prompt_token_ids), self.max_model_len, "input")
+        return 0
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+        self.validate(prompt_token_ids, None)
+        return EmbeddingOutput(request_id, [1.0, 0.0], len(prompt_token_ids))
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        raise InvalidRequestError("this fake embeds text")

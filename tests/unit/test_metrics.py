@@ -9,6 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import EngineSnapshot
 from engine.core.stats import FinishedRequestStats, StepStats
 from server.app import build_app
 from server.metrics import ServerMetrics
@@ -179,11 +180,14 @@ async def test_gauges_are_read_from_the_engine_at_scrape_time() -> None:
         loading = _samples((await c.get("/metrics")).text)
         assert loading[("kvserve_num_requests_running", ())] == 0
         app.state.server.engine = engine
-        engine.stats = lambda: {  # type: ignore[method-assign]
-            "num_requests_running": 2,
-            "num_requests_waiting": 5,
-            "kv_cache_usage": 0.75,
-        }
+        engine.published = EngineSnapshot(
+            task="generate",
+            num_steps=7,
+            time=0.0,
+            num_requests_running=2,
+            num_requests_waiting=5,
+            kv_cache_usage=0.75,
+        )
         busy = _samples((await c.get("/metrics")).text)
     assert busy[("kvserve_num_requests_running", ())] == 2
     assert busy[("kvserve_num_requests_waiting", ())] == 5
@@ -192,7 +196,6 @@ async def test_gauges_are_read_from_the_engine_at_scrape_time() -> None:
 
 async def test_step_listener_attaches_once_to_a_later_engine() -> None:
     engine = FakeEngine()
-    engine.step_listeners = []  # type: ignore[attr-defined]
     app = build_app(ServerConfig(), None)
     metrics: ServerMetrics = app.state.metrics
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -200,8 +203,8 @@ async def test_step_listener_attaches_once_to_a_later_engine() -> None:
         app.state.server.engine = engine
         await c.get("/health")
         await c.get("/v1/models")
-    assert engine.step_listeners == [metrics.on_step]  # type: ignore[attr-defined]
-    engine.step_listeners[0](_step())  # type: ignore[attr-defined]
+    assert engine.step_listeners == [metrics.on_step]
+    engine.step_listeners[0](_step())
     assert Reader(metrics)("kvserve_prompt_tokens_total") == 40
 
 

@@ -12,6 +12,7 @@ import pytest
 from engine import (
     CompletionOutput,
     EngineConfig,
+    EngineSnapshot,
     EngineDeadError,
     QueueFullError,
     RequestError,
@@ -49,6 +50,9 @@ class FakeCore:
         self.groups: dict[str, _Group] = {}
         self.order: list[str] = []
         self.aborted: list[str] = []
+        self.vocab_size = 1000
+        self.num_steps = 0
+        self.snapshot = self.build_snapshot()
 
     def validate(self, prompt_token_ids: list[int], params: Any) -> None:
         if not prompt_token_ids:
@@ -74,17 +78,18 @@ class FakeCore:
     def _waiting(self) -> list[str]:
         return self.order[self.max_running :]
 
-    @property
-    def num_waiting_requests(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def num_running_seqs(self) -> int:
-        return min(len(self.order), self.max_running)
-
-    @property
-    def num_waiting_tokens(self) -> int:
-        return sum(len(self.groups[r].prompt_token_ids) for r in self._waiting)
+    def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
+        running = min(len(self.order), self.max_running)
+        return EngineSnapshot(
+            task=self.task,
+            num_steps=self.num_steps,
+            time=0.0,
+            num_running=running,
+            num_waiting=len(self._waiting),
+            num_requests_running=running,
+            num_requests_waiting=len(self._waiting),
+            num_waiting_tokens=sum(len(self.groups[r].prompt_token_ids) for r in self._waiting),
+        )
 
     def step(self) -> list[RequestOutput]:
         if self.die_on_step:
@@ -101,6 +106,8 @@ class FakeCore:
             if done:
                 del self.groups[request_id]
                 self.order.remove(request_id)
+        self.num_steps += 1
+        self.snapshot = self.build_snapshot()
         return outputs
 
 

@@ -4,13 +4,14 @@ API key on every route but /health and CORS only when origins are configured (fa
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
-from engine import RequestError
+from engine import ContextLengthError, InvalidRequestError, PromptError, RequestError
 from server.app import build_app
 from server.state import ServerConfig
 from tests.unit.server_fakes import FakeEngine
@@ -63,7 +64,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict[str
             b'{"prompt": "a", "logit_bias": {"' + b"9" * 5000 + b'": 1}}',
             "logit_bias",
         ),
-        ("/v1/completions", b'{"prompt": "a", "n": 2, "seed": 18446744073709551615}', "seed"),
+        ("/v1/completions", b'{"prompt": "a", "n": 2, "seed": 18446744073709551616}', "seed"),
         ("/v1/completions", b'{"prompt": [-1]}', "prompt"),
         ("/v1/completions", b'{"prompt": [[]]}', "prompt"),
         ("/v1/completions", b'{"prompt": ""}', "prompt"),
@@ -148,9 +149,12 @@ class _RaisingEngine(FakeEngine):
 @pytest.mark.parametrize(
     ("exc", "status", "kind"),
     [
-        (ValueError("request id is already in use"), 400, "invalid_request_error"),
+        (InvalidRequestError("request id is already in use"), 400, "invalid_request_error"),
         (RequestError("model produced non-finite logits"), 500, "server_error"),
         (RuntimeError("a bug"), 500, "server_error"),
+        # A plain ValueError is an internal bug, never blamed on the client (even when its message
+        # reads like a user error).
+        (ValueError("maximum context length exceeded"), 500, "server_error"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -167,9 +171,67 @@ async def test_engine_errors_become_envelopes(
         assert _error(r, status)["type"] == kind
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_errors_map_by_type_not_message(stream: bool) -> None:
+    """A ContextLengthError is context_length_exceeded whatever its text; a PromptError names each
+    API's own prompt field; neither is recognised by matching words in the message."""
+    cases = [
+        (ContextLengthError("the KV pool is too small for this"), "context_length_exceeded"),
+        (PromptError("token 7 is not allowed here"), None),
+    ]
+    for exc, code in cases:
+        async with _client(_RaisingEngine(exc)) as c:
+            r = await c.post("/v1/completions", json={"prompt": "a", "stream": stream})
+            assert _error(r, 400, "prompt")["code"] == code
+            r = await c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "x"}], "stream": stream},
+            )
+            assert _error(r, 400, "messages")["code"] == code
+
+
+async def test_an_internal_value_error_is_a_logged_500(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="server")
+    async with _client(_RaisingEngine(ValueError("invalid literal for int()"))) as c:
+        r = await c.post("/v1/completions", json={"prompt": "a"})
+    err = _error(r, 500)
+    assert err["code"] == "internal_error" and "invalid literal" not in err["message"]
+    logged = [rec for rec in caplog.records if rec.exc_info is not None]
+    assert logged and "invalid literal for int()" in str(logged[0].exc_info[1])
+
+
+async def test_the_engine_validates_prompts_once_for_every_api(engine: FakeEngine) -> None:
+    """The server holds no prompt rules of its own: what the engine's check says is what each API
+    answers, under its own field name."""
+    engine.max_model_len = 8  # type: ignore[misc]
+    async with _client(engine) as c:
+        r = await c.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 3})
+        assert _error(r, 400, "prompt")["code"] == "context_length_exceeded"
+        r = await c.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        r = await c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 8}]}
+        )
+        assert _error(r, 400, "messages")["code"] == "context_length_exceeded"
+    assert all(len(ids) <= 8 for _, ids, _ in engine.requests)
+
+
+async def test_seeds_span_64_bits_for_every_sample(engine: FakeEngine) -> None:
+    """Samples after the first get seeds mixed from (seed, index), so the largest seed is fine with
+    n > 1; only a seed outside 64 bits is refused, by the engine's SamplingParams."""
+    async with _client(engine) as c:
+        body = {"prompt": "a", "n": 3, "max_tokens": 1, "seed": 2**64 - 1}
+        assert (await c.post("/v1/completions", json=body)).status_code == 200
+        assert engine.requests[-1][2].seed == 2**64 - 1
+        _error(await c.post("/v1/completions", json={**body, "seed": 2**64}), 400, "seed")
+        _error(await c.post("/v1/completions", json={**body, "seed": -(2**63) - 1}), 400, "seed")
+
+
 async def test_chat_template_failure_is_400(engine: FakeEngine) -> None:
     def broken(*args: Any, **kwargs: Any) -> list[int]:
-        raise ValueError("the chat template rejected these messages: roles must alternate")
+        raise InvalidRequestError(
+            "the chat template rejected these messages: roles must alternate", "messages"
+        )
 
     engine.tokenizer.apply_chat_template = broken  # type: ignore[method-assign]
     async with _client(engine) as c:

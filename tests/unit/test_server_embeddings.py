@@ -8,7 +8,6 @@ import base64
 import math
 import struct
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from server.app import build_app
 from server.protocol import EmbeddingRequest
 from server.serving_embeddings import create_embedding
 from server.state import ServerConfig
-from tests.unit.server_fakes import FakeEngine, FakeTokenizer
+from tests.unit.server_fakes import FakeEmbeddingClient, FakeEngine, FakeTokenizer
 
 CLS, SEP = 1, 2
 DIM = 8
@@ -45,30 +44,18 @@ def fake_vector(ids: list[int]) -> list[float]:
     return [x / norm for x in raw]
 
 
-class FakeEmbeddingEngine:
-    model_name = "fake-embedder"
-    max_model_len = 32
-    task = "embed"
-    is_ready = True
-    errored = False
-    dead_error = None
-
+class FakeEmbeddingEngine(FakeEmbeddingClient):
     def __init__(self) -> None:
+        super().__init__()
         self.tokenizer = SpecialTokenizer()
-        self.config = SimpleNamespace(
-            scheduler=SimpleNamespace(max_queued_requests=16, max_queued_tokens=None)
-        )
         self.requests: list[tuple[str, list[int]]] = []
-        self.active: set[str] = set()
         self.max_active = 0
         self.aborted: list[str] = []
         self.delay = 0.01
         self.refuse_token: int | None = None  # inputs holding this token id get QueueFullError
 
-    def stats(self) -> dict[str, int]:
-        return {"num_running": 0, "num_waiting": 0}
-
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+        self.validate(prompt_token_ids, None)
         if self.refuse_token in prompt_token_ids:
             raise QueueFullError("queue is full", retry_after=2.0)
         self.requests.append((request_id, list(prompt_token_ids)))

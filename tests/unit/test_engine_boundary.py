@@ -1,0 +1,147 @@
+"""The engine's typed boundary over a scripted core (no model): admission of a burst costs O(N), the
+pending queue holds typed records, snapshots are immutable and published by the step, and the engine
+and the server fakes implement the EngineClient protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+from types import FrameType
+from typing import Any
+
+import pytest
+
+import engine.async_engine as async_engine_module
+from engine import EngineSnapshot, SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from engine.core.pending import AbortRequest, AddRequest, PendingWork
+from tests.unit.server_fakes import FakeEmbeddingClient, FakeEngine
+from tests.unit.test_reliability_engine import _drain, _engine
+
+
+def _lines_run_in(path: str, work: Any) -> int:
+    """Python lines executed in the file `path` while `work()` runs (an operation count, not a time)."""
+    count = 0
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal count
+        if frame.f_code.co_filename != path:
+            return None  # do not trace other files' lines
+        if event == "line":
+            count += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        work()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def _burst_cost(num_requests: int) -> int:
+    """Lines the async front runs to admit `num_requests` requests that arrive in one burst (all
+    submitted before the engine loop gets to apply any), then serve them."""
+
+    async def burst() -> None:
+        engine = _engine({"max_running": num_requests}, max_queued_requests=10 * num_requests)
+        await engine.start()
+        try:
+            results = await asyncio.gather(
+                *(_drain(engine, f"r{i}", [1, 2]) for i in range(num_requests))
+            )
+        finally:
+            await engine.shutdown()
+        assert all(outs[-1].finished for outs in results)
+
+    return _lines_run_in(async_engine_module.__file__, lambda: asyncio.run(burst()))
+
+
+def test_admitting_a_burst_costs_linear_work() -> None:
+    small, large = _burst_cost(100), _burst_cost(400)
+    # Linear work grows 4x; the old admission check re-counted the pending adds for every new request
+    # (quadratic), which grows about 12x here.
+    assert large < 6 * small, (small, large)
+
+
+def test_pending_work_is_typed_records_with_running_counts() -> None:
+    pending = PendingWork()
+    params = SamplingParams()
+    pending.add(AddRequest("a", [1, 2, 3], params, "text", 1.0))
+    pending.abort("a")
+    pending.add(AddRequest("b", [4], None, None, 2.0))
+    assert (pending.num_adds, pending.num_add_tokens, len(pending)) == (2, 4, 3)
+    items = pending.take()
+    assert items == [
+        AddRequest("a", [1, 2, 3], params, "text", 1.0),
+        AbortRequest("a"),
+        AddRequest("b", [4], None, None, 2.0),
+    ]
+    assert not pending and (pending.num_adds, pending.num_add_tokens) == (0, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        items[1].request_id = "other"  # type: ignore[misc]
+
+
+async def test_snapshots_are_immutable_and_published_by_each_step() -> None:
+    engine = _engine({"steps": 3, "max_running": 2})
+    await engine.start()
+    try:
+        before = engine.snapshot()
+        results = await asyncio.gather(*(_drain(engine, f"r{i}", [1, 2, 3]) for i in range(3)))
+        assert all(outs[-1].finished for outs in results)
+        after = engine.snapshot()
+    finally:
+        await engine.shutdown()
+    assert before.num_steps == 0 and after.num_steps >= 3  # 3 requests, 2 at a time, 3 steps each
+    assert (after.num_running, after.num_requests_waiting, after.num_unfinished_requests) == (0, 0, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.num_running = 5  # type: ignore[misc]
+
+
+async def test_an_abort_between_steps_is_in_the_next_snapshot() -> None:
+    """The core republishes after applying adds and aborts, so an idle engine's snapshot is exact."""
+    engine = _engine({"steps": 1000, "max_running": 1})
+    await engine.start()
+    try:
+        gen = engine.generate("long", [1, 2], SamplingParams(max_tokens=1000))
+        await anext(gen)
+        assert engine.snapshot().num_requests_running == 1
+        await gen.aclose()  # aborts
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if engine.snapshot().num_requests_running == 0:
+                break
+        snap = engine.snapshot()
+        assert (snap.num_requests_running, snap.num_unfinished_requests) == (0, 0)
+        assert engine.core.aborted == ["long"]  # type: ignore[attr-defined]
+    finally:
+        await engine.shutdown()
+
+
+async def test_detailed_snapshot_is_built_by_the_loop_on_request() -> None:
+    engine = _engine()
+    await engine.start()
+    try:
+        snap = await asyncio.wait_for(engine.detailed_snapshot(), timeout=10)
+    finally:
+        await engine.shutdown()
+    assert isinstance(snap, EngineSnapshot) and snap.task == "generate"
+
+
+def test_the_engine_and_the_fakes_expose_the_same_client_surface() -> None:
+    """The server holds the engine as EngineClient; the fakes it is tested with must have every member
+    (mypy checks AsyncLLMEngine against the protocol; this keeps the test fakes honest too)."""
+    from engine import EngineClient
+
+    members = {
+        name
+        for name in vars(EngineClient)
+        if not name.startswith("_") and name not in ("register", "mro")
+    }
+    assert {"generate", "embed", "validate", "snapshot", "health", "tokenizer"} <= members
+    for fake in (FakeEngine(), FakeEmbeddingClient()):
+        missing = [name for name in members if not hasattr(fake, name)]
+        assert not missing, (type(fake).__name__, missing)
+    assert all(hasattr(AsyncLLMEngine, name) for name in members)
