@@ -95,7 +95,11 @@ async def test_snapshots_are_immutable_and_published_by_each_step() -> None:
     finally:
         await engine.shutdown()
     assert before.num_steps == 0 and after.num_steps >= 3  # 3 requests, 2 at a time, 3 steps each
-    assert (after.num_running, after.num_requests_waiting, after.num_unfinished_requests) == (0, 0, 0)
+    assert (after.num_running, after.num_requests_waiting, after.num_unfinished_requests) == (
+        0,
+        0,
+        0,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         after.num_running = 5  # type: ignore[misc]
 

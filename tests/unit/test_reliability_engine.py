@@ -12,8 +12,8 @@ import pytest
 from engine import (
     CompletionOutput,
     EngineConfig,
-    EngineSnapshot,
     EngineDeadError,
+    EngineSnapshot,
     QueueFullError,
     RequestError,
     RequestOutput,
