@@ -162,7 +162,13 @@ OPTIONS: tuple[Option, ...] = (
         parse_optional_str,
         "where converted .gguf models are cached; default ~/.cache/kvserve",
     ),
-    Option("seed", "model.seed", _int, "seed for requests that give none"),
+    Option(
+        "seed",
+        "model.seed",
+        _int,
+        "seeds the engine's random generator once at start-up (requests without a `seed` draw "
+        "from it, so they are not reproducible one by one; give a request `seed` for that)",
+    ),
     Option(
         "quantization",
         "model.quantization",

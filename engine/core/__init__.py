@@ -1,3 +1,4 @@
-"""The torch-free core: engine config, sampling params, request state, the scheduler, KV block
-bookkeeping, and the contract types the stages hand each other (scheduler output, runner output,
-request output, step stats). Nothing here imports torch, so its tests run in milliseconds."""
+"""The torch-free core: engine config, sampling params and the request checks, request state, the
+scheduler, KV block bookkeeping, and the contract types the stages hand each other (scheduler output,
+runner output, request output, step stats, pending adds/aborts, engine snapshots, request errors, the
+EngineCore and EngineClient protocols). Nothing here imports torch, so its tests run in milliseconds."""

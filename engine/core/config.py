@@ -22,7 +22,7 @@ class ModelConfig:
     pooling: str = "auto"  # for embedding models: auto | mean | cls | last
     chat_template: str | None = None  # a file path or an inline Jinja template
     cache_dir: str | None = None  # conversion cache for .gguf models; None -> ~/.cache/kvserve
-    seed: int = 0
+    seed: int = 0  # torch.manual_seed once at start-up; a request seeds its own samples
     quantization: str | None = None  # None | int8 | int4 (weight-only); "none" means None
     compile: bool = False  # torch.compile the dense part of each layer (slow start-up)
     num_threads: int | None = None  # torch intra-op threads; None -> torch's default

@@ -52,7 +52,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
-    generator: Any = None  # torch.Generator for seeded sampling (owned by the runner side)
+    # A torch.Generator seeded from the request's seed (None: unseeded). LLMEngine.add_request
+    # creates it, the sampler draws from it; typed Any so this module stays torch-free.
+    generator: Any = None
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0

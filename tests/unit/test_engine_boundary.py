@@ -149,3 +149,30 @@ def test_the_engine_and_the_fakes_expose_the_same_client_surface() -> None:
         missing = [name for name in members if not hasattr(fake, name)]
         assert not missing, (type(fake).__name__, missing)
     assert all(hasattr(AsyncLLMEngine, name) for name in members)
+
+
+def test_the_core_and_its_contracts_import_without_torch() -> None:
+    """engine.core (protocols, snapshots, pending work, errors included) and the package's eager
+    exports import with torch blocked, so the server's types and the core's tests need no torch."""
+    import pkgutil
+    import subprocess
+
+    import engine.core
+
+    modules = [f"engine.core.{m.name}" for m in pkgutil.iter_modules(engine.core.__path__)]
+    assert {"engine.core.engine_client", "engine.core.snapshot", "engine.core.pending"} <= set(
+        modules
+    )
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import importlib, engine\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
