@@ -176,3 +176,24 @@ def test_the_core_and_its_contracts_import_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+async def test_the_stats_endpoint_serves_the_typed_snapshot() -> None:
+    import httpx
+
+    from server.app import build_app
+    from server.state import ServerConfig
+
+    fake = FakeEngine()
+    fake.published = EngineSnapshot(
+        task="generate", num_steps=12, time=1.0, num_running=2, num_requests_running=1
+    )
+    app = build_app(ServerConfig(), fake)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        body = (await c.get("/v1/internal/stats")).json()
+        detailed = (await c.get("/v1/internal/stats", params={"detail": "true"})).json()
+    fields = {f.name for f in dataclasses.fields(EngineSnapshot)}
+    assert set(body) == fields | {"in_flight_http_requests"}
+    assert (body["num_steps"], body["num_running"], body["num_requests_running"]) == (12, 2, 1)
+    assert body["requests"] == [] and body["detail"] is None
+    assert set(detailed) == set(body)
