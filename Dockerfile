@@ -24,7 +24,6 @@ COPY pyproject.toml README.md ./
 COPY scripts/ scripts/
 COPY engine/ engine/
 COPY server/ server/
-COPY benchmarks/ benchmarks/
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN case "$TORCH_VARIANT" in \

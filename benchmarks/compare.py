@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_utils import ServerProcess, free_port, ratio
-from benchmarks.serve_bench import BenchConfig, run_benchmark
+from benchmarks.bench_utils import ServerProcess, free_port
+from server.bench import BenchConfig, ratio, run_benchmark
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_utils import load_tokenizer, ratio, synthetic_prompts
+from server.bench import load_tokenizer, ratio, synthetic_prompts
 
 logger = logging.getLogger(__name__)
 

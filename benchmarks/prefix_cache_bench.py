@@ -14,14 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_utils import (
-    RequestRecord,
-    ServerProcess,
-    free_port,
-    load_tokenizer,
-    ratio,
-    synthetic_prompts,
-)
+from benchmarks.bench_utils import ServerProcess, free_port
+from server.bench import RequestRecord, load_tokenizer, ratio, synthetic_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +84,7 @@ def run_offline(
 async def _http_run(base_url: str, prompts: list[str], args: argparse.Namespace) -> dict:
     import httpx
 
-    from benchmarks.serve_bench import BenchConfig, build_body, send_request
+    from server.bench import BenchConfig, build_body, send_request
 
     config = BenchConfig(base_url=base_url, output_len=args.output_len, extra_body={})
     url = base_url.rstrip("/") + "/v1/completions"

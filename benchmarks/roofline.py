@@ -107,7 +107,7 @@ def measure_machine(config: dict[str, Any], min_seconds: float, square: int) -> 
 
 
 def load_result(path: str, concurrency: int | None = None) -> dict[str, Any]:
-    """A serve_bench JSON, or the kvserve entry at `concurrency` of a compare.py JSON."""
+    """A `kvserve bench --json-out` JSON, or the kvserve entry at `concurrency` of a compare.py JSON."""
     data = json.loads(Path(path).read_text())
     if "output_throughput" in data:
         return data
@@ -119,7 +119,7 @@ def load_result(path: str, concurrency: int | None = None) -> dict[str, Any]:
 
 
 def run_workload(url: str, concurrency: int, num_requests: int, args: argparse.Namespace) -> dict:
-    from benchmarks.serve_bench import BenchConfig, run_benchmark
+    from server.bench import BenchConfig, run_benchmark
 
     config = BenchConfig(
         base_url=url,
@@ -225,10 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-seconds", type=float, default=0.5, help="timing per measurement")
     p.add_argument("--url", default=None, help="run concurrency-1 and saturation workloads here")
     p.add_argument(
-        "--saturation-json", default=None, help="serve_bench (or compare) JSON at saturation"
+        "--saturation-json", default=None, help="kvserve bench (or compare) JSON at saturation"
     )
     p.add_argument(
-        "--batch1-json", default=None, help="serve_bench (or compare) JSON at concurrency 1"
+        "--batch1-json", default=None, help="kvserve bench (or compare) JSON at concurrency 1"
     )
     p.add_argument("--saturation-concurrency", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=64, help="requests at saturation (--url)")

@@ -16,7 +16,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from benchmarks.bench_utils import ServerProcess, free_port, http_get, synthetic_prompts
+from benchmarks.bench_utils import ServerProcess, free_port
+from server.bench import http_get, synthetic_prompts
 
 logger = logging.getLogger(__name__)
 

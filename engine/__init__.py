@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.core.stats import FinishedRequestStats, StepStats
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
+    from engine.models.loader import resolve_model
     from engine.text.tokenizer import Tokenizer
 
 _LAZY = {
@@ -53,6 +54,7 @@ _LAZY = {
     "StepStats": "engine.core.stats",
     "FinishedRequestStats": "engine.core.stats",
     "Tokenizer": "engine.text.tokenizer",
+    "resolve_model": "engine.models.loader",
 }
 
 
@@ -100,4 +102,5 @@ __all__ = [
     "SamplingParamsError",
     "SchedulerConfig",
     "TokenLogprob",
+    "resolve_model",
 ]

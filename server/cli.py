@@ -56,7 +56,7 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from benchmarks.serve_bench import main as bench_main
+        from server.bench import main as bench_main
 
         return int(bench_main(argv[1:]) or 0)
     parser = build_parser()

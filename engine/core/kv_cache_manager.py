@@ -1,19 +1,30 @@
 """KV block bookkeeping (no torch): a pool of fixed-size blocks, per-sequence block tables, reference
-counts, and automatic prefix caching by chained block hashes with LRU eviction of unreferenced blocks."""
+counts, and automatic prefix caching by exact block keys with LRU eviction of unreferenced blocks.
+
+Prefix-cache keys are exact, never a bare hash: a cached block is found by `(parent node, token ids)`,
+where the parent node is the unique, never-reused id that the cache gave the block before it. The dict
+lookup compares the stored tokens on every hit, so two prompts whose hashes collide (Python's int-tuple
+hash is unkeyed and can be forced to collide) never share KV; by induction a hit means the whole prefix
+matched token for token. `benchmarks/prefix_key_bench.py` measures this against keyed blake2b/sha256
+chains (see benchmarks/README.md)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.core.request import Sequence
 
-_ROOT_HASH = 0x6B7673657276  # parent hash of a sequence's first block
+ROOT_NODE = 0  # parent node of a sequence's first block
+
+# (parent node, the block's token ids): the identity of a cached block's content and its whole prefix
+BlockKey = tuple[int, tuple[int, ...]]
 
 
-def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block's identity is its tokens *and* everything before them."""
-    return hash((parent_hash, token_ids))
+def block_key(parent_node: int, token_ids: tuple[int, ...]) -> BlockKey:
+    """The cache key of a full block: compared exactly on lookup, so a hash collision is only a miss."""
+    return (parent_node, token_ids)
 
 
 @dataclass
@@ -24,14 +35,16 @@ class PrefixCacheStats:
 
 class BlockPool:
     """Physical blocks with reference counts. Free blocks wait in LRU order (oldest first); a free
-    block may still hold cached content (it keeps its hash) until it is reused."""
+    block may still hold cached content (it keeps its key) until it is reused."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_keys: list[BlockKey | None] = [None] * num_blocks
+        self.block_nodes = [ROOT_NODE] * num_blocks  # node id of a registered block's content
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[BlockKey, int] = {}  # block key -> block id
+        self._node_ids = itertools.count(ROOT_NODE + 1)
 
     @property
     def num_free(self) -> int:
@@ -55,21 +68,29 @@ class BlockPool:
         if self.ref_counts[block_id] == 0:
             self.free_queue[block_id] = None  # most recently used end: evicted last
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        if block_hash in self.cached or self.block_hashes[block_id] is not None:
-            return  # same content already cached elsewhere: keep this copy private
-        self.block_hashes[block_id] = block_hash
-        self.cached[block_hash] = block_id
+    def register(self, block_id: int, key: BlockKey) -> int:
+        """Cache `block_id` under `key` and return the node id of that content. When the same content
+        is already cached in another block, that block's node is returned and this copy stays private."""
+        if self.block_keys[block_id] is not None:
+            # A prefix hit: the lookup that found this block matched exactly this key.
+            return self.block_nodes[block_id]
+        existing = self.cached.setdefault(key, block_id)
+        if existing != block_id:
+            return self.block_nodes[existing]
+        node = next(self._node_ids)
+        self.block_keys[block_id] = key
+        self.block_nodes[block_id] = node
+        return node
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash)
+    def lookup(self, key: BlockKey) -> int | None:
+        return self.cached.get(key)
 
     def _evict(self, block_id: int) -> None:
-        block_hash = self.block_hashes[block_id]
-        if block_hash is not None:
-            self.block_hashes[block_id] = None
-            if self.cached.get(block_hash) == block_id:
-                del self.cached[block_hash]
+        key = self.block_keys[block_id]
+        if key is not None:
+            self.block_keys[block_id] = None
+            self.block_nodes[block_id] = ROOT_NODE
+            del self.cached[key]  # node ids are never reused, so this block's children are orphaned
 
 
 class KVCacheManager:
@@ -80,8 +101,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        self.block_hash_chains: dict[str, list[int]] = {}  # hashes of a sequence's full blocks
-        self.num_registered: dict[str, int] = {}  # leading blocks of a sequence already registered
+        self.block_tokens: dict[str, list[tuple[int, ...]]] = {}  # token ids of each full block
+        self.node_chains: dict[str, list[int]] = {}  # node ids of a sequence's registered blocks
         self.stats = PrefixCacheStats()
 
     @property
@@ -103,28 +124,28 @@ class KVCacheManager:
     def get_block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
 
-    def _hash_chain(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        chain = self.block_hash_chains.setdefault(seq.seq_id, [])
+    def _full_block_tokens(self, seq: Sequence, num_full_blocks: int) -> list[tuple[int, ...]]:
+        blocks = self.block_tokens.setdefault(seq.seq_id, [])
         bs = self.block_size
-        while len(chain) < num_full_blocks:
-            i = len(chain)
-            parent = chain[-1] if chain else _ROOT_HASH
-            chain.append(hash_block(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
-        return chain
+        while len(blocks) < num_full_blocks:
+            i = len(blocks)
+            blocks.append(tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+        return blocks
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the start of `seq`'s tokens. At least the last token is always left to
-        compute, since its logits are needed."""
+        """Cached blocks matching the start of `seq`'s tokens exactly. At least the last token is always
+        left to compute, since its logits are needed."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        chain = self._hash_chain(seq, max_blocks)
         hits: list[int] = []
-        for block_hash in chain[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
+        parent = ROOT_NODE
+        for tokens in self._full_block_tokens(seq, max_blocks)[:max_blocks]:
+            block_id = self.pool.lookup(block_key(parent, tokens))
             if block_id is None:
                 break
             hits.append(block_id)
+            parent = self.pool.block_nodes[block_id]
         return hits
 
     def leader_prefix(self, seq: Sequence) -> list[int]:
@@ -173,22 +194,18 @@ class KVCacheManager:
         table = self.block_tables.get(seq.seq_id)
         if not table:
             return
-        start = self.num_registered.get(seq.seq_id, 0)
-        if num_full <= start:
+        nodes = self.node_chains.setdefault(seq.seq_id, [])
+        if num_full <= len(nodes):
             return
-        chain = self._hash_chain(seq, num_full)
-        for i in range(start, num_full):
-            self.pool.register(table[i], chain[i])
-        self.num_registered[seq.seq_id] = num_full
+        blocks = self._full_block_tokens(seq, num_full)
+        for i in range(len(nodes), num_full):
+            parent = nodes[-1] if nodes else ROOT_NODE
+            nodes.append(self.pool.register(table[i], block_key(parent, blocks[i])))
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; its tail blocks become the first eviction candidates."""
         table = self.block_tables.pop(seq.seq_id, [])
         for block_id in reversed(table):
             self.pool.release(block_id)
-        self.block_hash_chains.pop(seq.seq_id, None)
-        self.num_registered.pop(seq.seq_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self.pool.free_queue):
-            self.pool._evict(block_id)
+        self.block_tokens.pop(seq.seq_id, None)
+        self.node_chains.pop(seq.seq_id, None)

@@ -1,8 +1,14 @@
 """Token-budget scheduler (no torch): running sequences first, then waiting prompts in arrival order,
-chunking prompts to fit the budget; preempts the newest running sequence (recompute) when KV runs out."""
+chunking prompts to fit the budget; preempts the newest running sequence (recompute) when KV runs out.
+
+Head-of-line: when a waiting sequence cannot get KV blocks, the ones behind it (up to BYPASS_WINDOW
+deep) are still admitted if they fit, but each blocked sequence lets at most HEAD_BYPASS_LIMIT later
+ones go first; after that admission is strictly first-come-first-served until it gets its blocks, so
+a long prompt is delayed by a bounded amount and never starved by a stream of short ones."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -12,6 +18,9 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+BYPASS_WINDOW = 8  # waiting sequences tried per step behind ones that cannot get KV blocks
+HEAD_BYPASS_LIMIT = 4  # later sequences a KV-blocked waiting sequence lets go first, in total
 
 
 @dataclass
@@ -50,6 +59,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # seq id -> how many later sequences were admitted while this one could not get KV blocks
+        self.bypassed: dict[str, int] = {}
 
     # -- admission ---------------------------------------------------------------------------
     def add_group(self, group: RequestGroup) -> None:
@@ -97,18 +108,39 @@ class Scheduler:
             i += 1
 
         # New work only when nothing had to be preempted: preemption means the pool is full.
-        while not preempted and self.waiting and budget > 0:
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+
+        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
+        num_decode = sum(1 for s in scheduled if s.is_decode)
+        total = sum(s.num_new_tokens for s in scheduled)
+        return SchedulerOutput(scheduled, total, total - num_decode, num_decode, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        """Start (or resume) waiting sequences in arrival order while the budget, the sequence limit
+        and the KV pool allow; returns the budget left."""
+        i = 0  # self.waiting[:i] could not get KV blocks this step
+        while i < len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = self.waiting[0]
+            blocked = list(itertools.islice(self.waiting, i))
+            if any(self.bypassed.get(b.seq_id, 0) >= HEAD_BYPASS_LIMIT for b in blocked):
+                break  # FCFS from here: a blocked sequence has let enough others go first
+            seq = self.waiting[i]
             cached_blocks: list[int] = []
             if seq.num_computed_tokens == 0:
                 cached_blocks = self.kv.find_cached_prefix(seq) or self.kv.leader_prefix(seq)
             num_cached = len(cached_blocks) * self.kv.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, num_new, cached_blocks):
-                break
-            self.waiting.popleft()
+                i += 1
+                if i >= BYPASS_WINDOW:
+                    break
+                continue
+            for b in blocked:
+                self.bypassed[b.seq_id] = self.bypassed.get(b.seq_id, 0) + 1
+            del self.waiting[i]
+            self.bypassed.pop(seq.seq_id, None)
             if seq.status is SequenceStatus.WAITING:  # first admission (not a resumed preemption)
                 self.kv.record_prefix_query(seq.num_tokens, num_cached)
                 seq.num_cached_tokens = num_cached
@@ -117,11 +149,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
-
-        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
-        num_decode = sum(1 for s in scheduled if s.is_decode)
-        total = sum(s.num_new_tokens for s in scheduled)
-        return SchedulerOutput(scheduled, total, total - num_decode, num_decode, preempted)
+        return budget
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
@@ -159,5 +187,6 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass  # a follower not released yet
+            self.bypassed.pop(seq.seq_id, None)
         seq.status = status
         self.kv.free(seq)

@@ -23,15 +23,14 @@ _TOP_P_CANDIDATES = 256
 class RowError(ValueError):
     """Sampling row `row_index` has unusable logits (NaN, +inf, or all -inf).
 
-    `row_indices` lists every bad row of the batch (first one is `row_index`). It is raised before
-    any per-sequence generator advances, so the caller can fail those requests and call the
-    sampler again with the remaining rows without changing their seeded outcomes.
+    `row_index` is the first bad row of the batch. It is raised before any per-sequence generator
+    advances, so the caller can fail that request and call the sampler again with the remaining
+    rows without changing their seeded outcomes.
     """
 
-    def __init__(self, row_index: int, message: str, row_indices: list[int] | None = None) -> None:
+    def __init__(self, row_index: int, message: str) -> None:
         super().__init__(message)
         self.row_index = row_index
-        self.row_indices = row_indices if row_indices is not None else [row_index]
 
 
 @dataclass
@@ -207,7 +206,6 @@ def _raise_on_bad_rows(row_values: list[float]) -> None:
         raise RowError(
             bad[0],
             f"model produced non-finite logits (NaN, +inf or all -inf) for sampling row(s) {bad}",
-            bad,
         )
 
 

@@ -46,6 +46,7 @@ class ServerProcess:
     def wait_ready(self, headers: dict[str, str] | None = None) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         saw_503 = False
+        self.startup_statuses: list[int] = []  # every /health status seen while starting
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -53,6 +54,7 @@ class ServerProcess:
                 )
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
+                self.startup_statuses.append(r.status_code)
                 if r.status_code == 200:
                     self.saw_loading_503 = saw_503
                     return

@@ -108,3 +108,40 @@ def test_eviction_under_a_small_pool_keeps_outputs_correct(smollm2_dir, llm_off,
         got = [o.outputs[0].token_ids for o in outs]
         assert got == (expected[::-1] if round_ else expected)
     assert small.engine.kv.num_free_blocks == small.engine.kv.num_blocks
+
+
+class _CollidingKey:
+    """A block key whose hash is the same for every block: only exact equality can tell them apart."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CollidingKey) and self.key == other.key
+
+
+def test_forced_hash_collisions_never_reuse_another_prompts_kv(smollm2_dir, llm_off, monkeypatch):
+    from engine.core import kv_cache_manager
+
+    monkeypatch.setattr(
+        kv_cache_manager, "block_key", lambda parent, tokens: _CollidingKey((parent, tokens))
+    )
+    llm = LLM(str(smollm2_dir), dtype="float32", block_size=BLOCK)
+    tok = llm.tokenizer
+    tenant_a = tok.encode(f"{DOC}\nQuestion: {QUESTIONS[0]}\nAnswer:")
+    tenant_b = tok.encode("Write a short poem about the sea at night, with stars. " * 8)
+    assert len(tenant_b) >= 4 * BLOCK and common_prefix(tenant_a, tenant_b) < BLOCK
+    first_a = llm.generate([tenant_a], GREEDY)[0]
+    b = llm.generate([tenant_b], GREEDY)[0]
+    assert b.num_cached_tokens == 0  # every key collided with tenant A's, none matched
+    (b_alone,) = llm_off.generate([tenant_b], GREEDY)
+    assert b.outputs[0].token_ids == b_alone.outputs[0].token_ids
+    # A true shared prefix is still found among the colliding keys.
+    again_a = llm.generate([tenant_a], GREEDY)[0]
+    assert again_a.num_cached_tokens == expected_cached(tenant_a, tenant_a) > 0
+    assert again_a.outputs[0].token_ids == first_a.outputs[0].token_ids

@@ -70,9 +70,11 @@ def test_mixed_decode_and_prefill_match_dense(block_size, num_heads, num_kv_head
     # 3 decodes (one new token each), then: a fresh prompt, a later chunk, a 1-token chunk.
     query_lens = [1, 1, 1, 9, 5, 1]
     seq_lens = [1, 17, 33, 9, 21, 6]
-    query_lens_after_decodes = query_lens[3:]
-    assert all(n >= 1 for n in query_lens_after_decodes)
-    run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads)
+    kv_cache, tables, _ = run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads)
+    # The step is read as 3 decodes followed by 3 prefill chunks, not as 6 prefills.
+    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size)
+    assert meta.num_decode_seqs == 3
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 12, 17, 18]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -10,15 +10,18 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from benchmarks.bench_utils import (
+from server.bench import (
+    BenchConfig,
     RequestRecord,
+    build_body,
     compute_metrics,
+    format_table,
     percentile,
     ratio,
+    send_request,
     summarize,
     synthetic_prompts,
 )
-from benchmarks.serve_bench import BenchConfig, build_body, format_table, send_request
 
 
 def _record(
@@ -166,7 +169,7 @@ def test_send_request_records_http_errors() -> None:
 def _drive_with(
     handler: Callable[[httpx.Request], Awaitable[httpx.Response]], config: BenchConfig, n: int
 ) -> tuple[list[RequestRecord], float]:
-    from benchmarks.serve_bench import _drive
+    from server.bench.driver import _drive
 
     async def go() -> tuple[list[RequestRecord], float]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:

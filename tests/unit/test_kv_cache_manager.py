@@ -1,8 +1,8 @@
-"""Block allocation, reference counts, chained prefix hashes and LRU eviction (no model)."""
+"""Block allocation, reference counts, exact chained prefix keys and LRU eviction (no model)."""
 
 from __future__ import annotations
 
-from engine.core.kv_cache_manager import KVCacheManager, hash_block
+from engine.core.kv_cache_manager import ROOT_NODE, KVCacheManager, block_key
 from engine.core.request import RequestGroup, Sequence
 from engine.core.sampling_params import SamplingParams
 
@@ -87,12 +87,52 @@ def test_shared_blocks_are_reference_counted():
     assert kv.num_free_blocks == 6
 
 
-def test_hash_is_chained_on_the_parent():
+def test_key_is_chained_on_the_parent():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     compute(kv, make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a"))
     # Same second block, different first block: no hit at all.
     assert kv.find_cached_prefix(make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], "b")) == []
-    assert hash_block(1, (5, 6)) != hash_block(2, (5, 6))
+
+
+# Python hashes ints modulo the Mersenne prime 2**61 - 1, so these two token blocks have equal tuple
+# hashes: a cache trusting hash((parent, tokens)) would hand one prompt the other's KV.
+COLLIDING = (0, 1, 2, 3), (2**61 - 1, 1, 2, 3)
+
+
+def test_colliding_hashes_never_share_kv():
+    a_tokens, b_tokens = COLLIDING
+    assert hash(block_key(ROOT_NODE, a_tokens)) == hash(block_key(ROOT_NODE, b_tokens))
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_seq([*a_tokens, 7, 8, 9, 10, 11], "a")
+    compute(kv, a)
+    b = make_seq([*b_tokens, 7, 8, 9, 10, 11], "b")
+    assert kv.find_cached_prefix(b) == []
+    compute(kv, b)  # b computes (and caches) its own first block
+    assert kv.get_block_table(b)[0] != kv.get_block_table(a)[0]
+    # Both contents stay cached side by side, each found only by its own tokens.
+    again_a = kv.find_cached_prefix(make_seq([*a_tokens, 7, 8, 9, 10, 11], "a2"))
+    again_b = kv.find_cached_prefix(make_seq([*b_tokens, 7, 8, 9, 10, 11], "b2"))
+    assert again_a == kv.get_block_table(a)[:2] and again_b == kv.get_block_table(b)[:2]
+
+
+def test_a_colliding_parent_never_leads_to_the_other_prompts_children():
+    a_tokens, b_tokens = COLLIDING
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    compute(kv, make_seq([*a_tokens, 5, 6, 7, 8, 9], "a"))
+    # b shares a's second block but not its first: neither block may be reused.
+    assert kv.find_cached_prefix(make_seq([*b_tokens, 5, 6, 7, 8, 9], "b")) == []
+
+
+def test_evicted_parent_orphans_its_children():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_seq(list(range(9)), "a")  # 2 full blocks + a partial one
+    compute(kv, a)
+    kv.free(a)
+    # Reuse all three blocks for other content: a's blocks are evicted, their keys forgotten.
+    b = make_seq(list(range(100, 112)), "b")
+    assert kv.allocate_slots(b, 12)
+    assert kv.find_cached_prefix(make_seq(list(range(9)), "a2")) == []
+    assert kv.pool.cached == {}
 
 
 def test_finished_blocks_stay_cached_until_evicted_lru():

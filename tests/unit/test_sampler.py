@@ -215,7 +215,7 @@ def test_non_finite_row_raises_row_error_naming_that_row(bad: float, params: Sam
     with pytest.raises(RowError, match="row") as info:
         Sampler()(logits, rows)
     assert info.value.row_index == 1
-    assert info.value.row_indices == [1, 2]
+    assert "[1, 2]" in str(info.value)  # the message names every bad row
     good = Sampler()(logits[:1], rows[:1])  # the healthy row samples fine on its own
     assert 0 <= good.token_ids[0] < 10
 

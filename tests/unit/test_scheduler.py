@@ -168,3 +168,62 @@ def test_followers_share_the_leaders_blocks_with_prefix_caching_off():
     for s in g.seqs:
         sched.finish(s, SequenceStatus.FINISHED_LENGTH)
     assert kv.num_free_blocks == 64
+
+
+def _ids(out) -> list[str]:
+    return [s.seq.seq_id for s in out.scheduled]
+
+
+def test_requests_behind_a_kv_blocked_head_are_served_when_they_fit():
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a = make_group("a", 13, max_tokens=3)  # 4 blocks: its prompt and all its output tokens
+    sched.add_group(a)
+    run_step(sched)
+    assert sched.kv.num_free_blocks == 2
+    big, small = make_group("big", 12), make_group("small", 4)  # 3 blocks (blocked), 1 block
+    sched.add_group(big)
+    sched.add_group(small)
+    out = run_step(sched)
+    assert _ids(out) == ["a/0", "small/0"]  # the small request did not wait behind the big one
+    assert list(sched.waiting) == [big.seqs[0]] and sched.bypassed == {"big/0": 1}
+    # Once `a` is done, the head gets its blocks at the next step.
+    sched.finish(a.seqs[0], SequenceStatus.FINISHED_LENGTH)
+    out = run_step(sched)
+    assert "big/0" in _ids(out) and not sched.waiting and sched.bypassed == {}
+
+
+def test_a_blocked_head_lets_only_a_bounded_number_go_first():
+    from engine.core.scheduler import HEAD_BYPASS_LIMIT
+
+    sched = make_scheduler(num_blocks=4 + 7, block_size=4, budget=256, max_seqs=32)
+    a = make_group("a", 13, max_tokens=3)
+    sched.add_group(a)
+    run_step(sched)
+    big = make_group("big", 32)  # 8 blocks: never fits while `a` holds 4 of the 11
+    smalls = [make_group(f"s{i}", 3, max_tokens=1) for i in range(HEAD_BYPASS_LIMIT + 3)]
+    sched.add_group(big)
+    for g in smalls:
+        sched.add_group(g)
+    out = run_step(sched)
+    admitted = [i for i in _ids(out) if i.startswith("s")]
+    # Each small prompt fits (1 block of the 7 free), but only HEAD_BYPASS_LIMIT pass the head.
+    assert admitted == [f"s{i}/0" for i in range(HEAD_BYPASS_LIMIT)]
+    assert sched.kv.num_free_blocks >= 1  # room was left: the limit, not the pool, stopped them
+    assert sched.bypassed["big/0"] == HEAD_BYPASS_LIMIT
+    for s in list(sched.running):
+        sched.finish(s, SequenceStatus.FINISHED_LENGTH)
+    # Blocks are back: the head goes first now, then the rest behind it in arrival order.
+    out = run_step(sched)
+    assert _ids(out)[0] == "big/0"
+    assert _ids(out)[1:] == [f"s{i}/0" for i in range(HEAD_BYPASS_LIMIT, len(smalls))]
+
+
+def test_without_blocked_sequences_admission_stays_first_come_first_served():
+    sched = make_scheduler(num_blocks=64, budget=8)
+    groups = [make_group(f"r{i}", 6) for i in range(3)]
+    for g in groups:
+        sched.add_group(g)
+    out = run_step(sched)
+    # The budget (not KV) stops admission: the second prompt is chunked, the third waits its turn.
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [("r0/0", 6), ("r1/0", 2)]
+    assert list(sched.waiting) == [groups[2].seqs[0]] and sched.bypassed == {}
