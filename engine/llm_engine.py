@@ -301,7 +301,7 @@ class LLMEngine:
             BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
             for block_id, seq_ids in sorted(holders.items())
         )
-        cached_free = sum(1 for b in pool.free_queue if pool.block_hashes[b] is not None)
+        cached_free = sum(1 for b in pool.free_queue if pool.block_keys[b] is not None)
         return SnapshotDetail(blocks, cached_free)
 
     def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
