@@ -1,5 +1,7 @@
 """Paged attention: write a step's K/V into the block pool by slot mapping, then attend over each
-sequence's cached context. Backends (torch SDPA everywhere, flash-attn on CUDA) are chosen once."""
+sequence's cached context. Backends are chosen once: flash-attn on CUDA when installed and the block
+size lets it read the cache in place, else Triton kernels (engine.executor.triton_attention) on
+CUDA, else the torch SDPA reference (CPU, and CUDA without triton)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("sdpa", "flash")
+BACKENDS = ("sdpa", "triton", "flash")
+FLASH_BLOCK_SIZE = 256  # flash-attn reads a paged cache in place only for multiples of this
 
 
 @dataclass
@@ -31,7 +34,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    backend: str | None = None  # force "sdpa" or "flash" for this step; None -> attention_backend()
+    backend: str | None = None  # force a backend (BACKENDS) for this step; None -> attention_backend()
     # Per-step values every layer shares, built on first use (see decode_context).
     _shared: dict[object, Any] = field(default_factory=dict, init=False, repr=False)
 
@@ -153,18 +156,27 @@ def paged_attention(
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns q's shape.
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
-    if (meta.backend or attention_backend(q.device.type, q.dtype)) == "flash":
+    backend = meta.backend or attention_backend(q.device.type, q.dtype, meta.block_size)
+    if backend == "triton":
+        from engine.executor.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(q, kv_cache, meta, scale)
+    if backend == "flash":
         return _flash_attention(q.contiguous(), kv_cache, meta, scale)
     return _sdpa_attention(q, k, v, kv_cache, meta, scale)
 
 
 @functools.cache
-def attention_backend(device_type: str, dtype: torch.dtype) -> str:
-    """Pick the backend once per device and dtype; KVSERVE_ATTENTION_BACKEND=sdpa|flash overrides."""
+def attention_backend(device_type: str, dtype: torch.dtype, block_size: int | None = None) -> str:
+    """Pick the backend once per device, dtype and KV block size (None: no paged cache, as for
+    BERT). KVSERVE_ATTENTION_BACKEND=auto|sdpa|triton|flash overrides the automatic choice:
+    flash-attn when installed, on float16/bfloat16, and the block size is a multiple of 256
+    (in place; forced with other sizes it gathers the context each layer); else triton on CUDA;
+    else sdpa. triton also runs on CPU under TRITON_INTERPRET=1 (slow; for tests)."""
     requested = os.environ.get("KVSERVE_ATTENTION_BACKEND", "auto")
     if requested not in ("auto", *BACKENDS):
         raise ValueError(
-            f"KVSERVE_ATTENTION_BACKEND must be auto, sdpa or flash; got {requested!r}"
+            f"KVSERVE_ATTENTION_BACKEND must be auto, {', '.join(BACKENDS)}; got {requested!r}"
         )
     half = dtype in (torch.float16, torch.bfloat16)  # flash-attn kernels exist only for these
     flash_ok = device_type == "cuda" and half and _flash_attn_importable()
@@ -172,7 +184,29 @@ def attention_backend(device_type: str, dtype: torch.dtype) -> str:
         raise ValueError(
             "KVSERVE_ATTENTION_BACKEND=flash needs CUDA, float16/bfloat16 and the flash_attn package"
         )
-    backend = "flash" if requested in ("auto", "flash") and flash_ok else "sdpa"
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    triton_ok = (device_type == "cuda" or interpreted) and triton_importable()
+    if requested == "triton" and not triton_ok:
+        raise ValueError(
+            "KVSERVE_ATTENTION_BACKEND=triton needs the triton package and CUDA "
+            "(or TRITON_INTERPRET=1 on CPU)"
+        )
+    in_place = block_size is None or block_size % FLASH_BLOCK_SIZE == 0
+    if requested != "auto":
+        backend = requested
+    elif flash_ok and in_place:
+        backend = "flash"
+    elif device_type == "cuda" and triton_ok and block_size is not None:
+        backend = "triton"
+    else:
+        backend = "sdpa"
+    if backend == "flash" and not in_place:
+        logger.warning(
+            "flash-attn with --block-size %s gathers each sequence's context every layer; "
+            "use a multiple of %d to read the cache in place",
+            block_size,
+            FLASH_BLOCK_SIZE,
+        )
     logger.info("attention backend for %s %s: %s", device_type, dtype, backend)
     return backend
 
@@ -180,6 +214,15 @@ def attention_backend(device_type: str, dtype: torch.dtype) -> str:
 def _flash_attn_importable() -> bool:
     try:
         import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
     except ImportError:
         return False
     return True

@@ -156,7 +156,7 @@ def test_backend_choice_and_override(monkeypatch):
             attention_backend("cpu", torch.bfloat16)
         monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "fast")
         attention_backend.cache_clear()
-        with pytest.raises(ValueError, match="auto, sdpa or flash"):
+        with pytest.raises(ValueError, match="must be auto, sdpa, triton, flash"):
             attention_backend("cpu", torch.float32)
     finally:
         attention_backend.cache_clear()
