@@ -34,7 +34,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    backend: str | None = None  # force a backend (BACKENDS) for this step; None -> attention_backend()
+    backend: str | None = (
+        None  # force a backend (BACKENDS) for this step; None -> attention_backend()
+    )
     # Per-step values every layer shares, built on first use (see decode_context).
     _shared: dict[object, Any] = field(default_factory=dict, init=False, repr=False)
 

@@ -11,7 +11,12 @@ import torch
 from engine.core.config import ModelConfig
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
-from engine.executor.attention import AttentionMetadata, allocate_kv_cache
+from engine.executor.attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    attention_backend,
+    triton_importable,
+)
 from engine.executor.cuda_graphs import CudaGraphRunner
 from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.models.quantization import quantize_model
@@ -48,7 +53,12 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # The eager backend is chosen (and logged) once, at start-up.
+        attention_backend(device.type, dtype, block_size)
         use_graphs = cuda_graphs and device.type == "cuda"
+        if use_graphs and not triton_importable():
+            logger.warning("CUDA graphs need the triton package (decode kernel); running eagerly")
+            use_graphs = False
         # With CUDA graphs, one extra block (never handed out by the cache manager) takes the
         # K/V that padding rows write.
         self.kv_caches = allocate_kv_cache(
@@ -67,6 +77,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(
                 model, self.kv_caches, block_size, max_blocks, max_graph_batch, num_blocks
             )
+            self.cuda_graphs.capture_all()  # at start-up, not while serving
 
     @staticmethod
     def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:

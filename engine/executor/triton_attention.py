@@ -17,7 +17,9 @@ import triton.language as tl
 
 from engine.executor.attention import AttentionMetadata
 
-DECODE_BLOCK_N = 64  # context tokens per inner-loop tile (any block size: tiles gather via the table)
+DECODE_BLOCK_N = (
+    64  # context tokens per inner-loop tile (any block size: tiles gather via the table)
+)
 PREFILL_ROWS = 64  # (query token, query head) rows per prefill program
 PREFILL_BLOCK_N = 32
 MIN_TOKENS_PER_SPLIT = 256  # a decode split is worth its partial write above this much context
@@ -103,7 +105,9 @@ def _paged_attention_kernel(
             pos_ok = pos < hi
             block = tl.load(table + pos // block_size, mask=pos_ok, other=0)
             kv_offs = (
-                block.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
+                block.to(tl.int64) * stride_cb
+                + (pos % block_size) * stride_cs
+                + kv_head * stride_ch
             )  # [BLOCK_N]
             kv_mask = pos_ok[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -133,9 +137,7 @@ def _paged_attention_kernel(
             tl.store(part_l_ptr + idx, l_i, mask=row_ok)
         else:
             o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-            tl.store(
-                out_ptr + o_offs + d[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask
-            )
+            tl.store(out_ptr + o_offs + d[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -226,7 +228,9 @@ def _launch(
         part_o = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
-        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_m = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
         part_l = torch.empty_like(part_m)
     else:
         part_o = part_m = part_l = out  # unused
