@@ -62,18 +62,24 @@ def test_graphs_are_captured_at_start_up_and_serve_any_context_length(engines):
 
 
 @needs_cuda
-def test_bf16_triton_backend_with_graphs_greedy_matches_eager(smollm2_dir):
-    """bf16 on CUDA: eager Triton attention and graph replays of it agree on greedy tokens for most
-    positions (bf16 rounding may flip a near-tie; a broken kernel would not come close)."""
-    options = dict(device="cuda", dtype="bfloat16", max_num_seqs=8)
-    eager = LLM(str(smollm2_dir), cuda_graphs=False, **options)
-    graphs = LLM(str(smollm2_dir), cuda_graphs=True, **options)
-    prompts = [eager.tokenizer.encode(t) for t in TEXTS]
-    expected, got = _generate(eager, prompts, 32), _generate(graphs, prompts, 32)
-    same = sum(
-        a == b for e, g in zip(expected, got, strict=True) for a, b in zip(e, g, strict=True)
-    )
-    assert same / sum(len(e) for e in expected) >= 0.9
+def test_bf16_greedy_match_rate_vs_transformers(smollm2_dir):
+    """bf16 on CUDA (Triton attention, graph replays): the share of greedy tokens equal to
+    transformers' bf16 `generate` at the same position; printed for the GPU check. bf16 rounding
+    may flip a near-tie (and everything after it); a broken kernel would not come close."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(smollm2_dir), device="cuda", dtype="bfloat16", max_num_seqs=8)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).cuda().eval()
+    prompts = [llm.tokenizer.encode(t) for t in TEXTS]
+    got = _generate(llm, prompts, 32)
+    same = total = 0
+    for ids, ours in zip(prompts, got, strict=True):
+        x = torch.tensor([ids], device="cuda")
+        ref = hf.generate(x, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, len(ids) :]
+        same += sum(a == b for a, b in zip(ours, ref.tolist(), strict=True))
+        total += len(ours)
+    print(f"\nbf16 greedy match rate vs transformers: {same}/{total} = {same / total:.3f}")
+    assert same / total >= 0.5
 
 
 class _EagerReplay:

