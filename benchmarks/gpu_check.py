@@ -81,6 +81,8 @@ def _prompts(model_dir: Path, num: int, input_len: int) -> list[list[int]]:
 
 
 def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """Batch-1 `generate`, then `generate_batch`; the JSON is rewritten after each part, so a
+    time limit that stops the second still leaves the first."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     device = torch.device(args.device)
@@ -113,6 +115,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
         "output_tok_s": n * args.output_len / seconds,
         "ms_per_token": seconds / (n * args.output_len) * 1e3,
     }
+    Path(args.json_out).write_text(json.dumps(out, indent=2))
 
     # generate_batch(): transformers' continuous-batching manager over every prompt at once.
     try:

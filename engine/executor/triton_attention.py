@@ -24,7 +24,7 @@ PREFILL_ROWS = 64  # (query token, query head) rows per prefill program
 PREFILL_BLOCK_N = 32
 MIN_TOKENS_PER_SPLIT = 256  # a decode split is worth its partial write above this much context
 MAX_SPLITS = 64
-_NEG_BIG = -1.0e30  # running-max start: finite, so fully masked rows never compute inf - inf
+_NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so masked rows never do inf - inf
 
 
 def interpreted() -> bool:
