@@ -92,7 +92,6 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     prompts = _prompts(model_dir, args.num_requests, args.input_len)
     out: dict[str, Any] = {"num_requests": len(prompts), "input_len": args.input_len,
                            "output_len": args.output_len}  # fmt: skip
-    fixed = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
 
     # generate(), one request at a time: its per-token time is the batch-1 baseline.
     def one(ids: list[int], new: int) -> None:
@@ -119,10 +118,17 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
 
     # generate_batch(): transformers' continuous-batching manager over every prompt at once.
     try:
-        config = GenerationConfig(**fixed, eos_token_id=None)
-        model.generate_batch(inputs=prompts[:2], generation_config=config, progress_bar=False)
+        from transformers.generation import ContinuousBatchingConfig
+
+        # No EOS: every request runs to max_new_tokens, like kvserve's ignore_eos requests.
+        config = GenerationConfig(
+            max_new_tokens=args.output_len, do_sample=False, eos_token_id=None
+        )
+        cb = ContinuousBatchingConfig(num_blocks=args.cb_num_blocks)  # None: sized by memory
+        run = dict(generation_config=config, continuous_batching_config=cb, progress_bar=False)
+        model.generate_batch(inputs=prompts[:2], **run)
         start = time.perf_counter()
-        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        results = model.generate_batch(inputs=prompts, **run)
         seconds = time.perf_counter() - start
         tokens = sum(len(r.generated_tokens) for r in results.values())
         out["continuous_batching"] = {"output_tok_s": tokens / seconds, "tokens": tokens,
@@ -172,10 +178,10 @@ def build_table(model_dir: Path, results: Path, levels: list[int], dtype: str) -
         note = ""
         itl = run["itl_ms"]["median"]
         if limits and c == 1 and not math.isnan(itl):
-            # Each decode step reads the weights and the context's KV once: bytes / bandwidth
-            # (read + write copy rate, halved: a decode only reads) is the floor.
+            # Each decode step reads the weights and the context's KV once: those bytes over the
+            # copy's rate (bytes read + written per second) is the floor.
             bytes_per_step = cost.weight_bytes + cost.kv_bytes_per_token * cost.context_len
-            floor_ms = bytes_per_step / (limits["bandwidth_gbps"] / 2 * 1e9) * 1e3
+            floor_ms = bytes_per_step / (limits["bandwidth_gbps"] * 1e9) * 1e3
             note = f"{100 * floor_ms / itl:.1f}% of bandwidth"
         elif limits and c == max(levels):
             achieved = run["total_token_throughput"] * cost.flops_per_token
@@ -222,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     base.add_argument("--output-len", type=int, default=64)
     base.add_argument("--num-requests", type=int, default=256, help="prompts for generate_batch")
     base.add_argument("--batch1-requests", type=int, default=3, help="sequential generate calls")
+    base.add_argument("--cb-num-blocks", type=int, default=None, help="KV blocks (default: auto)")
     base.add_argument("--json-out", required=True)
     tab = sub.add_parser("table", help="print the final table from the results folder")
     tab.add_argument("--model", required=True)

@@ -155,12 +155,14 @@ def test_backend_selection(monkeypatch):
         assert attention_backend("cpu", torch.float32, 16) == "sdpa"  # CPU default stays SDPA
         monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "triton")
         attention_backend.cache_clear()
-        assert attention_backend("cpu", torch.float32, 16) == "triton"  # interpreter present
+        if ON_CUDA:
+            assert attention_backend("cuda", torch.float32, 16) == "triton"
+        else:
+            assert attention_backend("cpu", torch.float32, 16) == "triton"  # interpreter on
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         attention_backend.cache_clear()
-        if not ON_CUDA:
-            with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-                attention_backend("cpu", torch.float32, 16)
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            attention_backend("cpu", torch.float32, 16)  # no device, no interpreter
     finally:
         attention_backend.cache_clear()
 
