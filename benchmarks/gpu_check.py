@@ -73,7 +73,7 @@ def _prompts(model_dir: Path, num: int, input_len: int) -> list[list[int]]:
     """The same synthetic prompts `kvserve bench` sends, as token ids cut to input_len."""
     from transformers import AutoTokenizer
 
-    from benchmarks.bench_utils import synthetic_prompts
+    from server.bench import synthetic_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = synthetic_prompts(num, input_len, None, seed=0)

@@ -80,7 +80,7 @@ done
 grep -E "attention backend|CUDA graph|engine ready" "$out/server.log" | sed 's/^/  server: /'
 i=0
 for c in ${levels//,/ }; do
-  timeout 120 "$py" -m benchmarks.serve_bench --base-url "http://127.0.0.1:$port" \
+  timeout 120 "$py" -m server bench --base-url "http://127.0.0.1:$port" \
     --concurrency "$c" --num-requests "${reqs[$i]}" --input-len "$in_len" --output-len "$out_len" \
     --max-seconds 90 --warmup 2 --no-progress --json-out "$out/bench_c$c.json" >/dev/null 2>&1 \
     || { echo "bench at concurrency $c failed"; status=1; }
