@@ -152,6 +152,10 @@ class AsyncLLMEngine:
         self.core.validate(prompt_token_ids, params)
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params is not None and params.structured_outputs is not None:
+            assert isinstance(self.core, LLMEngine)
+            # Compiled in a worker thread: this request waits for its grammar, the others step on.
+            await asyncio.to_thread(self.core.compile_constraint, params.structured_outputs)
         self._admit(len(prompt_token_ids))
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue

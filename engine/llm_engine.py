@@ -18,7 +18,12 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
-from engine.core.sampling_params import SamplingParams, check_token_ids, resolve_max_tokens
+from engine.core.sampling_params import (
+    SamplingParams,
+    StructuredOutputs,
+    check_token_ids,
+    resolve_max_tokens,
+)
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.snapshot import (
     BlockHolders,
@@ -34,6 +39,7 @@ from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.models.loader import load_model, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.structured import GrammarCompiler
 from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,11 +82,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
         )
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
         # Test-only fault hooks are a runner subclass chosen here, never a check inside a step.
         runner_class = FaultInjectingRunner if fault_injection_enabled() else ModelRunner
         self.runner = runner_class(
             self.model, self.device, self.dtype, num_blocks, block_size,
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
+            grammars=self.grammars,
         )  # fmt: skip
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
@@ -138,6 +146,11 @@ class LLMEngine:
             )
         return max_tokens
 
+    def compile_constraint(self, constraint: StructuredOutputs) -> None:
+        """Compile (and cache) a constraint; blocking, so the async engine calls it off the step
+        thread. Raises SamplingParamsError when it does not compile."""
+        self.grammars.compile(constraint)
+
     def add_request(
         self,
         request_id: str,
@@ -173,6 +186,8 @@ class LLMEngine:
             )
             if params.seed is not None:
                 seq.generator = make_generator(sample_seed(params.seed, i), self.device)
+            if params.structured_outputs is not None:  # compiled once, then copied per sample
+                seq.matcher = self.grammars.new_matcher(params.structured_outputs)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,

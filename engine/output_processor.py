@@ -1,6 +1,6 @@
-"""Turns a step's sampled tokens into request progress: appends tokens, applies the stop rules
-(EOS, stop tokens, stop strings, lengths), detokenizes, and builds RequestOutputs (final, delta or
-cumulative, with best_of ranking)."""
+"""Turns a step's sampled tokens into request progress: appends tokens, advances grammar matchers,
+applies the stop rules (EOS, stop tokens, stop strings, a finished constraint, lengths), detokenizes,
+and builds RequestOutputs (final, delta or cumulative, with best_of ranking)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,11 @@ class OutputProcessor:
             m.last_token_time = now
 
         status = None
+        matcher = seq.matcher
+        if matcher is not None and not matcher.is_stopped() and not matcher.consume_token(token_id):
+            # The mask allowed only grammar tokens, so this is a matcher fault: this request alone fails.
+            self._fail_group(group, f"structured output failed: {matcher.get_error()}")
+            return
         if token_id in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
         elif not params.ignore_eos and token_id in self.eos_token_ids:
@@ -89,6 +94,8 @@ class OutputProcessor:
                 return
             if stop is not None:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if status is None and matcher is not None and matcher.is_stopped():
+            status = SequenceStatus.FINISHED_STOPPED  # the constraint is complete
         if status is None and (
             seq.num_output_tokens >= group.max_output_tokens or seq.num_tokens >= self.max_model_len
         ):

@@ -55,6 +55,9 @@ class Sequence:
     # A torch.Generator seeded from the request's seed (None: unseeded). LLMEngine.add_request
     # creates it, the sampler draws from it; typed Any so this module stays torch-free.
     generator: Any = None
+    # Grammar matcher (structured outputs): it has consumed exactly the output tokens, so it
+    # follows the tokens through preemption and recompute.
+    matcher: Any = None
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0

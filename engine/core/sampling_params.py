@@ -3,6 +3,7 @@ engine and API share: prompt tokens, context length, seeds (no torch). Each rule
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,6 +15,57 @@ _EPS = 1e-5
 # mixed from (seed, index) (see engine.llm_engine.sample_seed), always inside this range too.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+
+_CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the generated text: exactly one of a JSON schema (as JSON text), any JSON
+    object, a regex, a choice of strings or a Lark/GBNF grammar. Hashable: it keys the compile cache.
+
+    `source` names the API field it came from, so that a compile error names it too.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    # Regex of the whitespace allowed between JSON tokens; None -> none (compact JSON, ", " and ": ").
+    whitespace_pattern: str | None = None
+    source: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise SamplingParamsError(
+                self.source,
+                f"give exactly one constraint of {', '.join(_CONSTRAINT_KINDS)} (found: {found})",
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingParamsError(
+                    self.source, "choice must be a non-empty list of non-empty strings"
+                )
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise SamplingParamsError(
+                    self.source, f"the JSON schema is not JSON: {e}"
+                ) from None
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingParamsError(self.source, "a JSON schema must be an object")
+        if self.whitespace_pattern is not None and self.json is None and not self.json_object:
+            raise SamplingParamsError(
+                self.source, "whitespace_pattern applies only to json and json_object constraints"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -41,6 +93,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     # What each RequestOutput carries: all so far, the new part, or only the end.
     output_kind: OutputKind = "final"
+    # Constrained decoding: every sampled token keeps the output inside this constraint.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -20,6 +20,7 @@ from engine.executor.attention import (
 from engine.executor.cuda_graphs import CudaGraphRunner
 from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.models.quantization import quantize_model
+from engine.text.structured import GrammarCompiler, bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ class ModelRunner:
         block_size: int,
         cuda_graphs: bool = False,
         max_graph_batch: int = 64,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
+        self.grammars = grammars  # fills the allowed-token bitmask of constrained rows
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -141,11 +144,33 @@ class ModelRunner:
                 output_token_ids=s.seq.output_token_ids,
                 generator=s.seq.generator,
                 eos_token_ids=eos_token_ids,
+                constrained=s.seq.matcher is not None,
             )
             for s in sample_seqs
         ]
         self._sample(logits, rows, sample_seqs, out)
         return out
+
+    def _token_bitmask(self, seqs: list[ScheduledSeq], out: RunnerOutput) -> torch.Tensor | None:
+        """[rows, words] int32 allowed-token bits (-1 = all allowed) when any row is constrained.
+
+        A matcher in an error state fails its sequence alone (recorded in `out.errors`)."""
+        constrained = []
+        for row, s in enumerate(seqs):
+            matcher = s.seq.matcher
+            if matcher is None:
+                continue
+            if matcher.is_error():
+                out.errors[s.seq.seq_id] = f"structured output failed: {matcher.get_error()}"
+            else:
+                constrained.append((matcher, row))
+        if not constrained:
+            return None
+        assert self.grammars is not None, "a constrained sequence needs the grammar compiler"
+        words = bitmask_words(self.model.vocab_size)
+        bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
+        self.grammars.fill_bitmask(constrained, bitmask)
+        return bitmask
 
     def _sample(
         self,
@@ -154,12 +179,19 @@ class ModelRunner:
         seqs: list[ScheduledSeq],
         out: RunnerOutput,
     ) -> None:
-        """Sample all rows; a row that fails (say non-finite logits) fails its sequence alone."""
-        keep = list(range(len(rows)))
+        """Sample all rows; a row that fails (say non-finite logits, a broken grammar matcher) fails
+        its sequence alone. Constrained rows get their grammar's allowed-token bitmask."""
+        bitmask = self._token_bitmask(seqs, out)
+        keep = [i for i in range(len(rows)) if seqs[i].seq.seq_id not in out.errors]
+        if bitmask is not None:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
         while keep:
+            subset = len(keep) < len(rows)
             try:
                 result = self.sampler(
-                    logits[keep] if len(keep) < len(rows) else logits, [rows[i] for i in keep]
+                    logits[keep] if subset else logits,
+                    [rows[i] for i in keep],
+                    None if bitmask is None else (bitmask[keep] if subset else bitmask),
                 )
             except RowError as e:
                 bad = keep.pop(e.row_index)

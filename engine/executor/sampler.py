@@ -1,6 +1,9 @@
-"""Batched token sampler: penalties, logit bias, temperature/top-k/top-p/min-p, seeds and logprobs.
+"""Batched token sampler: grammar masks, penalties, logit bias, temperature/top-k/top-p/min-p, seeds
+and logprobs.
 
-One call samples one token for every row of a step; stages no row uses are skipped.
+One call samples one token for every row of a step; stages no row uses are skipped. The allowed-token
+bitmask of constrained rows (structured outputs) is applied first, in one batched operation, so every
+later stage sees only tokens the grammar allows.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far, before this step's token
     generator: torch.Generator | None  # per-sequence generator when params.seed is set
     eos_token_ids: frozenset[int]  # suppressed (with stop_token_ids) while output < min_tokens
+    # Structured outputs: the row's bitmask row applies (the grammar, not min_tokens, decides the end).
+    constrained: bool = False
 
 
 @dataclass
@@ -63,15 +68,25 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator  # shared by unseeded rows; None -> torch's default generator
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         # logits: [num_rows, vocab] raw model logits
+        # token_bitmask: [num_rows, ceil(vocab / 32)] int32, bit j of word w allows token 32 w + j;
+        # read only for rows with `constrained` set.
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
+        raw = logits
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask, [r.constrained for r in rows])
         if _is_plain_greedy(rows):
             return self._greedy_only(logits, rows)
-        return self._sample(logits, rows)
+        return self._sample(logits, rows, raw)
 
     def _greedy_only(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         best_values, best_ids = logits.max(dim=-1)  # [num_rows] each
@@ -80,7 +95,9 @@ class Sampler:
         _raise_on_bad_rows(values)
         return SamplerOutput(token_ids=[int(t) for t in token_ids], logprobs=[None] * len(rows))
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor
+    ) -> SamplerOutput:
         num_rows, vocab_size = logits.shape
         device = logits.device
         row_max = logits.amax(dim=-1)  # [num_rows]; NaN / +-inf marks a bad row
@@ -91,8 +108,9 @@ class Sampler:
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = None
         if logprob_rows:
-            # Reported logprobs are of the raw model distribution (before penalties/temperature).
-            raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)  # [n_lp, vocab]
+            # Reported logprobs are of the raw model distribution (before masks, penalties and
+            # temperature), as vLLM reports them.
+            raw_logprobs = torch.log_softmax(raw[logprob_rows], dim=-1)  # [n_lp, vocab]
 
         if _needs_adjustment(rows):
             logits = logits.clone()  # never modify the caller's tensor (it may retry on RowError)
@@ -152,6 +170,33 @@ class Sampler:
                 uniform[unseeded] = shared.uniform_(generator=self.generator)
         gumbel_neg = uniform.log_().neg_().log_()  # = -G; U == 0 gives +inf (never picked)
         return logits.sub_(gumbel_neg).argmax(dim=-1)
+
+
+_BIT_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, constrained: list[bool]
+) -> torch.Tensor:
+    """A copy of `logits` with the tokens each constrained row's bitmask forbids set to -inf."""
+    # logits: [n, vocab]; bitmask: [n, words] int32 -> returns [n, vocab]
+    rows = [i for i, c in enumerate(constrained) if c]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    device = logits.device
+    bits = _BIT_INDEX.get(device)
+    if bits is None:
+        bits = _BIT_INDEX[device] = torch.arange(32, dtype=torch.int32, device=device)
+    masks = bitmask if len(rows) == len(constrained) else bitmask[rows]
+    allowed = ((masks.to(device).unsqueeze(-1) >> bits) & 1).bool()  # [r, words, 32]
+    allowed = allowed.flatten(1)[:, :vocab]  # [r, vocab]
+    if len(rows) == len(constrained):
+        return logits.masked_fill(~allowed, float("-inf"))
+    out = logits.clone()
+    index = torch.tensor(rows, device=device)
+    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 def compute_prompt_logprobs(
@@ -214,7 +259,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     row_idx: list[int] = []
     token_idx: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens:
+        if len(row.output_token_ids) < row.params.min_tokens and not row.constrained:
             banned = row.eos_token_ids.union(row.params.stop_token_ids)
             ids = [t for t in banned if t < vocab_size]
             row_idx += [i] * len(ids)

@@ -1,0 +1,143 @@
+"""Structured outputs with llguidance: constraint -> grammar compile cache, a matcher per sequence,
+and the per-step token bitmask (one 32-bit word per 32 vocabulary ids, bit set = token allowed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from engine.core.sampling_params import SamplingParamsError, StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 256  # compiled constraints kept (a template matcher each, a few hundred KiB at most)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, once each (LRU cache keyed by the constraint).
+
+    Thread-safe: the async engine compiles in a worker thread while the step thread runs; each
+    sequence gets a deep copy of the cached template matcher, which it then owns.
+    """
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._executor: Any = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+        self.compile_seconds: dict[str, float] = {}  # kind -> total seconds (for logs/benchmarks)
+
+    # -- compile ---------------------------------------------------------------------------------
+    def _tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            import llguidance
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self._hf, n_vocab=self.vocab_size, eos_token=self._eos or None
+            )
+            self._executor = llguidance.LLExecutor()
+        return self._ll_tokenizer
+
+    def compile(self, constraint: StructuredOutputs) -> Any:
+        """The template matcher of `constraint`; a constraint that does not compile raises
+        SamplingParamsError naming `constraint.source` and saying why."""
+        with self._lock:
+            cached = self._cache.get(constraint)
+            if cached is not None:
+                self._cache.move_to_end(constraint)
+                return cached
+            tokenizer = self._tokenizer()
+        import llguidance
+
+        started = time.perf_counter()
+        grammar = grammar_text(constraint)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise SamplingParamsError(
+                constraint.source, f"the {_noun(constraint)} cannot be used: {_first(messages)}"
+            )
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise SamplingParamsError(
+                constraint.source,
+                f"the {_noun(constraint)} cannot be used: {_first([matcher.get_error()])}",
+            )
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self.compile_seconds[constraint.kind] = (
+                self.compile_seconds.get(constraint.kind, 0.0) + elapsed
+            )
+            self._cache[constraint] = matcher
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        logger.debug("compiled a %s constraint in %.1f ms", constraint.kind, elapsed * 1e3)
+        return matcher
+
+    def new_matcher(self, constraint: StructuredOutputs) -> Any:
+        """A fresh matcher at the start of `constraint`, owned by one sequence."""
+        return self.compile(constraint).deep_copy()
+
+    # -- per step ----------------------------------------------------------------------------------
+    def fill_bitmask(self, matchers: list[tuple[Any, int]], bitmask: Any) -> None:
+        """Write the allowed tokens of each (matcher, row) into row `row` of `bitmask`
+        ([rows, words] int32, CPU, contiguous), all matchers in one parallel call."""
+        from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+        if len(matchers) == 1:
+            fill_next_token_bitmask(matchers[0][0], bitmask, matchers[0][1])
+        else:
+            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+
+
+def grammar_text(constraint: StructuredOutputs) -> str:
+    """The llguidance grammar of a constraint."""
+    from llguidance import LLMatcher, grammar_from
+
+    if constraint.json is not None or constraint.json_object:
+        schema = constraint.json if constraint.json is not None else '{"type": "object"}'
+        return LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(constraint))
+    if constraint.regex is not None:
+        return LLMatcher.grammar_from_regex(constraint.regex)
+    if constraint.choice is not None:
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in constraint.choice)
+        )
+    assert constraint.grammar is not None
+    try:
+        return grammar_from("grammar", constraint.grammar)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+        raise SamplingParamsError(constraint.source, f"the grammar cannot be used: {e}") from None
+
+
+def _json_options(constraint: StructuredOutputs) -> dict[str, Any]:
+    if constraint.whitespace_pattern is not None:
+        return {"whitespace_flexible": True, "whitespace_pattern": constraint.whitespace_pattern}
+    # Compact JSON as json.dumps writes it: a small model given free whitespace can pad forever.
+    return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _noun(constraint: StructuredOutputs) -> str:
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON object constraint",
+        "regex": "regex",
+        "choice": "choice list",
+        "grammar": "grammar",
+    }[constraint.kind]
+
+
+def _first(messages: list[str]) -> str:
+    text = messages[0] if messages else "unknown error"
+    return text.strip().splitlines()[0] if len(text) > 400 else text.strip()
