@@ -30,7 +30,7 @@ from engine.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import OutputKind, SamplingParams
+from engine.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
 from engine.core.snapshot import (
     BlockHolders,
     EngineHealth,
@@ -38,6 +38,8 @@ from engine.core.snapshot import (
     RequestProgress,
     SnapshotDetail,
 )
+from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser
+from engine.text.tool_use import ToolPlan, plan_tool_use, render_messages
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
@@ -101,6 +103,13 @@ __all__ = [
     "SamplingParams",
     "SamplingParamsError",
     "SchedulerConfig",
+    "StructuredOutputs",
+    "TOOL_PARSERS",
     "TokenLogprob",
     "resolve_model",
+    "ToolCallStreamer",
+    "ToolParser",
+    "ToolPlan",
+    "plan_tool_use",
+    "render_messages",
 ]

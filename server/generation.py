@@ -20,6 +20,7 @@ from engine import (
     QueueFullError,
     RequestOutput,
     SamplingParams,
+    StructuredOutputs,
 )
 from server.errors import invalid_request, to_api_error
 from server.protocol import SamplingFields
@@ -48,6 +49,7 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     output_kind: OutputKind,
+    structured_outputs: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """SamplingParams from the API fields; the engine's range checks (SamplingParamsError) become
     400s naming the field, through the error handlers."""
@@ -85,6 +87,7 @@ def build_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         output_kind=output_kind,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -272,4 +275,4 @@ def finish_reason(reason: str | None) -> str | None:
     """Engine finish reasons -> OpenAI's ("abort"/"error" never reach a client as a normal finish)."""
     if reason is None:
         return None
-    return reason if reason in ("stop", "length", "content_filter") else "stop"
+    return reason if reason in ("stop", "length", "content_filter", "tool_calls") else "stop"

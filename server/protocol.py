@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 128
 MAX_STOP = 16
@@ -59,6 +59,49 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(max_length=64)] | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(StrictModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(StrictModel):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+    Field(discriminator="type"),
+]
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's `structured_outputs` extension: exactly one of json, json_object, regex, choice, grammar."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool | None = None  # accepted: kvserve's JSON is compact already
+    disable_fallback: bool | None = None
+    disable_additional_properties: bool | None = None
+    structural_tag: None = None  # not implemented: any value is a 400
+
+
 class SamplingFields(StrictModel):
     """Fields shared by completions and chat: sampling, stopping, streaming and common extensions."""
 
@@ -83,6 +126,9 @@ class SamplingFields(StrictModel):
     stop_token_ids: Annotated[list[NonNegInt], Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    # Structured outputs (OpenAI's response_format; vLLM's structured_outputs).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -104,16 +150,45 @@ class TextPart(StrictModel):
     text: str
 
 
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
-    # Tool use is not implemented.
-    tool_calls: None = None
-    tool_call_id: None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages that called tools
+    tool_call_id: str | None = None  # tool messages: the call they answer
     function_call: None = None
-    refusal: None = None
+    refusal: str | None = None
     audio: None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise ValueError(
+                    "a tool message needs tool_call_id (the id of the call it answers)"
+                )
+            if self.content is None:
+                raise ValueError("a tool message needs content (the tool's result)")
+        elif self.tool_call_id is not None:
+            raise ValueError("tool_call_id is only allowed on messages with role 'tool'")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.content is None and self.role == "assistant" and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -129,8 +204,25 @@ class ChatMessage(StrictModel):
         return value
 
 
-class ResponseFormatText(StrictModel):
-    type: Literal["text"]
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None -> no arguments
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -139,8 +231,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tokens: NonNegInt | None = None
     max_completion_tokens: NonNegInt | None = None
-    response_format: ResponseFormatText | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     function_call: Literal["none"] | None = None
     modalities: list[Literal["text"]] | None = None
     store: Literal[False] | None = None
@@ -149,9 +242,7 @@ class ChatCompletionRequest(SamplingFields):
     # Extensions.
     add_generation_prompt: bool | None = True
     # Not implemented: any value is a 400.
-    tools: None = None
     functions: None = None
-    parallel_tool_calls: None = None
     audio: None = None
     prediction: None = None
     reasoning_effort: None = None
@@ -215,7 +306,7 @@ class CompletionLogprobs(OpenModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "content_filter"]
+FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 
 
 class CompletionChoice(OpenModel):
@@ -253,10 +344,22 @@ class ChatChoiceLogprobs(OpenModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class ChatToolCallFunction(OpenModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(OpenModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatToolCallFunction
+
+
 class ChatResponseMessage(OpenModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(OpenModel):
@@ -277,9 +380,22 @@ class ChatCompletionResponse(OpenModel):
     system_fingerprint: str | None = None
 
 
+class ChatDeltaToolCallFunction(OpenModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChatDeltaToolCall(OpenModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChatDeltaToolCallFunction | None = None
+
+
 class ChatDelta(OpenModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChatDeltaToolCall] | None = None
 
 
 class ChatChunkChoice(OpenModel):

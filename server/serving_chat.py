@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: chat template, n, chat-format logprobs with bytes, SSE with role deltas."""
+"""POST /v1/chat/completions: chat template, n, chat-format logprobs with bytes, SSE with role deltas,
+structured outputs and tool calls (planned and parsed by server/tool_calling.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import InvalidRequestError, RequestOutput
+from engine import InvalidRequestError, RequestOutput, ToolPlan
 from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
@@ -26,30 +27,33 @@ from server.protocol import ChatCompletionRequest, ChatMessage
 from server.sse import sse_response
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
+from server.structured_outputs import request_constraint
+from server.tool_calling import (
+    ToolCallDeltas,
+    check_tool_messages,
+    parse_tool_calls,
+    template_messages,
+    tool_plan,
+)
 
 if TYPE_CHECKING:
     from engine import Tokenizer
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """API messages -> the plain {role, content} dicts chat templates expect."""
-    out = []
-    for m in messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-        entry = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name is not None:
-            entry["name"] = m.name
-        out.append(entry)
-    return out
-
-
 def apply_template(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    plan: ToolPlan | None = None,
 ) -> list[int]:
+    check_tool_messages(messages)
     try:
+        tools = plan.template_tools if plan is not None else None
         return list(
             tokenizer.apply_chat_template(
-                template_messages(messages), add_generation_prompt=add_generation_prompt
+                template_messages(messages, plan),
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
             )
         )
     except InvalidRequestError as e:
@@ -75,7 +79,15 @@ async def create_chat_completion(
     if max_tokens == 0:
         raise invalid_request(f"{param} must be at least 1 for chat completions", param)
     n = req.n or 1
-    prompt_ids = apply_template(tokenizer, req.messages, req.add_generation_prompt is not False)
+    constraint = request_constraint(req)
+    plan = tool_plan(
+        req, tokenizer.chat_template, state.config.tool_call_parser, constraint is not None
+    )
+    if plan is not None and plan.constraint is not None:
+        constraint = plan.constraint
+    prompt_ids = apply_template(
+        tokenizer, req.messages, req.add_generation_prompt is not False, plan
+    )
     num_top = req.top_logprobs or 0
     params = build_sampling_params(
         req,
@@ -85,6 +97,7 @@ async def create_chat_completion(
         logprobs=num_top if req.logprobs else None,
         prompt_logprobs=None,
         output_kind="delta" if req.stream else "final",
+        structured_outputs=constraint,
     )
     check_prompts(engine, [prompt_ids], params, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -98,7 +111,7 @@ async def create_chat_completion(
         return Response(status_code=499)
     if req.stream:
         stream = _ChatStream(
-            req, tokenizer, model, request_id, created, len(prompt_ids), n, num_top
+            req, tokenizer, model, request_id, created, len(prompt_ids), n, num_top, plan
         )
         return sse_response(stream.frames(first, outputs))
     final = first[1] if first is not None else None
@@ -118,12 +131,18 @@ async def create_chat_completion(
                 "content": chat_logprobs(tokenizer, out.logprobs or [], num_top),
                 "refusal": None,
             }
+        content, tool_calls = parse_tool_calls(out.text, plan, req.parallel_tool_calls)
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        reason = finish_reason(out.finish_reason) or "length"
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+            reason = "tool_calls" if reason == "stop" else reason
         choices.append(
             {
                 "index": out.index,
-                "message": {"role": "assistant", "content": out.text, "refusal": None},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": finish_reason(out.finish_reason) or "length",
+                "finish_reason": reason,
                 "stop_reason": out.stop_reason,
             }
         )
@@ -156,10 +175,14 @@ class _ChatStream(ChunkStream):
         prompt_tokens: int,
         n: int,
         num_top: int,
+        plan: ToolPlan | None = None,
     ) -> None:
         super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n)
         self.num_top = num_top
         self.pending_logprobs: dict[int, list[Any]] = {}  # tokens whose text is still held back
+        self.tool_deltas: dict[int, ToolCallDeltas] | None = None
+        if plan is not None and plan.parse_calls:
+            self.tool_deltas = {i: ToolCallDeltas(plan, req.parallel_tool_calls) for i in range(n)}
 
     def _opening_frames(self) -> list[str]:
         roles = [
@@ -181,6 +204,9 @@ class _ChatStream(ChunkStream):
             reason = finish_reason(out.finish_reason)
             pending = self.pending_logprobs.setdefault(out.index, [])
             pending.extend(out.logprobs or [])
+            if self.tool_deltas is not None:
+                frames.extend(self._tool_frames(out.index, out.text, reason, out.stop_reason))
+                continue
             if not out.text and reason is None:
                 continue
             delta = {"content": out.text} if out.text else {}
@@ -199,5 +225,39 @@ class _ChatStream(ChunkStream):
             }
             if reason is not None:
                 choice["stop_reason"] = out.stop_reason
+            frames.append(self._chunk([choice]))
+        return frames
+
+    def _tool_frames(
+        self, index: int, text: str, reason: str | None, stop_reason: Any
+    ) -> list[str]:
+        """Content and tool-call deltas of one choice; logprobs ride on its first frame."""
+        assert self.tool_deltas is not None
+        parser = self.tool_deltas[index]
+        deltas = parser.deltas(text, final=reason is not None)
+        if reason is not None:
+            if parser.called and reason == "stop":
+                reason = "tool_calls"
+            deltas.append({})
+        frames = []
+        for k, delta in enumerate(deltas):
+            logprobs = None
+            if self.req.logprobs and k == 0:
+                logprobs = {
+                    "content": chat_logprobs(
+                        self.tokenizer, self.pending_logprobs.get(index, []), self.num_top
+                    ),
+                    "refusal": None,
+                }
+                self.pending_logprobs[index] = []
+            last = k == len(deltas) - 1 and reason is not None
+            choice: dict[str, Any] = {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": reason if last else None,
+            }
+            if last:
+                choice["stop_reason"] = stop_reason
             frames.append(self._chunk([choice]))
         return frames

@@ -27,6 +27,7 @@ from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from server.sse import sse_response
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
+from server.structured_outputs import request_constraint
 
 Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
 
@@ -69,6 +70,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
         output_kind="delta" if req.stream else "final",
+        structured_outputs=request_constraint(req),
     )
     check_prompts(engine, [ids for _, ids in prompts], params, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"

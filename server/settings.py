@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import DTYPES, POOLINGS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine import (
+    DTYPES,
+    POOLINGS,
+    TOOL_PARSERS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from server.state import ServerConfig
 
 ENV_PREFIX = "KVSERVE_"
@@ -127,6 +135,14 @@ OPTIONS: tuple[Option, ...] = (
         "seconds running requests may take to finish after SIGTERM/Ctrl-C",
     ),
     Option("log-level", "server.log_level", str.lower, "logging level", choices=LOG_LEVELS),
+    Option(
+        "tool-call-parser",
+        "server.tool_call_parser",
+        str,
+        "tool-call format to parse (and force): auto = from the chat template (hermes when it "
+        "has no tool support; the tools are then described in the prompt)",
+        choices=("auto", *TOOL_PARSERS),
+    ),
     Option(
         "dtype",
         "model.dtype",

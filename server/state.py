@@ -21,6 +21,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    tool_call_parser: str = "auto"  # auto: from the chat template (see engine.text.tool_parsers)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -107,7 +107,7 @@ def grammar_text(constraint: StructuredOutputs) -> str:
 
     if constraint.json is not None or constraint.json_object:
         schema = constraint.json if constraint.json is not None else '{"type": "object"}'
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(constraint))
+        return LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(constraint))  # type: ignore[arg-type]
     if constraint.regex is not None:
         return LLMatcher.grammar_from_regex(constraint.regex)
     if constraint.choice is not None:

@@ -88,9 +88,13 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Render messages (role + content) with the chat template and tokenize the result."""
+        """Render messages (role + content, tool calls) and `tools` with the chat template and
+        tokenize the result."""
         if not self.chat_template:
             raise InvalidRequestError(
                 "this model has no chat template; pass one with --chat-template "
@@ -103,6 +107,7 @@ class Tokenizer:
                 messages,
                 chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,  # type: ignore[arg-type]
                 tokenize=False,
             )
         except TemplateError as exc:

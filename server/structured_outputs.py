@@ -1,0 +1,107 @@
+"""response_format (OpenAI) and structured_outputs (vLLM) -> the engine's StructuredOutputs; JSON
+schemas are checked here so that a bad one is a 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine import StructuredOutputs
+from server.errors import invalid_request
+from server.protocol import (
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    SamplingFields,
+    StructuredOutputsRequest,
+)
+
+
+def check_json_schema(schema: Any, param: str) -> str:
+    """The schema as canonical JSON text; an invalid JSON schema is a 400 naming `param`."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise invalid_request("a JSON schema must be a JSON object", param)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise invalid_request(f"invalid JSON schema at {where}: {e.message}", param) from None
+    return json.dumps(schema, sort_keys=True)
+
+
+def request_constraint(req: SamplingFields) -> StructuredOutputs | None:
+    """The constraint a request asks for, or None; both fields at once is a 400."""
+    rf, so = req.response_format, req.structured_outputs
+    from_format = _from_response_format(rf)
+    from_so = _from_structured_outputs(so) if so is not None else None
+    if from_format is not None and from_so is not None:
+        raise invalid_request(
+            "response_format and structured_outputs conflict: give only one of them",
+            "structured_outputs",
+        )
+    return from_format or from_so
+
+
+def _from_response_format(rf: Any) -> StructuredOutputs | None:
+    if isinstance(rf, ResponseFormatJsonObject):
+        return StructuredOutputs(json_object=True, source="response_format")
+    if isinstance(rf, ResponseFormatJsonSchema):
+        param = "response_format.json_schema.schema"
+        schema = rf.json_schema.json_schema
+        if schema is None:
+            raise invalid_request("json_schema needs a schema", param)
+        return StructuredOutputs(json=check_json_schema(schema, param), source=param)
+    return None  # text, or absent
+
+
+def _from_structured_outputs(so: StructuredOutputsRequest) -> StructuredOutputs | None:
+    given = [
+        name
+        for name, value in (
+            ("json", so.json_schema),
+            ("json_object", so.json_object or None),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+        )
+        if value is not None
+    ]
+    if not given:
+        if so.whitespace_pattern is not None:
+            raise invalid_request(
+                "whitespace_pattern needs a json or json_object constraint", "structured_outputs"
+            )
+        return None
+    if len(given) > 1:
+        raise invalid_request(
+            f"structured_outputs takes one constraint, got {' and '.join(given)}",
+            "structured_outputs",
+        )
+    kind = given[0]
+    param = f"structured_outputs.{kind}"
+    schema = None
+    if so.json_schema is not None:
+        value = so.json_schema
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise invalid_request(f"the JSON schema is not valid JSON: {e}", param) from None
+        schema = check_json_schema(value, param)
+    if so.whitespace_pattern is not None and kind not in ("json", "json_object"):
+        raise invalid_request(
+            "whitespace_pattern applies only to json and json_object constraints",
+            "structured_outputs.whitespace_pattern",
+        )
+    if so.choice is not None and not all(so.choice):
+        raise invalid_request("choice entries must be non-empty strings", param)
+    return StructuredOutputs(
+        json=schema,
+        json_object=bool(so.json_object),
+        regex=so.regex,
+        choice=tuple(so.choice) if so.choice is not None else None,
+        grammar=so.grammar,
+        whitespace_pattern=so.whitespace_pattern,
+        source=param,
+    )

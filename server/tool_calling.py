@@ -1,0 +1,171 @@
+"""Tool calling for the OpenAI-style APIs: request checks (400s naming the field), the tool plan,
+chat history -> template messages, and engine text -> `message.tool_calls`, whole or as stream deltas.
+
+Reusable by every API surface that translates to chat (chat completions, Responses, Messages).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from engine import ToolCallStreamer, ToolPlan, plan_tool_use, render_messages
+from server.errors import invalid_request
+from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from server.structured_outputs import check_json_schema
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """Each tool message answers a call of an earlier assistant message (OpenAI's rule)."""
+    call_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        for call in m.tool_calls or []:
+            call_ids.add(call.id)
+        if m.role == "tool" and m.tool_call_id not in call_ids:
+            raise invalid_request(
+                f"messages[{i}] is a tool message answering tool_call_id {m.tool_call_id!r}, but no "
+                "earlier assistant message has a tool call with that id",
+                f"messages[{i}].tool_call_id",
+            )
+
+
+def tool_plan(
+    req: ChatCompletionRequest, chat_template: str | None, parser_name: str, constrained: bool
+) -> ToolPlan | None:
+    """Validate tools/tool_choice and plan them; None when the request uses no tools.
+    `constrained`: the request also has a response_format/structured_outputs constraint."""
+    tools = req.tools or []
+    choice = req.tool_choice
+    if choice is not None and not tools and choice != "none":
+        raise invalid_request("tool_choice is only allowed when tools are given", "tool_choice")
+    if not tools:
+        return None
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if fn.name in names:
+            raise invalid_request(
+                f"tools has two functions named {fn.name!r}", f"tools[{i}].function.name"
+            )
+        names.add(fn.name)
+        if fn.parameters is not None:
+            check_json_schema(fn.parameters, f"tools[{i}].function.parameters")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise invalid_request(
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+            "tool_choice",
+        )
+    if constrained and choice != "none":
+        raise invalid_request(
+            "response_format/structured_outputs cannot be combined with tools unless "
+            "tool_choice is 'none'",
+            "response_format",
+        )
+    tool_dicts = [
+        {"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools
+    ]
+    choice_value: Any = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+    try:
+        return plan_tool_use(
+            tool_dicts, choice_value, req.parallel_tool_calls, chat_template, parser_name
+        )
+    except ValueError as e:
+        raise invalid_request(str(e), "tools") from None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """API messages -> OpenAI-shaped dicts with text content."""
+    out = []
+    for m in messages:
+        if m.content is None:
+            content = None
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            content = "\n".join(p.text for p in m.content)
+        entry: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content,
+        }
+        if m.name is not None:
+            entry["name"] = m.name
+        if m.tool_calls:
+            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        out.append(entry)
+    return out
+
+
+def template_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """What the chat template renders: tool history in the template's or the prompt format."""
+    rendered = render_messages(message_dicts(messages), plan)
+    for m in rendered:
+        if m.get("content") is None:
+            m["content"] = ""
+    return rendered
+
+
+def parse_tool_calls(
+    text: str, plan: ToolPlan | None, parallel: bool | None
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """(message content, OpenAI tool_calls) of a finished choice's text."""
+    if plan is None or not plan.parse_calls:
+        return text, []
+    parsed = plan.parser.parse(text, final=True)
+    calls = parsed.tool_calls if parallel is not False else parsed.tool_calls[:1]
+    tool_calls = [
+        {
+            "id": new_call_id(),
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in calls
+        if c.name is not None
+    ]
+    return parsed.content, tool_calls
+
+
+class ToolCallDeltas:
+    """One choice's streamed text -> chat deltas: content, or tool calls (index, id, type and name
+    first, then argument fragments). Joined, they equal `parse_tool_calls` of the whole text."""
+
+    def __init__(self, plan: ToolPlan, parallel: bool | None) -> None:
+        self.streamer = ToolCallStreamer(plan.parser)
+        self.max_calls = 1 if parallel is False else None
+        self.ids: dict[int, str] = {}
+
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        step = self.streamer.feed(text, final=final)
+        out: list[dict[str, Any]] = []
+        if step.content:
+            out.append({"content": step.content})
+        for index, name, arguments in step.calls:
+            if self.max_calls is not None and index >= self.max_calls:
+                continue
+            if name is not None:
+                self.ids[index] = new_call_id()
+                header = {"name": name, "arguments": ""}
+                out.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": index,
+                                "id": self.ids[index],
+                                "type": "function",
+                                "function": header,
+                            }
+                        ]
+                    }
+                )
+            if arguments:
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+        return out
