@@ -225,7 +225,7 @@ class HermesToolParser(ToolParser):
             for i, t in enumerate(tools)
         ]
         call = "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))
-        calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+        calls = "calls: call+" if parallel else "calls: call"
         start = "start: text | calls" if allow_text else "start: calls"
         lines = [start, calls, call, *rules]
         if allow_text:

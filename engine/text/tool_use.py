@@ -127,7 +127,8 @@ def _append_prompt_format(out: list[dict[str, Any]], m: dict[str, Any]) -> None:
             + "\n</tool_call>"
             for c in m["tool_calls"]
         ]
-        text = "\n".join([m["content"], *blocks] if m.get("content") else blocks)
+        calls = "".join(blocks)  # adjacent blocks, as the forcing grammar writes them
+        text = f"{m['content']}\n{calls}" if m.get("content") else calls
         out.append({"role": "assistant", "content": text})
         return
     if role == "tool":
