@@ -231,7 +231,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tokens: NonNegInt | None = None
     max_completion_tokens: NonNegInt | None = None
-    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     function_call: Literal["none"] | None = None

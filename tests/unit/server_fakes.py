@@ -30,6 +30,7 @@ class FakeTokenizer:
 
     vocab_size = 256
     eos_token_ids = {0}
+    chat_template: str | None = None  # no tool support: tools are described in the prompt
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
@@ -38,7 +39,10 @@ class FakeTokenizer:
         return bytes(ids).decode(errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))

@@ -200,9 +200,16 @@ async def test_completion_validation_is_400_naming_the_field(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"tools": []}, "tools"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "a", "grammar": "start: x"}}, "structured_outputs"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
         (
             {
                 "messages": [
