@@ -200,7 +200,10 @@ async def test_completion_validation_is_400_naming_the_field(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+        ),
         ({"tools": []}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         (
