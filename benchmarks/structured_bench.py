@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.bench_utils import percentile, ratio
+from server.bench.metrics import percentile, ratio
 
 TYPICAL_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -60,7 +60,10 @@ def large_schema(num_props: int = 120) -> dict[str, Any]:
         if i % 3 == 0:
             props[f"field_{i}"] = {"$ref": f"#/$defs/Item{i % 20}"}
         elif i % 3 == 1:
-            props[f"field_{i}"] = {"type": "array", "items": {"$ref": f"#/$defs/Item{(i * 7) % 20}"}}
+            props[f"field_{i}"] = {
+                "type": "array",
+                "items": {"$ref": f"#/$defs/Item{(i * 7) % 20}"},
+            }
         else:
             props[f"field_{i}"] = {"anyOf": [{"type": "string", "maxLength": 50}, {"type": "null"}]}
     return {
@@ -136,8 +139,14 @@ def cpu_flags() -> str:
         text = open("/proc/cpuinfo").read()
     except OSError:
         return platform.processor()
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "?")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "?"
+    )
+    flags = set(
+        next(
+            (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+        )
+    )
     wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma") if f in flags]
     return f"{model}; flags: {' '.join(wanted) or 'none of avx2/avx512'}"
 
@@ -159,18 +168,27 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=16)
     engine = llm.engine
-    print(f"device={engine.device} dtype={engine.dtype} torch={torch.__version__} threads={torch.get_num_threads()}")
+    print(
+        f"device={engine.device} dtype={engine.dtype} torch={torch.__version__} threads={torch.get_num_threads()}"
+    )
     print(f"cpu: {cpu_flags()}")
     questions = ["a person", "a customer", "an employee", "a student", "a doctor", "an artist"]
     prompts = [
         llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Write a JSON profile of {questions[i % len(questions)]} number {i}."}]
+            [
+                {
+                    "role": "user",
+                    "content": f"Write a JSON profile of {questions[i % len(questions)]} number {i}.",
+                }
+            ]
         )
         for i in range(args.requests)
     ]
     schema = StructuredOutputs(json=json.dumps(TYPICAL_SCHEMA))
     settings = {
-        "plain": SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1, ignore_eos=True),
+        "plain": SamplingParams(
+            max_tokens=args.max_tokens, temperature=0.8, seed=1, ignore_eos=True
+        ),
         "json_schema": SamplingParams(
             max_tokens=args.max_tokens, temperature=0.8, seed=1, structured_outputs=schema
         ),
@@ -180,13 +198,19 @@ def main() -> None:
     for _ in range(args.rounds):
         for c in [int(x) for x in args.concurrency.split(",")]:
             for name, params in settings.items():  # interleaved: same conditions for both
-                results.setdefault((name, c), []).append(run_closed_loop(engine, prompts, params, c))
-    print(f"\n{'setting':<12} {'conc':>4} {'tok/s':>8} {'ITL med ms':>11} {'ITL p99 ms':>11} {'tokens':>7}")
+                results.setdefault((name, c), []).append(
+                    run_closed_loop(engine, prompts, params, c)
+                )
+    print(
+        f"\n{'setting':<12} {'conc':>4} {'tok/s':>8} {'ITL med ms':>11} {'ITL p99 ms':>11} {'tokens':>7}"
+    )
     summary: dict[tuple[str, int], dict[str, float]] = {}
     for (name, c), runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         summary[(name, c)] = med
-        print(f"{name:<12} {c:>4} {med['tok_s']:>8.1f} {med['itl_ms_median']:>11.2f} {med['itl_ms_p99']:>11.2f} {med['tokens']:>7.0f}")
+        print(
+            f"{name:<12} {c:>4} {med['tok_s']:>8.1f} {med['itl_ms_median']:>11.2f} {med['itl_ms_p99']:>11.2f} {med['tokens']:>7.0f}"
+        )
     for c in sorted({c for _, c in summary}):
         plain, constrained = summary[("plain", c)], summary[("json_schema", c)]
         print(
