@@ -91,6 +91,14 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Render messages (role + content) with the chat template and tokenize the result."""
+        text = self.render_chat_template(messages, add_generation_prompt)
+        # The rendered text already holds any BOS the template wants, like transformers does.
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The chat template's text for `messages` (tokenize it with add_special_tokens=False)."""
         if not self.chat_template:
             raise InvalidRequestError(
                 "this model has no chat template; pass one with --chat-template "
@@ -110,8 +118,7 @@ class Tokenizer:
                 f"the chat template rejected these messages: {exc}", "messages"
             ) from exc
         assert isinstance(text, str)
-        # The rendered text already holds any BOS the template wants, like transformers does.
-        return self.encode(text, add_special_tokens=False)
+        return text
 
     def token_bytes(self, ids: list[int]) -> list[list[int]]:
         """Raw UTF-8 bytes of each token on its own (OpenAI's `bytes` logprob field)."""
