@@ -38,6 +38,8 @@ from engine.core.snapshot import (
     RequestProgress,
     SnapshotDetail,
 )
+from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
+from engine.text.score_inputs import ScoreInputs, build_score_inputs
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
@@ -70,6 +72,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DTYPES",
+    "NORMALIZATIONS",
     "POOLINGS",
     "TASKS",
     "LLM",
@@ -88,6 +91,7 @@ __all__ = [
     "FinishedRequestStats",
     "Tokenizer",
     "CacheConfig",
+    "ChoiceScore",
     "CompletionOutput",
     "EmbeddingOutput",
     "EngineConfig",
@@ -101,6 +105,10 @@ __all__ = [
     "SamplingParams",
     "SamplingParamsError",
     "SchedulerConfig",
+    "ScoreInputs",
+    "ScoreResult",
     "TokenLogprob",
+    "build_score_inputs",
     "resolve_model",
+    "summarize_scores",
 ]

@@ -192,7 +192,9 @@ class LLMEngine:
             raise InvalidRequestError("choices is empty: give at least one choice", "choices")
         for i, choice in enumerate(choices):
             if not choice:
-                raise InvalidRequestError(f"choices[{i}] is empty: give at least one token", "choices")
+                raise InvalidRequestError(
+                    f"choices[{i}] is empty: give at least one token", "choices"
+                )
             check_token_ids(choice, self.vocab_size, "choices")
         longest = max(len(c) for c in choices)
         total = len(context_token_ids) + longest
@@ -235,7 +237,9 @@ class LLMEngine:
             group.metrics.arrival_time = arrival_time
         for i, choice in enumerate(choices):
             tokens = context + list(choice)
-            seq = Sequence(f"{request_id}/{i}", group, i, tokens, len(tokens), score_start=len(context))
+            seq = Sequence(
+                f"{request_id}/{i}", group, i, tokens, len(tokens), score_start=len(context)
+            )
             group.seqs.append(seq)
         self.groups[request_id] = group
         self.scheduler.add_group(group)

@@ -128,6 +128,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("log-level", "server.log_level", str.lower, "logging level", choices=LOG_LEVELS),
     Option(
+        "max-score-choices",
+        "server.max_score_choices",
+        _int,
+        "most choices one /v1/score request may hold",
+    ),
+    Option(
         "dtype",
         "model.dtype",
         str,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.core.sampling_params import SamplingParamsError
+from engine.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
@@ -27,7 +27,9 @@ class ScoreInputs:
     choice_texts: list[str]  # each choice as the caller gave it (token ids decoded)
 
 
-def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(
+    tokenizer: Tokenizer, context: str, continuation: str
+) -> tuple[list[int], list[int]]:
     """lm-eval's loglikelihood split of (context, continuation) into token ids. An empty context
     becomes the model's BOS (or EOS) token, as lm-eval's prefix token."""
     stripped = context.rstrip()
@@ -35,7 +37,9 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
         continuation = context[len(stripped) :] + continuation
         context = stripped
     if not context:
-        return [prefix_token_id(tokenizer)], tokenizer.encode(continuation, add_special_tokens=False)
+        return [prefix_token_id(tokenizer)], tokenizer.encode(
+            continuation, add_special_tokens=False
+        )
     context_ids = tokenizer.encode(context)
     whole = tokenizer.encode(context + continuation)
     return context_ids, whole[len(context_ids) :]
@@ -47,7 +51,7 @@ def prefix_token_id(tokenizer: Tokenizer) -> int:
         return int(bos)
     eos = tokenizer.hf.eos_token_id
     if eos is None:
-        raise SamplingParamsError("prompt", "the prompt is empty and this model has no BOS token")
+        raise InvalidRequestError("the prompt is empty and this model has no BOS token", "prompt")
     return int(eos)
 
 
@@ -60,19 +64,19 @@ def build_score_inputs(
 ) -> ScoreInputs:
     """Token ids of the context and of each choice. Exactly one of `prompt` and `messages`; with
     messages the choices are candidate assistant replies and `include_end_of_turn` appends the token
-    that ends the reply. Bad input raises SamplingParamsError naming the field."""
+    that ends the reply. Bad input raises InvalidRequestError naming the field."""
     if (prompt is None) == (messages is None):
-        raise SamplingParamsError("prompt", "give exactly one of prompt and messages")
+        raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
     if not choices:
-        raise SamplingParamsError("choices", "choices is empty: give at least one choice")
+        raise InvalidRequestError("choices is empty: give at least one choice", "choices")
     for i, choice in enumerate(choices):
         if len(choice) == 0:
-            raise SamplingParamsError("choices", f"choices[{i}] is empty")
+            raise InvalidRequestError(f"choices[{i}] is empty", "choices")
     if len({isinstance(c, str) for c in choices}) > 1:
-        raise SamplingParamsError("choices", "choices must be all strings or all token-id lists")
+        raise InvalidRequestError("choices must be all strings or all token-id lists", "choices")
     if include_end_of_turn and messages is None:
-        raise SamplingParamsError(
-            "include_end_of_turn", "include_end_of_turn needs messages (a chat context)"
+        raise InvalidRequestError(
+            "include_end_of_turn needs messages (a chat context)", "include_end_of_turn"
         )
     texts = [c if isinstance(c, str) else tokenizer.decode(c, False) for c in choices]
     if messages is not None:
@@ -84,7 +88,7 @@ def build_score_inputs(
     assert prompt is not None
     if isinstance(prompt, list):
         if not prompt:
-            raise SamplingParamsError("prompt", "the prompt is empty: give at least one token")
+            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
         # No context text to split: text choices are tokenized on their own.
         ids = [c if isinstance(c, list) else tokenizer.encode(c, False) for c in choices]
         return ScoreInputs(list(prompt), [list(c) for c in ids], texts)
@@ -103,7 +107,7 @@ def _chat_inputs(
     try:
         rendered = tokenizer.render_chat_template(messages, add_generation_prompt=True)
     except ValueError as e:
-        raise SamplingParamsError("messages", f"cannot apply the chat template: {e}") from None
+        raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from None
     context = tokenizer.encode(rendered, add_special_tokens=False)
     ids: list[list[int]] = []
     for choice in choices:
@@ -134,7 +138,7 @@ def end_of_turn_token_id(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -
         if after and after[0] in tokenizer.eos_token_ids:
             return after[0]
     if fallback is None:
-        raise SamplingParamsError(
-            "include_end_of_turn", "this model has no end-of-turn (EOS) token to score"
+        raise InvalidRequestError(
+            "this model has no end-of-turn (EOS) token to score", "include_end_of_turn"
         )
     return int(fallback)
