@@ -228,19 +228,13 @@ class LLMEngine:
         finished output has one CompletionOutput per choice (token ids and their logprobs; the top
         `num_top_logprobs` of each position too)."""
         if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate_score(context_token_ids, choices)
-        params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=num_top_logprobs)
-        context = list(context_token_ids)
-        group = RequestGroup(request_id, prompt, context, params, 0, kind="score")
+        group = RequestGroup.for_scoring(
+            request_id, context_token_ids, choices, num_top_logprobs, prompt
+        )
         if arrival_time is not None:
             group.metrics.arrival_time = arrival_time
-        for i, choice in enumerate(choices):
-            tokens = context + list(choice)
-            seq = Sequence(
-                f"{request_id}/{i}", group, i, tokens, len(tokens), score_start=len(context)
-            )
-            group.seqs.append(seq)
         self.groups[request_id] = group
         self.scheduler.add_group(group)
 

@@ -136,6 +136,27 @@ class RequestGroup:
     error: str | None = None
     kind: RequestKind = "generate"
 
+    @classmethod
+    def for_scoring(
+        cls,
+        request_id: str,
+        context: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+    ) -> RequestGroup:
+        """A score group: per choice a prompt-only sequence (context + choice) whose prompt logprobs
+        cover the choice, max_tokens 0 so nothing is sampled; choice 0 leads and prefills the context."""
+        params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=num_top_logprobs)
+        group = cls(request_id, prompt, list(context), params, 0, kind="score")
+        for i, choice in enumerate(choices):
+            tokens = list(context) + list(choice)
+            seq = Sequence(
+                f"{request_id}/{i}", group, i, tokens, len(tokens), score_start=len(context)
+            )
+            group.seqs.append(seq)
+        return group
+
     @property
     def finished(self) -> bool:
         return bool(self.seqs) and all(s.status.finished for s in self.seqs)

@@ -1,0 +1,118 @@
+"""Scoring without a model: a score group's scheduling (the context computed once, followers holding
+its blocks by reference, logprob rows over the choice only), the score summary, and /v1/score's 400s."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from engine import CompletionOutput, RequestOutput, TokenLogprob, summarize_scores
+from engine.core.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import RequestGroup, SequenceStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scoring import softmax
+from server.app import build_app
+from server.state import ServerConfig
+from tests.unit.server_fakes import FakeEngine
+
+
+def finish_step(sched: Scheduler) -> list:
+    """Schedule, pretend the model ran, and finish (or release followers) as the engine would."""
+    out = sched.schedule()
+    sched.after_step(out)
+    for s in out.scheduled:
+        seq = s.seq
+        assert not s.needs_sample
+        if seq.index == 0 and seq.is_prefill_done:
+            sched.release_followers(seq.group)
+        if seq.is_prefill_done:
+            sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    return out.scheduled
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_score_group_computes_the_context_once(prefix_caching: bool) -> None:
+    kv = KVCacheManager(64, 4, enable_prefix_caching=prefix_caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    context = list(range(100, 110))  # 10 tokens: 2 full blocks + 2 tokens
+    choices = [[1, 2, 3], [4], [5, 6]]
+    group = RequestGroup.for_scoring("s", context, choices)
+    sched.add_group(group)
+    (leader,) = finish_step(sched)
+    assert leader.num_new_tokens == 13 and leader.prompt_logprobs_rows == 3
+    assert leader.prompt_logprobs_offset == 9  # rows from the context's last token
+    followers = finish_step(sched)
+    assert [s.seq.index for s in followers] == [1, 2]
+    # Each follower starts after the two shared blocks: the context's last 2 tokens, then its choice.
+    assert [(s.start_pos, s.num_new_tokens) for s in followers] == [(8, 3), (8, 4)]
+    assert [(s.prompt_logprobs_offset, s.prompt_logprobs_rows) for s in followers] == [(1, 1), (1, 2)]
+    assert all(s.block_table[:2] == leader.block_table[:2] for s in followers)
+    assert group.finished and kv.num_free_blocks == 64
+    assert group.num_prompt_tokens == 10 + 6
+    if prefix_caching:
+        assert kv.stats.queries == 13  # the leader's lookup; followers share without one
+
+
+def test_a_scored_position_is_never_served_from_the_cache() -> None:
+    kv = KVCacheManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    context = list(range(100, 108))  # exactly 2 blocks
+    sched.add_group(RequestGroup.for_scoring("a", context, [[1, 2]]))
+    finish_step(sched)
+    again = RequestGroup.for_scoring("b", context, [[3]])
+    sched.add_group(again)
+    (s,) = finish_step(sched)
+    # The block holding the context's last token is recomputed: its logits score the choice.
+    assert s.start_pos == 4 and again.num_cached_tokens == 4
+    assert (s.prompt_logprobs_offset, s.prompt_logprobs_rows) == (3, 1)
+
+
+def output(choices: list[list[tuple[float, int]]]) -> RequestOutput:
+    """A finished score output: per choice, (logprob, rank) of each of its tokens."""
+    outs = [
+        CompletionOutput(
+            i,
+            "",
+            list(range(len(c))),
+            [TokenLogprob(t, lp, rank, [(7, -0.1), (8, -2.0)]) for t, (lp, rank) in enumerate(c)],
+        )
+        for i, c in enumerate(choices)
+    ]
+    return RequestOutput("r", None, [1, 2, 3], outs, True, num_cached_tokens=2)
+
+
+def test_summary_normalizes_by_sum_or_mean_and_reads_greedy_from_ranks() -> None:
+    out = output([[(-1.0, 1), (-1.0, 1)], [(-1.5, 2)]])
+    by_sum = summarize_scores(out, ["ab", "c"], "sum", num_top=1)
+    assert [c.logprob for c in by_sum.choices] == [-2.0, -1.5]
+    assert [c.mean_logprob for c in by_sum.choices] == [-1.0, -1.5]
+    assert [c.is_greedy for c in by_sum.choices] == [True, False]
+    p = 1 / (1 + math.exp(-0.5))
+    assert by_sum.choices[1].probability == pytest.approx(p)
+    assert by_sum.best.index == 1 and by_sum.top_logprobs == [(7, -0.1)]
+    assert by_sum.num_prompt_tokens == 3 + 3 and by_sum.num_cached_tokens == 2
+    by_mean = summarize_scores(out, ["ab", "c"], "mean")
+    assert by_mean.best.index == 0 and by_mean.top_logprobs == []
+    assert by_mean.choices[0].probability == pytest.approx(p)
+    assert softmax([-math.inf, -math.inf]) == [0.5, 0.5]
+    assert sum(softmax([-1000.0, -1001.0, 3.0])) == pytest.approx(1.0)
+
+
+async def _post(engine: object, body: dict, **config: object) -> httpx.Response:
+    app = build_app(ServerConfig(**config), engine)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.post("/v1/score", json=body)
+
+
+async def test_an_embedding_server_and_too_many_choices_are_400s() -> None:
+    embedder = FakeEngine()
+    embedder.task = "embed"
+    r = await _post(embedder, {"prompt": "x", "choices": ["a"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_task"
+    r = await _post(FakeEngine(), {"prompt": "x", "choices": ["a", "b", "c"]}, max_score_choices=2)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "choices" and "at most 2" in r.json()["error"]["message"]
