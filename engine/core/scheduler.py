@@ -99,6 +99,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):
+                if self._drop_waiting_blocks(seq):
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -137,6 +139,8 @@ class Scheduler:
             num_cached = len(cached_blocks) * self.kv.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, num_new, cached_blocks):
+                if i == 0 and self._drop_waiting_blocks(seq):
+                    continue  # retry: a waiting follower gave its shared blocks back
                 i += 1
                 if i >= BYPASS_WINDOW:
                     break
@@ -168,6 +172,17 @@ class Scheduler:
             offset = first - start if rows else 0
         table = self.kv.get_block_table(seq)
         return ScheduledSeq(seq, num_new, start, table, needs_sample, rows, offset)
+
+    def _drop_waiting_blocks(self, needy: Sequence) -> bool:
+        """Free the shared blocks a waiting follower holds (the newest first) so `needy` can run; the
+        follower recomputes them later. Without this, followers waiting behind a sequence that needs
+        the whole pool would hold it up forever. False when no waiting sequence holds blocks."""
+        for seq in reversed(self.waiting):
+            if seq is not needy and self.kv.get_block_table(seq):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -58,10 +58,14 @@ def reference(hf_model, context: list[int], choice: list[int]) -> tuple[list[flo
     return chosen.tolist(), logprobs.argmax(-1).tolist()
 
 
-def score_all(llm: LLM, cases, top: int = 0):
-    """Add every case at once (they share steps), run to completion; ScoreResults in order."""
+def score_all(llm: LLM, cases, top: int = 0, generations: list[list[int]] = ()):
+    """Add every case at once (they share steps with each other and with greedy `generations` that
+    grow as they decode), run to completion; ScoreResults in order."""
     engine = llm.engine
     computed = 0
+    for i, prompt in enumerate(generations):
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        engine.add_request(f"g{i}", prompt, params)
     for i, (context, choices) in enumerate(cases):
         engine.add_score_request(f"s{i}", context, choices, top)
     finals = {}
@@ -114,11 +118,11 @@ def test_scores_equal_transformers_under_a_small_token_budget(
 
 
 def test_scores_equal_transformers_under_preemption(smollm2_dir, hf_model, cases):
-    # 8 blocks of 16 tokens: the longest case fits alone, not many at once; chunked prefills then
-    # need blocks that others hold.
-    llm = LLM(str(smollm2_dir), dtype="float32", max_num_batched_tokens=16, num_blocks=8)
-    assert max(len(ctx) + max(map(len, ch)) for ctx, ch in cases) <= 8 * BLOCK
-    results, _ = score_all(llm, cases * 2)
+    # 10 blocks of 16 tokens: the longest case fits alone, not beside growing generations.
+    llm = LLM(str(smollm2_dir), dtype="float32", max_num_batched_tokens=64, num_blocks=10)
+    assert max(len(ctx) + max(map(len, ch)) for ctx, ch in cases) <= 10 * BLOCK
+    generations = [cases[3][0][: 20 + i] for i in range(3)]
+    results, _ = score_all(llm, cases * 2, generations=generations)
     assert llm.engine.totals.num_preemptions > 0, "the pool was meant to force preemptions"
     assert_matches(hf_model, cases * 2, results)
 
