@@ -49,8 +49,12 @@ def test_scores_equal_echo_completion_sums(smol_server: ServerProcess, prefix: s
     probabilities = [c["probability"] for c in body["choices"]]
     assert abs(sum(probabilities) - 1) < 1e-9
     weights = [math.exp(c["logprob"]) for c in body["choices"]]
-    assert all(abs(p - w / sum(weights)) < 1e-9 for p, w in zip(probabilities, weights, strict=True))
-    context_tokens = len(client.post("/tokenize", body={"prompt": prefix}, cast_to=object)["tokens"])  # type: ignore[index]
+    assert all(
+        abs(p - w / sum(weights)) < 1e-9 for p, w in zip(probabilities, weights, strict=True)
+    )
+    context_tokens = len(
+        client.post("/tokenize", body={"prompt": prefix}, cast_to=object)["tokens"]
+    )  # type: ignore[index]
     usage = body["usage"]
     assert usage["prompt_tokens"] == usage["total_tokens"] == context_tokens + total_tokens
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
@@ -61,7 +65,11 @@ def test_token_ids_chat_top_logprobs_and_greedy(smol_server: ServerProcess) -> N
     client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     reply = client.chat.completions.create(
-        model="smol", messages=messages, max_tokens=8, temperature=0, logprobs=True  # type: ignore[arg-type]
+        model="smol",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,  # type: ignore[arg-type]
     )
     greedy_text = reply.choices[0].message.content or ""
     r = score(
@@ -121,8 +129,16 @@ def test_score_is_counted_by_kind(tiny_server: ServerProcess) -> None:
         ({"prompt": "Hi", "choices": ["x"] * 65}, "choices", None),
         ({"prompt": "Hi", "choices": ["a", [1]]}, "choices", None),
         ({"choices": ["a"]}, "prompt", None),
-        ({"prompt": "Hi", "messages": [{"role": "user", "content": "x"}], "choices": ["a"]}, "prompt", None),
-        ({"prompt": "Hi", "choices": ["a"], "include_end_of_turn": True}, "include_end_of_turn", None),
+        (
+            {"prompt": "Hi", "messages": [{"role": "user", "content": "x"}], "choices": ["a"]},
+            "prompt",
+            None,
+        ),
+        (
+            {"prompt": "Hi", "choices": ["a"], "include_end_of_turn": True},
+            "include_end_of_turn",
+            None,
+        ),
         ({"prompt": "Hi", "choices": ["a"], "normalize": "max"}, "normalize", None),
         ({"prompt": [1, 2], "choices": [[1] * 255]}, "choices", "context_length_exceeded"),
         ({"prompt": [10**6], "choices": ["a"]}, "prompt", None),

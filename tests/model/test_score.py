@@ -75,7 +75,8 @@ def score_all(llm: LLM, cases, top: int = 0, generations: list[list[int]] = ()):
                 finals[out.request_id] = out
         computed += engine.last_step.num_batched_tokens if engine.last_step else 0
     results = [
-        summarize_scores(finals[f"s{i}"], [""] * len(c), "sum", top) for i, (_, c) in enumerate(cases)
+        summarize_scores(finals[f"s{i}"], [""] * len(c), "sum", top)
+        for i, (_, c) in enumerate(cases)
     ]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # nothing leaked
     return results, computed

@@ -48,7 +48,10 @@ def test_score_group_computes_the_context_once(prefix_caching: bool) -> None:
     assert [s.seq.index for s in followers] == [1, 2]
     # Each follower starts after the two shared blocks: the context's last 2 tokens, then its choice.
     assert [(s.start_pos, s.num_new_tokens) for s in followers] == [(8, 3), (8, 4)]
-    assert [(s.prompt_logprobs_offset, s.prompt_logprobs_rows) for s in followers] == [(1, 1), (1, 2)]
+    assert [(s.prompt_logprobs_offset, s.prompt_logprobs_rows) for s in followers] == [
+        (1, 1),
+        (1, 2),
+    ]
     assert all(s.block_table[:2] == leader.block_table[:2] for s in followers)
     assert group.finished and kv.num_free_blocks == 64
     assert group.num_prompt_tokens == 10 + 6
