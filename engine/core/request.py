@@ -174,4 +174,6 @@ class RequestGroup:
     def num_prompt_tokens(self) -> int:
         """Input tokens of the request: the prompt, plus every scored choice of a score group."""
         shared = len(self.prompt_token_ids)
-        return shared + sum(s.num_prompt_tokens - shared for s in self.seqs if s.score_start is not None)
+        return shared + sum(
+            s.num_prompt_tokens - shared for s in self.seqs if s.score_start is not None
+        )
