@@ -17,6 +17,12 @@ def score(server: ServerProcess, **body: object) -> httpx.Response:
     return httpx.post(server.url + "/v1/score", json=body, timeout=120)
 
 
+def tokenize(server: ServerProcess, **body: object) -> list[int]:
+    r = httpx.post(server.url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
 def echo_logprobs(client: openai.OpenAI, prompt: str | list[int]) -> list[float]:
     """The prompt's token logprobs from an echo completion (the first token has none)."""
     out = client.completions.create(
@@ -52,9 +58,7 @@ def test_scores_equal_echo_completion_sums(smol_server: ServerProcess, prefix: s
     assert all(
         abs(p - w / sum(weights)) < 1e-9 for p, w in zip(probabilities, weights, strict=True)
     )
-    context_tokens = len(
-        client.post("/tokenize", body={"prompt": prefix}, cast_to=object)["tokens"]
-    )  # type: ignore[index]
+    context_tokens = len(tokenize(smol_server, prompt=prefix))
     usage = body["usage"]
     assert usage["prompt_tokens"] == usage["total_tokens"] == context_tokens + total_tokens
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
@@ -89,14 +93,15 @@ def test_token_ids_chat_top_logprobs_and_greedy(smol_server: ServerProcess) -> N
     assert len(top) == 3 and top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content and top[0]["token"] == content[0].token
-    # Token ids bypass tokenization: the same context and choices as ids score the same.
-    prompt_ids = client.post(
-        "/tokenize", body={"messages": messages, "add_generation_prompt": True}, cast_to=object
-    )["tokens"]  # type: ignore[index]
-    choice_ids = [client.post("/tokenize", body={"prompt": "London"}, cast_to=object)["tokens"]]  # type: ignore[index]
-    by_ids = score(smol_server, prompt=prompt_ids, choices=choice_ids).json()
-    (only,) = by_ids["choices"]
-    assert only["probability"] == 1.0 and only["text"] == "London"
+    # Token ids bypass tokenization: the same context and choice as ids score the same.
+    prompt_ids = tokenize(smol_server, messages=messages, add_generation_prompt=True)
+    choice_ids = tokenize(smol_server, prompt="London")
+    by_text = score(smol_server, messages=messages, choices=["London"], token_logprobs=True).json()
+    by_ids = score(smol_server, prompt=prompt_ids, choices=[choice_ids], token_logprobs=True).json()
+    (text_choice,), (ids_choice,) = by_text["choices"], by_ids["choices"]
+    assert ids_choice["probability"] == 1.0 and ids_choice["text"] == "London"
+    assert ids_choice["num_tokens"] == text_choice["num_tokens"] == len(choice_ids)
+    assert abs(ids_choice["logprob"] - text_choice["logprob"]) < 1e-4
 
 
 def test_score_is_counted_by_kind(tiny_server: ServerProcess) -> None:
