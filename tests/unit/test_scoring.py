@@ -119,3 +119,26 @@ async def test_an_embedding_server_and_too_many_choices_are_400s() -> None:
     r = await _post(FakeEngine(), {"prompt": "x", "choices": ["a", "b", "c"]}, max_score_choices=2)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "choices" and "at most 2" in r.json()["error"]["message"]
+
+
+def test_finished_requests_are_counted_by_kind() -> None:
+    from engine.core.stats import FinishedRequestStats, StepStats
+    from server.metrics import ServerMetrics
+    from server.state import ServerState
+
+    metrics = ServerMetrics(ServerState(ServerConfig()))
+    finished = [
+        FinishedRequestStats("a", "length", 16, 0, 0, 1.0, 1.1, None, 2.0, kind="score"),
+        FinishedRequestStats("b", "stop", 5, 3, 0, 1.0, 1.1, 1.5, 2.0),
+        FinishedRequestStats("c", "abort", 9, 0, 0, 1.0, 1.1, None, 2.0, kind="score"),
+    ]
+    metrics.on_step(StepStats("prefill", num_new_prompt_tokens=30, finished=finished))
+
+    def value(**labels: str) -> float:
+        return metrics.registry.get_sample_value("kvserve_requests_total", labels) or 0.0
+
+    assert value(kind="score", finish_reason="length") == 1
+    assert value(kind="score", finish_reason="abort") == 1
+    assert value(kind="generate", finish_reason="stop") == 1
+    assert value(kind="generate", finish_reason="length") == 0
+    assert metrics.registry.get_sample_value("kvserve_prompt_tokens_total") == 30
