@@ -142,3 +142,37 @@ def test_finished_requests_are_counted_by_kind() -> None:
     assert value(kind="generate", finish_reason="stop") == 1
     assert value(kind="generate", finish_reason="length") == 0
     assert metrics.registry.get_sample_value("kvserve_prompt_tokens_total") == 30
+
+
+def test_score_inputs_follow_lm_eval_and_the_chat_template(smollm2_dir) -> None:
+    from engine import SamplingParamsError, Tokenizer, build_score_inputs
+    from engine.text.score_inputs import encode_pair
+
+    tok = Tokenizer.from_pretrained(smollm2_dir)
+    # lm-eval: the context's trailing whitespace joins the continuation.
+    context, cont = encode_pair(tok, "The capital of France is ", "Paris")
+    assert context == tok.encode("The capital of France is")
+    assert (
+        cont == tok.encode("The capital of France is Paris")[len(context) :] == tok.encode(" Paris")
+    )
+    # An empty context is the BOS token, as lm-eval's prefix token.
+    assert encode_pair(tok, "", "Hello") == ([tok.hf.bos_token_id], tok.encode("Hello", False))
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = build_score_inputs(tok, ["Hello", "Bye"], messages=messages, include_end_of_turn=True)
+    assert chat.context_token_ids == tok.apply_chat_template(messages)
+    assert chat.choice_token_ids[0] == tok.encode("Hello", False) + [2]  # 2: <|im_end|>
+    assert chat.choice_texts == ["Hello", "Bye"]
+    ids = build_score_inputs(tok, [[42]], messages=messages, include_end_of_turn=True)
+    assert ids.choice_token_ids == [[42, 2]]
+    by_ids = build_score_inputs(tok, [[5, 6]], prompt=[1, 2, 3])
+    assert (by_ids.context_token_ids, by_ids.choice_token_ids) == ([1, 2, 3], [[5, 6]])
+    bad = [
+        ({"choices": ["a", [1]], "prompt": "x"}, "choices"),
+        ({"choices": ["a", ""], "prompt": "x"}, "choices"),
+        ({"choices": ["a"], "prompt": "x", "include_end_of_turn": True}, "include_end_of_turn"),
+        ({"choices": ["a"]}, "prompt"),
+    ]
+    for kwargs, param in bad:
+        with pytest.raises(SamplingParamsError) as info:
+            build_score_inputs(tok, **kwargs)  # type: ignore[arg-type]
+        assert info.value.param == param
