@@ -31,6 +31,7 @@ from engine.core.outputs import (
     TokenLogprob,
 )
 from engine.core.sampling_params import OutputKind, SamplingParams
+from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.core.snapshot import (
     BlockHolders,
     EngineHealth,
@@ -38,7 +39,6 @@ from engine.core.snapshot import (
     RequestProgress,
     SnapshotDetail,
 )
-from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.text.score_inputs import ScoreInputs, build_score_inputs
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers

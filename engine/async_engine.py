@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 
 from engine.core.config import EngineConfig
@@ -200,15 +200,15 @@ class AsyncLLMEngine:
         finished = False
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
+                got = await queue.get()
+                if isinstance(got, BaseException):
                     finished = True
-                    raise item
-                if item.error is not None:
+                    raise got
+                if got.error is not None:
                     finished = True
-                    raise RequestError(item.error)
-                finished = item.finished
-                yield item
+                    raise RequestError(got.error)
+                finished = got.finished
+                yield got
                 if finished:
                     return
         finally:
