@@ -145,7 +145,7 @@ def test_finished_requests_are_counted_by_kind() -> None:
 
 
 def test_score_inputs_follow_lm_eval_and_the_chat_template(smollm2_dir) -> None:
-    from engine import SamplingParamsError, Tokenizer, build_score_inputs
+    from engine import InvalidRequestError, Tokenizer, build_score_inputs
     from engine.text.score_inputs import encode_pair
 
     tok = Tokenizer.from_pretrained(smollm2_dir)
@@ -173,6 +173,6 @@ def test_score_inputs_follow_lm_eval_and_the_chat_template(smollm2_dir) -> None:
         ({"choices": ["a"]}, "prompt"),
     ]
     for kwargs, param in bad:
-        with pytest.raises(SamplingParamsError) as info:
+        with pytest.raises(InvalidRequestError) as info:
             build_score_inputs(tok, **kwargs)  # type: ignore[arg-type]
         assert info.value.param == param
