@@ -98,6 +98,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 add = partial(add_requests, engine, kind, f"{kind}-{rep}", ctx, choices)
                 seconds, computed = run_engine(engine, add)
+                print(
+                    f"caching={caching} rep={rep} {kind}: {seconds:.2f}s {computed} tokens",
+                    flush=True,
+                )
                 if rep:
                     rows[kind].append((seconds, computed))
         medians = {k: statistics.median(s for s, _ in v) for k, v in rows.items()}
