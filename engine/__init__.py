@@ -31,6 +31,7 @@ from engine.core.outputs import (
     TokenLogprob,
 )
 from engine.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
+from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.core.snapshot import (
     BlockHolders,
     EngineHealth,
@@ -38,6 +39,7 @@ from engine.core.snapshot import (
     RequestProgress,
     SnapshotDetail,
 )
+from engine.text.score_inputs import ScoreInputs, build_score_inputs
 from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser
 from engine.text.tool_use import ToolPlan, plan_tool_use, render_messages
 
@@ -72,6 +74,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DTYPES",
+    "NORMALIZATIONS",
     "POOLINGS",
     "TASKS",
     "LLM",
@@ -90,6 +93,7 @@ __all__ = [
     "FinishedRequestStats",
     "Tokenizer",
     "CacheConfig",
+    "ChoiceScore",
     "CompletionOutput",
     "EmbeddingOutput",
     "EngineConfig",
@@ -105,11 +109,15 @@ __all__ = [
     "SchedulerConfig",
     "StructuredOutputs",
     "TOOL_PARSERS",
+    "ScoreInputs",
+    "ScoreResult",
     "TokenLogprob",
+    "build_score_inputs",
     "resolve_model",
     "ToolCallStreamer",
     "ToolParser",
     "ToolPlan",
     "plan_tool_use",
     "render_messages",
+    "summarize_scores",
 ]

@@ -1,6 +1,7 @@
 """Async front of the engine, implementing engine.core.engine_client.EngineClient: one asyncio task owns
 the core and runs each step in a worker thread; adds and aborts wait as typed PendingWork between steps;
-per-request output queues; abort on cancel; admission control; health; the core's published snapshots."""
+per-request output queues (generation, embeddings, scores); abort on cancel; admission control; health;
+the core's published snapshots."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 
 from engine.core.config import EngineConfig
@@ -142,40 +143,76 @@ class AsyncLLMEngine:
             assert isinstance(out, RequestOutput)
             yield out
 
-    async def _submit(
+    async def score(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None,
-        prompt: str | None,
-    ) -> AsyncIterator[_Output]:
-        self.core.validate(prompt_token_ids, params)
+        context_token_ids: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+    ) -> RequestOutput:
+        """Score every choice as the continuation of the context (LLMEngine.add_score_request): the
+        finished output once all choices are scored. Cancelling the call aborts the request."""
+        self._check_alive()
+        core = self.core
+        if not isinstance(core, LLMEngine):
+            raise InvalidRequestError(
+                "this server runs an embedding model: scoring needs a generative model"
+            )
+        core.validate_score(context_token_ids, choices)
+        item = AddRequest(
+            request_id, context_token_ids, None, prompt, time.monotonic(), choices, num_top_logprobs
+        )
+        stream = self._submit(item)
+        try:
+            async for out in stream:
+                if out.finished:
+                    assert isinstance(out, RequestOutput)
+                    return out
+        finally:
+            await stream.aclose()
+        raise RequestError("the engine ended the score request without output")
+
+    async def _submit(
+        self,
+        request_id: str | AddRequest,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
+    ) -> AsyncGenerator[_Output, None]:
+        """Queue an add (a request id and its fields, or a ready AddRequest, already validated) and
+        yield the request's outputs."""
+        if isinstance(request_id, AddRequest):
+            item = request_id
+        else:
+            assert prompt_token_ids is not None
+            self.core.validate(prompt_token_ids, params)
+            item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
+        request_id = item.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if params is not None and params.structured_outputs is not None:
+        if item.params is not None and item.params.structured_outputs is not None:
             assert isinstance(self.core, LLMEngine)
             # Compiled in a worker thread: this request waits for its grammar, the others step on.
-            await asyncio.to_thread(self.core.compile_constraint, params.structured_outputs)
-        self._admit(len(prompt_token_ids))
+            await asyncio.to_thread(self.core.compile_constraint, item.params.structured_outputs)
+        self._admit(item.num_tokens)
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
         # Arrival is now: time spent here until the next step applies the add counts as queue time.
-        self._pending.add(
-            AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
-        )
+        self._pending.add(item)
         self._wake()
         finished = False
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
+                got = await queue.get()
+                if isinstance(got, BaseException):
                     finished = True
-                    raise item
-                if item.error is not None:
+                    raise got
+                if got.error is not None:
                     finished = True
-                    raise RequestError(item.error)
-                finished = item.finished
-                yield item
+                    raise RequestError(got.error)
+                finished = got.finished
+                yield got
                 if finished:
                     return
         finally:
@@ -259,13 +296,24 @@ class AsyncLLMEngine:
         if self._add_hook is not None:
             self._add_hook(item)
         try:
-            self.core.add_request(
-                item.request_id,
-                item.prompt_token_ids,
-                item.params,
-                item.prompt,
-                arrival_time=item.arrival_time,
-            )
+            if item.choices is not None:
+                assert isinstance(self.core, LLMEngine), "checked by score()"
+                self.core.add_score_request(
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.choices,
+                    item.num_top_logprobs,
+                    item.prompt,
+                    arrival_time=item.arrival_time,
+                )
+            else:
+                self.core.add_request(
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.params,
+                    item.prompt,
+                    arrival_time=item.arrival_time,
+                )
         except InvalidRequestError as e:
             queue.put_nowait(e)
         except Exception as e:  # a bug while adding one request fails that request only

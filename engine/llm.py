@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model).generate(prompts, params)` runs the engine loop to completion in-process."""
+"""Offline API: `LLM(model).generate(prompts, params)` runs the engine loop to completion in-process;
+`LLM.score(prompt, choices)` gives each choice's probability as the continuation of the prompt."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Sequence
 from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
+from engine.core.scoring import Normalize, ScoreResult, summarize_scores
 from engine.llm_engine import LLMEngine
+from engine.text.score_inputs import Choice, build_score_inputs
 
 Prompt = str | list[int]
 
@@ -51,15 +54,53 @@ class LLM:
                     request_id, token_ids, dataclasses.replace(p, output_kind="final"), text
                 )
                 added.append(request_id)
-            results: dict[str, RequestOutput] = {}
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
+            results = self._run()
         finally:
             for request_id in added:
                 self.engine.abort_request(request_id)
         return [results[i] for i in ids]
+
+    def score(
+        self,
+        prompt: Prompt | None,
+        choices: Sequence[Choice],
+        *,
+        messages: list[dict[str, str]] | None = None,
+        normalize: Normalize = "sum",
+        include_end_of_turn: bool = False,
+        top_logprobs: int = 0,
+    ) -> ScoreResult:
+        """How likely each choice is as the continuation of `prompt` (or, with `prompt=None` and
+        `messages`, as the assistant's reply): the context is prefilled once and every choice is
+        scored from its KV blocks. Text follows lm-evaluation-harness's loglikelihood tokenization."""
+        inputs = build_score_inputs(
+            self.tokenizer,
+            list(choices),
+            prompt=prompt,
+            messages=messages,
+            include_end_of_turn=include_end_of_turn,
+        )
+        request_id = "offline-score"
+        text = prompt if isinstance(prompt, str) else None
+        self.engine.add_score_request(
+            request_id, inputs.context_token_ids, inputs.choice_token_ids, top_logprobs, text
+        )
+        try:
+            output = self._run()[request_id]
+        finally:
+            self.engine.abort_request(request_id)
+        if output.error is not None:
+            raise RuntimeError(f"scoring failed: {output.error}")
+        return summarize_scores(output, inputs.choice_texts, normalize, top_logprobs)
+
+    def _run(self) -> dict[str, RequestOutput]:
+        """Step the engine until every request has finished; their final outputs by request id."""
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return results
 
     def chat(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None

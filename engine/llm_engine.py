@@ -199,6 +199,60 @@ class LLMEngine:
         self.groups[request_id] = group
         self.scheduler.add_group(group)
 
+    def validate_score(self, context_token_ids: list[int], choices: list[list[int]]) -> None:
+        """Check a score request against this model: a context, 1+ non-empty choices, and the context
+        plus the longest choice within the model length and the KV pool."""
+        check_token_ids(context_token_ids, self.vocab_size, "prompt")
+        if not choices:
+            raise InvalidRequestError("choices is empty: give at least one choice", "choices")
+        for i, choice in enumerate(choices):
+            if not choice:
+                raise InvalidRequestError(
+                    f"choices[{i}] is empty: give at least one token", "choices"
+                )
+            check_token_ids(choice, self.vocab_size, "choices")
+        longest = max(len(c) for c in choices)
+        total = len(context_token_ids) + longest
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the "
+                f"context ({len(context_token_ids)} tokens) plus the longest choice ({longest} tokens) "
+                f"is {total} tokens. Please shorten the context or the choices.",
+                param="choices",
+            )
+        needed = self.kv.blocks_needed(total)
+        if needed > self.kv.num_blocks:
+            raise ContextLengthError(
+                f"This request needs {needed} KV cache blocks ({total} tokens) but the pool holds only "
+                f"{self.kv.num_blocks}; shorten it or start the server with a larger KV cache.",
+                param="choices",
+            )
+
+    def add_score_request(
+        self,
+        request_id: str,
+        context_token_ids: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Score each choice as the continuation of the context: one prompt-only sequence per choice
+        (context + choice) with prompt logprobs over the choice, nothing sampled. Choice 0 leads and
+        prefills the context; the others start from its context blocks, shared by reference. The
+        finished output has one CompletionOutput per choice (token ids and their logprobs; the top
+        `num_top_logprobs` of each position too)."""
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate_score(context_token_ids, choices)
+        group = RequestGroup.for_scoring(
+            request_id, context_token_ids, choices, num_top_logprobs, prompt
+        )
+        if arrival_time is not None:
+            group.metrics.arrival_time = arrival_time
+        self.groups[request_id] = group
+        self.scheduler.add_group(group)
+
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
         if group is None:
@@ -224,7 +278,7 @@ class LLMEngine:
             m = s.seq.group.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-                stats.num_new_prompt_tokens += len(s.seq.group.prompt_token_ids)
+                stats.num_new_prompt_tokens += s.seq.group.num_prompt_tokens
         try:
             result = self.runner.execute(sched, self.eos_token_ids)
         except Exception as e:  # a failure of the whole batch: fail these requests, keep the engine

@@ -1,13 +1,14 @@
 """Turns a step's sampled tokens into request progress: appends tokens, advances grammar matchers,
 applies the stop rules (EOS, stop tokens, stop strings, a finished constraint, lengths), detokenizes,
-and builds RequestOutputs (final, delta or cumulative, with best_of ranking)."""
+and builds RequestOutputs (final, delta or cumulative, with best_of ranking; a score request's choices
+with their token logprobs)."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -34,9 +35,8 @@ class OutputProcessor:
             if seq.status.finished:
                 continue
             touched[group.request_id] = group
-            if seq.seq_id in result.prompt_logprobs and group.prompt_logprobs is not None:
-                first, rows = result.prompt_logprobs[seq.seq_id]
-                group.prompt_logprobs[first : first + len(rows)] = rows
+            if seq.seq_id in result.prompt_logprobs:
+                self._store_prompt_logprobs(seq, *result.prompt_logprobs[seq.seq_id])
             if seq.seq_id in result.errors:
                 self._fail_group(group, result.errors[seq.seq_id])
                 continue
@@ -55,6 +55,19 @@ class OutputProcessor:
             if group.finished:
                 stats.finished.append(self._finished_stats(group, now))
         return list(touched.values())
+
+    @staticmethod
+    def _store_prompt_logprobs(seq: Sequence, first: int, rows: list[TokenLogprob]) -> None:
+        """Rows for positions first.. (a recompute after preemption sends some again): a score
+        sequence keeps its choice's, the leader of an echo request the prompt's."""
+        group = seq.group
+        if seq.score_start is not None:
+            at = first - seq.score_start
+            assert 0 <= at <= len(seq.logprobs), "score rows arrive in order"
+            seq.logprobs[at : at + len(rows)] = rows
+            seq.cumulative_logprob = sum(lp.logprob for lp in seq.logprobs)
+        elif group.prompt_logprobs is not None:
+            group.prompt_logprobs[first : first + len(rows)] = rows
 
     def _append_token(
         self, seq: Sequence, token_id: int, logprob, now: float, stats: StepStats
@@ -115,13 +128,14 @@ class OutputProcessor:
         return FinishedRequestStats(
             group.request_id,
             reason,
-            len(group.prompt_token_ids),
+            group.num_prompt_tokens,
             sum(s.num_output_tokens for s in group.seqs),
             group.num_cached_tokens,
             m.arrival_time,
             m.first_scheduled_time,
             m.first_token_time,
             now,
+            kind=group.kind,
         )
 
     # -- outputs ---------------------------------------------------------------------------------
@@ -140,6 +154,8 @@ class OutputProcessor:
                 metrics=group.metrics,
                 error=group.error,
             )
+        if group.kind == "score":
+            return self._score_output(group) if finished else None
         best_of = user_params.num_samples > user_params.n
         if (kind == "final" or best_of) and not finished:
             return None
@@ -166,6 +182,31 @@ class OutputProcessor:
             completions,
             finished,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=group.metrics,
+        )
+
+    @staticmethod
+    def _score_output(group: RequestGroup) -> RequestOutput:
+        """One CompletionOutput per choice: its tokens and their logprobs given the context (text is
+        left to the caller, which knows how the choice was given)."""
+        choices = [
+            CompletionOutput(
+                index=seq.index,
+                text="",
+                token_ids=seq.token_ids[seq.score_start :],
+                logprobs=list(seq.logprobs),
+                finish_reason=seq.status.finish_reason,
+                cumulative_logprob=seq.cumulative_logprob,
+            )
+            for seq in group.seqs
+        ]
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            choices,
+            True,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
         )

@@ -28,12 +28,15 @@ from server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, require_task
+from server.serving_score import create_score
 from server.state import ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
@@ -134,6 +137,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = _state(request)
     require_task(state.require_engine(), "generate")
     return await create_chat_completion(body, request, state)
+
+
+@router.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES)
+async def score(body: ScoreRequest, request: Request) -> Response:
+    """Each choice's probability as the continuation of the prompt (or the chat's next reply)."""
+    state = _state(request)
+    require_task(state.require_engine(), "generate")
+    return await create_score(body, request, state)
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)

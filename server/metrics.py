@@ -35,6 +35,7 @@ STEP_LATENCY_BUCKETS = (
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_KINDS = ("prefill", "decode", "mixed")
 SUCCESS_REASONS = ("stop", "length")  # aborted and failed requests are not successes
+REQUEST_KINDS = ("generate", "score")
 UNMATCHED_ROUTE = "unmatched"  # one label for every unknown path, so cardinality stays bounded
 
 
@@ -97,6 +98,12 @@ class ServerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.requests = Counter(
+            "kvserve_requests",
+            "Requests the engine finished, by kind (generate, score) and finish reason.",
+            ["kind", "finish_reason"],
+            registry=r,
+        )
         self.requests_rejected = Counter(
             "kvserve_requests_rejected",
             "Requests refused by admission control (answered 429).",
@@ -145,6 +152,8 @@ class ServerMetrics:
         # Known label values exist from the start, so rate() and dashboards see them before traffic.
         for reason in SUCCESS_REASONS:
             self.request_success.labels(reason)
+            for request_kind in REQUEST_KINDS:
+                self.requests.labels(request_kind, reason)
         for kind in STEP_KINDS:
             self.step_duration.labels(kind)
 
@@ -179,6 +188,7 @@ class ServerMetrics:
             self._on_finished(finished)
 
     def _on_finished(self, f: FinishedRequestStats) -> None:
+        self.requests.labels(f.kind, f.finish_reason).inc()
         if f.finish_reason not in SUCCESS_REASONS:
             return
         self.request_success.labels(f.finish_reason).inc()

@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI API: completions, chat, embeddings, models; tokenize/detokenize.
+"""Pydantic models of the OpenAI API: completions, chat, embeddings, models; tokenize/detokenize; score.
 
 Requests are strict: wrong types, out-of-range values and unknown fields are 400s, and OpenAI fields that
 kvserve does not implement are typed `None` so that any real value is rejected with the field's name.
@@ -252,6 +252,24 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: None = None
 
 
+class ScoreRequest(StrictModel):
+    """POST /v1/score: how likely each choice is as the continuation of a context."""
+
+    model: str | None = None
+    # The context: exactly one of a prompt (text or token ids) and chat messages (checked by the route).
+    prompt: str | TokenIds | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    # At least one; the most is the server's --max-score-choices (checked by the route).
+    choices: (
+        Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    normalize: Literal["sum", "mean"] | None = "sum"
+    include_end_of_turn: bool | None = False
+    token_logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    user: str | None = None
+
+
 class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
@@ -432,6 +450,42 @@ class EmbeddingResponse(OpenModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+class ScoreTopLogprob(OpenModel):
+    token: str
+    token_id: int
+    logprob: float
+
+
+class ScoreChoice(OpenModel):
+    index: int
+    text: str
+    logprob: float  # log P(choice | context)
+    mean_logprob: float
+    probability: float  # softmax over the choices (by sum or mean logprob): they sum to 1
+    num_tokens: int
+    is_greedy: bool
+    token_logprobs: list[float] | None = (
+        None  # with token_logprobs: true, one per token of `tokens`
+    )
+    tokens: list[str] | None = None
+
+
+class ScoreUsage(OpenModel):
+    prompt_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ScoreResponse(OpenModel):
+    object: Literal["score"] = "score"
+    id: str
+    created: int
+    model: str
+    choices: list[ScoreChoice]
+    top_logprobs: list[ScoreTopLogprob] | None = None  # with top_logprobs: k
+    usage: ScoreUsage
 
 
 class ModelCard(OpenModel):

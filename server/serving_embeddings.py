@@ -31,8 +31,9 @@ def require_task(engine: EngineClient, task: str) -> None:
         return
     if served == "embed":
         message = (
-            "This server runs an embedding model: use POST /v1/embeddings. Text generation "
-            "(/v1/completions, /v1/chat/completions) needs a server started with a generative model."
+            "This server runs an embedding model: use POST /v1/embeddings. Text generation and "
+            "scoring (/v1/completions, /v1/chat/completions, /v1/score) need a server started with "
+            "a generative model."
         )
     else:
         message = (

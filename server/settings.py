@@ -144,6 +144,12 @@ OPTIONS: tuple[Option, ...] = (
         choices=("auto", *TOOL_PARSERS),
     ),
     Option(
+        "max-score-choices",
+        "server.max_score_choices",
+        _int,
+        "most choices one /v1/score request may hold",
+    ),
+    Option(
         "dtype",
         "model.dtype",
         str,

@@ -22,12 +22,15 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     tool_call_parser: str = "auto"  # auto: from the chat template (see engine.text.tool_parsers)
+    max_score_choices: int = 64  # choices one /v1/score request may hold
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024")
+        if self.max_score_choices < 1:
+            raise ValueError("max_score_choices must be at least 1")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must not be negative")
         if self.api_key is not None and not self.api_key:

@@ -1,4 +1,5 @@
 """The torch-free core: engine config, sampling params and the request checks, request state, the
 scheduler, KV block bookkeeping, and the contract types the stages hand each other (scheduler output,
 runner output, request output, step stats, pending adds/aborts, engine snapshots, request errors, the
-EngineCore and EngineClient protocols). Nothing here imports torch, so its tests run in milliseconds."""
+EngineCore and EngineClient protocols, score results). Nothing here imports torch, so its tests run in
+milliseconds."""

@@ -59,6 +59,18 @@ class EngineClient(Protocol):
         ...
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput: ...
+    async def score(
+        self,
+        request_id: str,
+        context_token_ids: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+    ) -> RequestOutput:
+        """Every choice scored as the continuation of the context (one CompletionOutput each, with
+        its tokens' logprobs); InvalidRequestError for bad input or an embedding engine."""
+        ...
+
     async def abort(self, request_id: str) -> None: ...
 
     # -- health and state --------------------------------------------------------------------------

@@ -134,10 +134,13 @@ class KVCacheManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the start of `seq`'s tokens exactly. At least the last token is always
-        left to compute, since its logits are needed."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        left to compute (its logits are needed), and so is every position whose prompt logprobs are
+        wanted."""
+        if not self.enable_prefix_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = seq.num_reusable_tokens // self.block_size
+        if max_blocks == 0:
+            return []
         hits: list[int] = []
         parent = ROOT_NODE
         for tokens in self._full_block_tokens(seq, max_blocks)[:max_blocks]:
@@ -148,15 +151,36 @@ class KVCacheManager:
             parent = self.pool.block_nodes[block_id]
         return hits
 
-    def leader_prefix(self, seq: Sequence) -> list[int]:
-        """For a follower sample (n > 1) with prefix caching off: the leader's full prompt blocks,
-        shared by reference so the prompt is prefilled once per request either way."""
+    def sibling_prefix(self, seq: Sequence) -> list[int]:
+        """For a follower (n > 1 samples, or a score choice) with prefix caching off: the computed blocks
+        of the group's shared prompt held by a sibling (the leader, or a follower that took them), shared
+        by reference so the prompt is prefilled once per request either way."""
         if seq.index == 0:
             return []
-        leader = seq.group.seqs[0]
-        table = self.block_tables.get(leader.seq_id, [])
-        num_blocks = min(leader.num_computed_tokens, seq.num_tokens - 1) // self.block_size
-        return table[:num_blocks]
+        limit = min(seq.num_reusable_tokens, len(seq.group.prompt_token_ids))
+        best: list[int] = []
+        for other in seq.group.seqs:
+            table = self.block_tables.get(other.seq_id)
+            if other is seq or not table:
+                continue
+            num_blocks = min(other.num_computed_tokens, limit) // self.block_size
+            if num_blocks > len(best):
+                best = table[:num_blocks]
+        return best
+
+    def share_prefix(self, seq: Sequence, source: Sequence) -> None:
+        """Give a waiting follower references to `source`'s computed blocks of the group's shared prompt
+        now, so they outlive `source` (a score leader ends with its prefill)."""
+        assert seq.num_computed_tokens == 0 and seq.seq_id not in self.block_tables
+        limit = min(seq.num_reusable_tokens, len(seq.group.prompt_token_ids))
+        num_blocks = min(source.num_computed_tokens, limit) // self.block_size
+        blocks = self.block_tables.get(source.seq_id, [])[:num_blocks]
+        if not blocks:
+            return
+        for block_id in blocks:
+            self.pool.touch(block_id)
+        self.block_tables[seq.seq_id] = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         if not self.enable_prefix_caching:

@@ -15,6 +15,14 @@ class AddRequest:
     params: SamplingParams | None  # None for an embedding input
     prompt: str | None  # the text, when the caller gave text
     arrival_time: float  # time.monotonic() when the caller submitted it
+    # A score request: the continuations of the prompt to score (None: generation or embedding).
+    choices: list[list[int]] | None = None
+    num_top_logprobs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Input tokens: the prompt, plus every choice of a score request."""
+        return len(self.prompt_token_ids) + sum(len(c) for c in self.choices or [])
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +44,7 @@ class PendingWork:
     def add(self, item: AddRequest) -> None:
         self._items.append(item)
         self.num_adds += 1
-        self.num_add_tokens += len(item.prompt_token_ids)
+        self.num_add_tokens += item.num_tokens
 
     def abort(self, request_id: str) -> None:
         self._items.append(AbortRequest(request_id))

@@ -1,11 +1,13 @@
-"""Request state (no torch): a request group of one or more sampled sequences and their progress."""
+"""Request state (no torch): a request group of one or more sequences and their progress. A generation
+group samples `n` sequences of one prompt; a score group holds one prompt-only sequence per choice
+(context + choice), scored over the choice's tokens and never sampled."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.core.outputs import RequestMetrics, TokenLogprob
 from engine.core.sampling_params import SamplingParams
@@ -67,6 +69,8 @@ class Sequence:
     num_emitted_tokens: int = 0
     final_emitted: bool = False  # its finish_reason has been sent (delta outputs)
     num_preemptions: int = 0
+    # Score groups: the first scored position (the choice's first token); its logprobs go to `logprobs`.
+    score_start: int | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -88,18 +92,40 @@ class Sequence:
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """The first prompt position whose next-token logprobs are wanted (None: none): a score
+        sequence's last context token, or the start of an echoed prompt (sample 0 only)."""
+        if self.score_start is not None:
+            return self.score_start - 1
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            return 0
+        return None
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Leading tokens whose KV may come from other sequences' blocks: all but the last token, and
+        none from where prompt logprobs are wanted (those positions must be computed)."""
+        limit = self.num_tokens - 1
+        logprobs_from = self.prompt_logprobs_from
+        return limit if logprobs_from is None else min(limit, logprobs_from)
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
 
+RequestKind = Literal["generate", "score"]
+
+
 @dataclass(eq=False)
 class RequestGroup:
-    """A client request: one prompt, `params.num_samples` sequences. Sequence 0 leads: the others start
-    after it has prefilled the prompt, so they find the prompt's KV blocks in the prefix cache."""
+    """A client request: one prompt, `params.num_samples` sequences (a score group: one per choice).
+    Sequence 0 leads: the others start after it has prefilled the prompt, so they reuse the prompt's KV
+    blocks (from the prefix cache, or by reference to the leader's blocks)."""
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the prefix every sequence of the group shares (a score's context)
     params: SamplingParams  # what the sampler uses (best_of adds logprobs=0 to rank samples)
     max_output_tokens: int  # max_tokens resolved against the model length
     user_params: SamplingParams | None = None  # as the caller asked; None means the same as params
@@ -111,6 +137,28 @@ class RequestGroup:
     prompt_logprobs_emitted: bool = False
     followers_released: bool = False
     error: str | None = None
+    kind: RequestKind = "generate"
+
+    @classmethod
+    def for_scoring(
+        cls,
+        request_id: str,
+        context: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+    ) -> RequestGroup:
+        """A score group: per choice a prompt-only sequence (context + choice) whose prompt logprobs
+        cover the choice, max_tokens 0 so nothing is sampled; choice 0 leads and prefills the context."""
+        params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=num_top_logprobs)
+        group = cls(request_id, prompt, list(context), params, 0, kind="score")
+        for i, choice in enumerate(choices):
+            tokens = list(context) + list(choice)
+            seq = Sequence(
+                f"{request_id}/{i}", group, i, tokens, len(tokens), score_start=len(context)
+            )
+            group.seqs.append(seq)
+        return group
 
     @property
     def finished(self) -> bool:
@@ -124,3 +172,11 @@ class RequestGroup:
     @property
     def num_cached_tokens(self) -> int:
         return self.seqs[0].num_cached_tokens if self.seqs else 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Input tokens of the request: the prompt, plus every scored choice of a score group."""
+        shared = len(self.prompt_token_ids)
+        return shared + sum(
+            s.num_prompt_tokens - shared for s in self.seqs if s.score_start is not None
+        )

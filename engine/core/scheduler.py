@@ -30,9 +30,8 @@ class ScheduledSeq:
     start_pos: int  # position of the first new token (= tokens already computed)
     block_table: list[int]
     needs_sample: bool  # this chunk reaches the sequence's last token, so a token is sampled
-    prompt_logprobs_rows: (
-        int  # new tokens (from the first) whose next-prompt-token logprobs are wanted
-    )
+    prompt_logprobs_rows: int  # new tokens whose next-prompt-token logprobs are wanted
+    prompt_logprobs_offset: int = 0  # new tokens before the first of those rows
 
     @property
     def is_decode(self) -> bool:
@@ -71,8 +70,12 @@ class Scheduler:
         if group.followers_released:
             return
         group.followers_released = True
+        leader = group.seqs[0]
         for seq in reversed(group.seqs[1:]):
             if not seq.status.finished:
+                if group.max_output_tokens == 0:
+                    # The leader ends with this prefill (scoring): take its prompt blocks now.
+                    self.kv.share_prefix(seq, leader)
                 self.waiting.appendleft(seq)
 
     @property
@@ -96,6 +99,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):
+                if self._drop_waiting_blocks(seq):
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -128,11 +133,14 @@ class Scheduler:
                 break  # FCFS from here: a blocked sequence has let enough others go first
             seq = self.waiting[i]
             cached_blocks: list[int] = []
-            if seq.num_computed_tokens == 0:
-                cached_blocks = self.kv.find_cached_prefix(seq) or self.kv.leader_prefix(seq)
+            looked_up = seq.num_computed_tokens == 0  # not a follower already holding shared blocks
+            if looked_up:
+                cached_blocks = self.kv.find_cached_prefix(seq) or self.kv.sibling_prefix(seq)
             num_cached = len(cached_blocks) * self.kv.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, num_new, cached_blocks):
+                if i == 0 and self._drop_waiting_blocks(seq):
+                    continue  # retry: a waiting follower gave its shared blocks back
                 i += 1
                 if i >= BYPASS_WINDOW:
                     break
@@ -141,7 +149,7 @@ class Scheduler:
                 self.bypassed[b.seq_id] = self.bypassed.get(b.seq_id, 0) + 1
             del self.waiting[i]
             self.bypassed.pop(seq.seq_id, None)
-            if seq.status is SequenceStatus.WAITING:  # first admission (not a resumed preemption)
+            if seq.status is SequenceStatus.WAITING and looked_up:  # first admission, a real lookup
                 self.kv.record_prefix_query(seq.num_tokens, num_cached)
                 seq.num_cached_tokens = num_cached
             seq.num_computed_tokens += num_cached
@@ -155,11 +163,26 @@ class Scheduler:
         start = seq.num_computed_tokens
         end = start + num_new
         needs_sample = end == seq.num_tokens and seq.group.max_output_tokens > 0
-        rows = 0
-        if seq.params.prompt_logprobs is not None and seq.index == 0:
-            # Row j predicts token start+j+1; only prompt tokens are wanted.
-            rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
-        return ScheduledSeq(seq, num_new, start, self.kv.get_block_table(seq), needs_sample, rows)
+        rows = offset = 0
+        logprobs_from = seq.prompt_logprobs_from
+        if logprobs_from is not None:
+            # Row j predicts token first+j+1; only prompt tokens are wanted.
+            first = max(start, logprobs_from)
+            rows = max(0, min(end, seq.num_prompt_tokens - 1) - first)
+            offset = first - start if rows else 0
+        table = self.kv.get_block_table(seq)
+        return ScheduledSeq(seq, num_new, start, table, needs_sample, rows, offset)
+
+    def _drop_waiting_blocks(self, needy: Sequence) -> bool:
+        """Free the shared blocks a waiting follower holds (the newest first) so `needy` can run; the
+        follower recomputes them later. Without this, followers waiting behind a sequence that needs
+        the whole pool would hold it up forever. False when no waiting sequence holds blocks."""
+        for seq in reversed(self.waiting):
+            if seq is not needy and self.kv.get_block_table(seq):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                return True
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -16,6 +16,7 @@ class FinishedRequestStats:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float
+    kind: str = "generate"  # "generate" or "score"
 
 
 @dataclass

@@ -126,7 +126,8 @@ class ModelRunner:
         offset = 0
         for s in scheduled:
             if s.prompt_logprobs_rows:
-                self._prompt_logprobs(s, hidden[offset : offset + s.prompt_logprobs_rows], out)
+                first = offset + s.prompt_logprobs_offset
+                self._prompt_logprobs(s, hidden[first : first + s.prompt_logprobs_rows], out)
             if s.needs_sample:
                 sample_idx.append(offset + s.num_new_tokens - 1)
                 sample_seqs.append(s)
@@ -206,7 +207,7 @@ class ModelRunner:
             return
 
     def _prompt_logprobs(self, s: ScheduledSeq, hidden: torch.Tensor, out: RunnerOutput) -> None:
-        start = s.start_pos
+        start = s.start_pos + s.prompt_logprobs_offset
         n = hidden.shape[0]
         targets = torch.tensor(
             s.seq.token_ids[start + 1 : start + 1 + n], dtype=torch.int64, device=self.device

@@ -1,2 +1,3 @@
 """Text in and out: the tokenizer with its chat template, the incremental detokenizer, structured-output
-grammars (llguidance), tool-call formats and parsers, and tool-use planning over chat templates."""
+grammars (llguidance), tool-call formats and parsers, tool-use planning over chat templates, and a
+score request's token ids (lm-evaluation-harness's context/continuation split)."""

@@ -95,6 +95,18 @@ class Tokenizer:
     ) -> list[int]:
         """Render messages (role + content, tool calls) and `tools` with the chat template and
         tokenize the result."""
+        text = self.render_chat_template(messages, add_generation_prompt, tools)
+        # The rendered text already holds any BOS the template wants, like transformers does.
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text for `messages` and `tools` (tokenize it with
+        add_special_tokens=False)."""
         if not self.chat_template:
             raise InvalidRequestError(
                 "this model has no chat template; pass one with --chat-template "
@@ -115,8 +127,7 @@ class Tokenizer:
                 f"the chat template rejected these messages: {exc}", "messages"
             ) from exc
         assert isinstance(text, str)
-        # The rendered text already holds any BOS the template wants, like transformers does.
-        return self.encode(text, add_special_tokens=False)
+        return text
 
     def token_bytes(self, ids: list[int]) -> list[list[int]]:
         """Raw UTF-8 bytes of each token on its own (OpenAI's `bytes` logprob field)."""

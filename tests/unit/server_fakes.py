@@ -134,6 +134,27 @@ class FakeEngine(FakeClientBase):
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
         raise InvalidRequestError("this fake generates text")
 
+    async def score(
+        self,
+        request_id: str,
+        context_token_ids: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+    ) -> RequestOutput:
+        """Token t scores -t/100; it is the most likely one when even."""
+        outs = [
+            CompletionOutput(
+                i,
+                "",
+                list(c),
+                [TokenLogprob(t, -t / 100, 1 if t % 2 == 0 else 2) for t in c],
+                "length",
+            )
+            for i, c in enumerate(choices)
+        ]
+        return RequestOutput(request_id, prompt, list(context_token_ids), outs, True)
+
     async def generate(
         self,
         request_id: str,
@@ -241,4 +262,14 @@ class FakeEmbeddingClient(FakeClientBase):
         params: SamplingParams,
         prompt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
+        raise InvalidRequestError("this fake embeds text")
+
+    async def score(
+        self,
+        request_id: str,
+        context_token_ids: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+    ) -> RequestOutput:
         raise InvalidRequestError("this fake embeds text")

@@ -26,6 +26,7 @@ COUNTERS_AND_GAUGES = {
     "kvserve_prompt_tokens_total",
     "kvserve_generation_tokens_total",
     "kvserve_request_success_total",
+    "kvserve_requests_total",
     "kvserve_requests_rejected_total",
     "kvserve_num_preemptions_total",
     "kvserve_http_requests_total",
