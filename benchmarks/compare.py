@@ -1,16 +1,22 @@
-"""Side-by-side serving benchmark: start kvserve and a peer (default `transformers serve
---continuous-batching`) on loopback on the same model folder and dtype, run the same workloads on each
-one after the other, and print every figure with the kvserve/peer ratio."""
+"""Side-by-side serving benchmark: start kvserve and a peer (`transformers serve --continuous-batching`
+on the same model folder and dtype, or llama.cpp's `llama-server` on the bundled GGUF file) on loopback,
+run the same workloads on each, alternating peers level by level and round by round in one run, and
+print every figure (medians over rounds) with the kvserve/peer ratio and the CPU's flags."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import math
+import os
+import platform
 import shlex
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -54,6 +60,7 @@ class Target:
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    polls_when_idle: bool = False  # burns CPU while idle: never kept running beside another
 
 
 def kvserve_target(model_dir: str, dtype: str, port: int, extra_args: str) -> Target:
@@ -85,6 +92,42 @@ def transformers_target(
         ignore_eos=False,
         extra_body={"generation_config": json.dumps(gen)},
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        polls_when_idle=True,  # its continuous-batching loop spins (~30% of a core) while idle
+    )
+
+
+def llama_cpp_target(
+    binary: str, gguf: str, port: int, max_concurrency: int, max_len: int, threads: int,
+    extra_args: list[str],
+) -> Target:  # fmt: skip
+    """llama.cpp's server with one slot per concurrent request; its context is split evenly across
+    slots, so each gets `max_len` tokens. `ignore_eos` is one of its sampling fields."""
+    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--parallel", str(max_concurrency), "--ctx-size", str(max_concurrency * max_len)]
+    argv += ["--threads", str(threads), "--threads-batch", str(threads), *extra_args]
+    return Target("llama.cpp", argv=argv)
+
+
+def cpu_summary() -> str:
+    """The CPU model, its SIMD flags that matter to kernels, and torch's detected capability."""
+    model, flags = platform.processor() or platform.machine(), set[str]()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "asimd")
+    shown = [f for f in wanted if f in flags]
+    capability = "unknown"
+    with contextlib.suppress(ImportError, AttributeError):
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"CPU {model}, {os.cpu_count()} logical cores, flags: {' '.join(shown) or 'none of interest'}"
+        f"{'' if 'avx512f' in flags else ' (no AVX-512)'}; torch CPU capability {capability}"
     )
 
 
@@ -93,57 +136,108 @@ def num_requests_for(concurrency: int, requested: int | None) -> int:
     return requested if requested else max(4, 2 * concurrency)
 
 
-def run_target(
-    target: Target, args: argparse.Namespace, log_dir: Path, port: int
-) -> dict[str, dict[str, Any]]:
-    """Start the target (if ours), run each concurrency level, stop it; results keyed by concurrency."""
-    results: dict[str, dict[str, Any]] = {}
+def run_level(
+    target: Target, base_url: str, concurrency: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One concurrency level against a running target: its metrics, or {"error": ...}."""
+    config = BenchConfig(
+        base_url=base_url,
+        endpoint=args.endpoint,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_requests=num_requests_for(concurrency, args.num_requests),
+        max_seconds=args.max_seconds,
+        concurrency=concurrency,
+        ignore_eos=target.ignore_eos,
+        extra_body=target.extra_body,
+        tokenizer=args.model_dir,
+        warmup=args.warmup,
+        progress=not args.no_progress,
+    )
+    logger.info("%s: concurrency %d, %d requests", target.name, concurrency, config.num_requests)
+    try:
+        m = run_benchmark(config)
+    except (RuntimeError, OSError) as e:  # keep the other levels' figures
+        logger.error("%s c=%d failed: %s", target.name, concurrency, e)
+        return {"error": str(e)}
+    logger.info(
+        "%s c=%d: %.1f output tok/s, TTFT median %.0f ms, ITL median %.1f ms, failed %d",
+        target.name,
+        concurrency,
+        m["output_throughput"],
+        m["ttft_ms"]["median"],
+        m["itl_ms"]["median"],
+        m["failed"],
+    )
+    return m
 
-    def workloads(base_url: str) -> None:
-        for concurrency in args.concurrency:
-            config = BenchConfig(
-                base_url=base_url,
-                endpoint=args.endpoint,
-                input_len=args.input_len,
-                output_len=args.output_len,
-                num_requests=num_requests_for(concurrency, args.num_requests),
-                max_seconds=args.max_seconds,
-                concurrency=concurrency,
-                ignore_eos=target.ignore_eos,
-                extra_body=target.extra_body,
-                tokenizer=args.model_dir,
-                warmup=args.warmup,
-                progress=not args.no_progress,
-            )
-            logger.info(
-                "%s: concurrency %d, %d requests", target.name, concurrency, config.num_requests
-            )
-            try:
-                m = run_benchmark(config)
-            except (RuntimeError, OSError) as e:  # keep the other levels' figures
-                logger.error("%s c=%d failed: %s", target.name, concurrency, e)
-                results[str(concurrency)] = {"error": str(e)}
+
+def run_interleaved(
+    targets: list[Target], args: argparse.Namespace, log_dir: Path
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every round runs every level on every target, the first target alternating by round, so slow
+    drifts in machine load hit all of them alike. Servers that idle quietly (kvserve, llama.cpp) are
+    all started once and take turns level by level; if one polls while idle, each round starts one
+    server at a time instead. Returns name -> level -> one metrics dict per round."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {t.name: {} for t in targets}
+    together = not any(t.polls_when_idle and t.url is None for t in targets)
+    with contextlib.ExitStack() as stack:
+        urls = _start_all(targets, args, log_dir, stack) if together else {}
+        for rnd in range(args.rounds):
+            order = targets if rnd % 2 == 0 else targets[::-1]  # neither always goes first
+            if together:
+                for concurrency in args.concurrency:
+                    for target in order:
+                        if target.name in urls:
+                            m = run_level(target, urls[target.name], concurrency, args)
+                            runs[target.name].setdefault(str(concurrency), []).append(m)
                 continue
-            results[str(concurrency)] = m
-            logger.info(
-                "%s c=%d: %.1f output tok/s, TTFT median %.0f ms, ITL median %.1f ms, failed %d",
-                target.name,
-                concurrency,
-                m["output_throughput"],
-                m["ttft_ms"]["median"],
-                m["itl_ms"]["median"],
-                m["failed"],
-            )
+            for target in order:
+                with contextlib.ExitStack() as one:
+                    url = _start_all([target], args, log_dir, one).get(target.name, "")
+                    for concurrency in args.concurrency if url else []:
+                        m = run_level(target, url, concurrency, args)
+                        runs[target.name].setdefault(str(concurrency), []).append(m)
+    return runs
 
-    if target.url:
-        workloads(target.url)
-        return results
-    assert target.argv is not None
-    with ServerProcess(target.name, target.argv, port, log_dir, target.env) as server:
-        startup = server.wait_healthy(timeout=args.startup_timeout)
+
+def _start_all(
+    targets: list[Target], args: argparse.Namespace, log_dir: Path, stack: contextlib.ExitStack
+) -> dict[str, str]:
+    """Base URL of every target that is running or started healthy (stopped when `stack` closes)."""
+    urls: dict[str, str] = {}
+    for target in targets:
+        if target.url:
+            urls[target.name] = target.url
+            continue
+        port = free_port()
+        argv = _with_port(target, port).argv or []
+        try:
+            server = stack.enter_context(
+                ServerProcess(target.name, argv, port, log_dir, target.env)
+            )
+            startup = server.wait_healthy(timeout=args.startup_timeout)
+        except (RuntimeError, OSError) as e:
+            logger.error("%s failed to start: %s", target.name, e)
+            continue
         logger.info("%s healthy after %.1fs", target.name, startup)
-        workloads(server.base_url)
-    return results
+        urls[target.name] = server.base_url
+    return urls
+
+
+def median_metrics(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per figure, the median over the rounds that succeeded (an error if none did)."""
+    ok = [m for m in rounds if "error" not in m]
+    if not ok:
+        return {"error": rounds[0]["error"] if rounds else "no run"}
+    merged: dict[str, Any] = {"rounds": len(ok)}
+    for _, key, stat in FIGURES:
+        if stat is None:
+            merged[key] = statistics.median(float(m[key]) for m in ok)
+        else:
+            values = [float(m[key].get(stat, math.nan)) for m in ok]
+            merged.setdefault(key, {})[stat] = statistics.median(values)
+    return merged
 
 
 def format_comparison(results: dict[str, dict[str, dict[str, Any]]], peer: str) -> str:
@@ -181,7 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, help="model folder or .gguf (default: the bundled SmolLM2)"
     )
-    p.add_argument("--dtype", default="bfloat16", help="dtype for both servers (bf16, fp32, ...)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="dtype for kvserve (and the transformers peer): auto (kvserve's default), bf16, fp32, ...",
+    )
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -192,7 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument(
-        "--peer", choices=("transformers", "none"), default="transformers", help="peer to start"
+        "--peer",
+        choices=("transformers", "llama.cpp", "none"),
+        default=None,
+        help="peer to start (default: llama.cpp when --llama-server is given, else transformers)",
+    )
+    p.add_argument(
+        "--llama-server", default=None, help="path of a llama.cpp `llama-server` binary to start"
+    )
+    p.add_argument(
+        "--gguf", default=None, help="GGUF file for llama.cpp (default: the bundled SmolLM2 GGUF)"
+    )
+    p.add_argument(
+        "--peer-threads", type=int, default=None, help="llama.cpp threads (default: all cores)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="repeat every level, alternating peers; medians shown"
     )
     p.add_argument(
         "--peer-url", default=None, help="an already running OpenAI-compatible peer instead"
@@ -230,6 +343,18 @@ def _targets(args: argparse.Namespace) -> tuple[list[Target], str]:
     if args.peer_url:
         name = args.peer_name or "peer"
         targets.append(Target(name, url=args.peer_url, ignore_eos=not args.peer_no_ignore_eos))
+    elif args.peer == "llama.cpp":
+        if not args.llama_server:
+            raise ValueError("--peer llama.cpp needs --llama-server PATH (a llama-server binary)")
+        gguf = args.gguf or str(_bundled_gguf())
+        max_len = args.input_len + args.output_len + 64  # prompt + output + template slack
+        threads = args.peer_threads or os.cpu_count() or 1
+        extra = shlex.split(args.peer_args)
+        targets.append(
+            llama_cpp_target(
+                args.llama_server, gguf, 0, max(args.concurrency), max_len, threads, extra
+            )
+        )
     elif args.peer == "transformers":
         sizing = transformers_cb_args(
             max(args.concurrency), args.input_len + args.output_len + 64, args.max_batch_tokens
@@ -240,12 +365,18 @@ def _targets(args: argparse.Namespace) -> tuple[list[Target], str]:
     return targets, peer
 
 
+def _bundled_gguf() -> Path:
+    from engine.models.loader import find_bundled_model
+
+    return find_bundled_model()
+
+
 def _with_port(target: Target, port: int) -> Target:
     if target.argv is None:
         return target
     argv = list(target.argv)
     argv[argv.index("--port") + 1] = str(port)
-    return Target(target.name, argv, target.url, target.ignore_eos, target.extra_body, target.env)
+    return dataclasses.replace(target, argv=argv)
 
 
 def _raise_on_sigterm() -> None:
@@ -259,32 +390,43 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.peer is None:
+        args.peer = "llama.cpp" if args.llama_server else "transformers"
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if not args.concurrency or min(args.concurrency) < 1 or args.rounds < 1:
+            raise ValueError("--concurrency needs levels >= 1 and --rounds must be >= 1")
+        if args.llama_server and not os.access(args.llama_server, os.X_OK):
+            raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
         args.model_dir = _resolve_model_dir(args.model)
+        targets, peer = _targets(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     _raise_on_sigterm()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvserve-compare-"))
-    targets, peer = _targets(args)
-    results: dict[str, dict[str, dict[str, Any]]] = {}
-    status = 0
-    for target in targets:
-        try:  # one server at a time: they would otherwise share the same cores
-            port = free_port()
-            results[target.name] = run_target(_with_port(target, port), args, log_dir, port)
-        except (RuntimeError, OSError) as e:
-            logger.error("%s failed: %s", target.name, e)
-            status = 1
+    cpu = cpu_summary()
+    logger.info("%s", cpu)
+    runs = run_interleaved(targets, args, log_dir)
+    results = {
+        name: {level: median_metrics(rounds) for level, rounds in levels.items()}
+        for name, levels in runs.items()
+    }
+    status = 0 if all(results.values()) else 1  # a target that never started has no levels
     print(format_comparison(results, peer))
-    print(f"\nmodel {args.model_dir}, dtype {args.dtype}, server logs in {log_dir}")
+    print(
+        f"\nmodel {args.model_dir}, kvserve dtype {args.dtype}, medians of {args.rounds} "
+        f"round(s), server logs in {log_dir}\n{cpu}"
+    )
     if args.json_out:
         payload = {
             "model": args.model_dir,
             "dtype": args.dtype,
             "peer": peer,
+            "cpu": cpu,
+            "rounds": args.rounds,
             "results": results,
+            "runs": runs,
             "ratios": _ratios(results, peer),
         }
         Path(args.json_out).write_text(json.dumps(payload, indent=2))

@@ -1,7 +1,9 @@
 """Paged attention: write a step's K/V into the block pool by slot mapping, then attend over each
 sequence's cached context. Backends are chosen once: flash-attn on CUDA when installed and the block
 size lets it read the cache in place, else Triton kernels (engine.executor.triton_attention) on
-CUDA, else the torch SDPA reference (CPU, and CUDA without triton)."""
+CUDA; on CPU a C++ decode kernel that reads the paged cache in place (engine.executor.cpu_kernels;
+prefill chunks use SDPA); else the torch SDPA reference (CUDA without triton, CPU without the
+kernels)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.executor import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("sdpa", "triton", "flash")
+BACKENDS = ("sdpa", "triton", "flash", "cpu")
 FLASH_BLOCK_SIZE = 256  # flash-attn reads a paged cache in place only for multiples of this
 
 
@@ -158,6 +162,23 @@ def paged_attention(
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns q's shape.
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
+    return attend_cached(q, k, v, kv_cache, meta, scale)
+
+
+def uses_cpu_kernels(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this step runs the C++ CPU backend (then models may call its fused layer ops)."""
+    return (meta.backend or attention_backend(device.type, dtype, meta.block_size)) == "cpu"
+
+
+def attend_cached(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention after this step's K/V are already in the cache (see write_kv)."""
     backend = meta.backend or attention_backend(q.device.type, q.dtype, meta.block_size)
     if backend == "triton":
         from engine.executor.triton_attention import paged_attention_triton
@@ -165,7 +186,7 @@ def paged_attention(
         return paged_attention_triton(q, kv_cache, meta, scale)
     if backend == "flash":
         return _flash_attention(q.contiguous(), kv_cache, meta, scale)
-    return _sdpa_attention(q, k, v, kv_cache, meta, scale)
+    return _sdpa_attention(q, k, v, kv_cache, meta, scale, in_place_decode=backend == "cpu")
 
 
 @functools.cache
@@ -174,7 +195,8 @@ def attention_backend(device_type: str, dtype: torch.dtype, block_size: int | No
     BERT). KVSERVE_ATTENTION_BACKEND=auto|sdpa|triton|flash overrides the automatic choice:
     flash-attn when installed, on float16/bfloat16, and the block size is a multiple of 256
     (in place; forced with other sizes it gathers the context each layer); else triton on CUDA;
-    else sdpa. triton also runs on CPU under TRITON_INTERPRET=1 (slow; for tests)."""
+    else, on CPU, cpu (the C++ kernels, when they built); else sdpa, the pure-torch path everywhere.
+    triton also runs on CPU under TRITON_INTERPRET=1 (slow; for tests)."""
     requested = os.environ.get("KVSERVE_ATTENTION_BACKEND", "auto")
     if requested not in ("auto", *BACKENDS):
         raise ValueError(
@@ -193,6 +215,12 @@ def attention_backend(device_type: str, dtype: torch.dtype, block_size: int | No
             "KVSERVE_ATTENTION_BACKEND=triton needs the triton package and CUDA "
             "(or TRITON_INTERPRET=1 on CPU)"
         )
+    cpu_ok = device_type == "cpu" and requested in ("auto", "cpu") and cpu_kernels.available()
+    if requested == "cpu" and not cpu_ok:
+        raise ValueError(
+            "KVSERVE_ATTENTION_BACKEND=cpu needs a CPU device and the C++ CPU kernels "
+            "(built by scripts/install.sh; see the log for why they did not load)"
+        )
     in_place = block_size is None or block_size % FLASH_BLOCK_SIZE == 0
     if requested != "auto":
         backend = requested
@@ -200,6 +228,8 @@ def attention_backend(device_type: str, dtype: torch.dtype, block_size: int | No
         backend = "flash"
     elif device_type == "cuda" and triton_ok and block_size is not None:
         backend = "triton"
+    elif cpu_ok:
+        backend = "cpu"
     else:
         backend = "sdpa"
     if backend == "flash" and not in_place:
@@ -240,10 +270,19 @@ def _sdpa_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    in_place_decode: bool = False,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_decodes = meta.num_decode_seqs
-    if num_decodes:
+    if in_place_decode and num_decodes == meta.num_seqs:  # a pure decode step: one kernel call
+        return cpu_kernels.paged_decode_attention(
+            q, kv_cache, meta.block_tables, meta.seq_lens, scale
+        )
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    if num_decodes and in_place_decode:  # reads the paged cache in place, no gathered copy
+        out[:num_decodes] = cpu_kernels.paged_decode_attention(
+            q[:num_decodes], kv_cache, meta.block_tables, meta.seq_lens, scale
+        )
+    elif num_decodes:
         out[:num_decodes] = _sdpa_decode(q[:num_decodes], kv_cache, meta, scale)
     start = num_decodes  # decodes own one token each, so they fill the first rows
     for i in range(num_decodes, meta.num_seqs):

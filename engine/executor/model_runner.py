@@ -12,12 +12,12 @@ from engine.core.config import ModelConfig
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.executor.attention import (
-    AttentionMetadata,
     allocate_kv_cache,
     attention_backend,
     triton_importable,
 )
 from engine.executor.cuda_graphs import CudaGraphRunner
+from engine.executor.input_batch import InputBatch
 from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.models.quantization import quantize_model
 from engine.text.structured import GrammarCompiler, bitmask_words
@@ -74,6 +74,7 @@ class ModelRunner:
             device,
         )
         self.sampler = Sampler()
+        self.input_batch = InputBatch(block_size, device)
         self.cuda_graphs: CudaGraphRunner | None = None
         if use_graphs:
             max_blocks = -(-model.max_position_embeddings // block_size)
@@ -87,33 +88,11 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
 
-    # -- inputs ------------------------------------------------------------------------------
-    def _prepare(
-        self, scheduled: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for s in scheduled:
-            start, end = s.start_pos, s.start_pos + s.num_new_tokens
-            input_ids.extend(s.seq.token_ids[start:end])
-            positions.extend(range(start, end))
-        dev = self.device
-        meta = AttentionMetadata.from_lists(
-            [s.num_new_tokens for s in scheduled],
-            [s.start_pos + s.num_new_tokens for s in scheduled],
-            [s.block_table for s in scheduled],
-            self.block_size,
-            dev,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta
-
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
         scheduled = sched.scheduled
-        ids, pos, meta = self._prepare(scheduled)
+        ids, pos, meta = self.input_batch.prepare(scheduled)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(ids, pos, meta)  # [num_seqs, hidden]
         else:
@@ -138,17 +117,7 @@ class ModelRunner:
         if len(sample_idx) < hidden.shape[0]:  # a pure decode step samples every row as it is
             hidden = hidden[torch.tensor(sample_idx, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [n, vocab]
-        rows = [
-            SamplingRow(
-                params=s.seq.params,
-                prompt_token_ids=s.seq.token_ids[: s.seq.num_prompt_tokens],
-                output_token_ids=s.seq.output_token_ids,
-                generator=s.seq.generator,
-                eos_token_ids=eos_token_ids,
-                constrained=s.seq.matcher is not None,
-            )
-            for s in sample_seqs
-        ]
+        rows = [self.input_batch.sampling_row(s.seq, eos_token_ids) for s in sample_seqs]
         self._sample(logits, rows, sample_seqs, out)
         return out
 

@@ -41,12 +41,24 @@ class SamplingRow:
     """One sequence to sample this step (built by the runner)."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far, before this step's token
+    token_ids: list[int]  # the sequence's live list: prompt, then output so far (never copied)
+    num_prompt_tokens: int
     generator: torch.Generator | None  # per-sequence generator when params.seed is set
     eos_token_ids: frozenset[int]  # suppressed (with stop_token_ids) while output < min_tokens
     # Structured outputs: the row's bitmask row applies (the grammar, not min_tokens, decides the end).
     constrained: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:  # a copy: only penalties need it
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:  # generated so far, before this step's token
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -240,7 +252,7 @@ def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
             return False
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             return False
-        if len(row.output_token_ids) < p.min_tokens:
+        if row.num_output_tokens < p.min_tokens:
             return False
     return True
 
@@ -259,7 +271,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     row_idx: list[int] = []
     token_idx: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens and not row.constrained:
+        if row.num_output_tokens < row.params.min_tokens and not row.constrained:
             banned = row.eos_token_ids.union(row.params.stop_token_ids)
             ids = [t for t in banned if t < vocab_size]
             row_idx += [i] * len(ids)
@@ -288,7 +300,7 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _needs_adjustment(rows: list[SamplingRow]) -> bool:
     return any(
-        len(r.output_token_ids) < r.params.min_tokens
+        r.num_output_tokens < r.params.min_tokens
         or r.params.logit_bias
         or r.params.repetition_penalty != 1.0
         or r.params.presence_penalty != 0.0
@@ -313,7 +325,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     if not selected:
         return
     device = logits.device
-    lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in selected]
+    lists = [rows[i].token_ids for i in selected]
     sel_rows, tokens, _ = _unique_tokens(lists, logits.shape[1], device)
     if tokens.numel() == 0:
         return

@@ -8,13 +8,19 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.executor.attention import AttentionMetadata, paged_attention
+from engine.executor import cpu_kernels
+from engine.executor.attention import (
+    AttentionMetadata,
+    attend_cached,
+    paged_attention,
+    uses_cpu_kernels,
+)
 from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -117,6 +123,28 @@ class LlamaDecoderLayer(nn.Module):
         return post(self, h, out)
 
 
+def _fused_layer(
+    layer: LlamaDecoderLayer,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],  # [n, head_dim // 2] each
+    h: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """The CPU-kernel layer: one-pass RMSNorms, rotary fused with the KV-cache write, paged
+    attention in place; the same values as the torch ops, in fewer passes and dispatches."""
+    attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    n, d = h.shape[0], attn.head_dim
+    qkv = linear(cpu_kernels.rms_norm(h, norm1.weight, norm1.eps), attn.qkv_weight, attn.qkv_bias)
+    cpu_kernels.rope_write_kv(
+        qkv, *cos_sin, kv_cache, meta.slot_mapping, attn.num_heads, attn.num_kv_heads
+    )
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=1)
+    q = q.view(n, attn.num_heads, d)
+    k, v = k.view(n, attn.num_kv_heads, d), v.view(n, attn.num_kv_heads, d)
+    h = h + attn.project_out(attend_cached(q, k, v, kv_cache, meta, attn.scale))
+    return h + layer.mlp(cpu_kernels.rms_norm(h, norm2.weight, norm2.eps))
+
+
 def _pre_attention(
     layer: LlamaDecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,6 +202,12 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [num_tokens] int64 -> [num_tokens, hidden_size]
         h = F.embedding(input_ids, self.embed_tokens.weight)
         rope = self.rotary.lookup(positions)
+        fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
+        if fused and uses_cpu_kernels(meta, h.device, h.dtype):
+            cos_sin = (rope[0].squeeze(1), rope[1].squeeze(1))  # [n, head_dim // 2]
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h = _fused_layer(cast(LlamaDecoderLayer, layer), cos_sin, h, kv_cache, meta)
+            return cpu_kernels.rms_norm(h, self.norm.weight, self.norm.eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv_cache, meta, self.dense)
         return self.norm(h)

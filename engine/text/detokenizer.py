@@ -1,6 +1,7 @@
 """Incremental detokenization of one output sequence, with stop strings and stream hold-back.
 
-Decoding uses a small window of tokens (prefix offset / read offset), so each token costs O(1).
+Byte-level tokenizers step `tokenizers`' DecodeStream (one Rust call per token); others decode a
+small window of tokens (prefix offset / read offset) twice per token. Both cost O(1) per token.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._sent_offset = 0  # chars of `text` already returned by take_delta
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stream_step = tokenizer.decode_stream(context, skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Consume new tokens; return the stop string if one now matched, else None."""
@@ -68,6 +70,13 @@ class IncrementalDetokenizer:
 
     def _decode_pending(self, final: bool) -> str:
         """Text of tokens past read_offset, or "" while it ends in an incomplete character."""
+        if self._stream_step is not None and not final:
+            chunk = self._stream_step(self._tokens[-1])  # the token just appended
+            if not chunk:
+                return ""
+            self._prefix_offset = self._read_offset  # the same window the decode path keeps
+            self._read_offset = len(self._tokens)
+            return chunk
         tokens, prefix, read = self._tokens, self._prefix_offset, self._read_offset
         decode = self.tokenizer.decode
         prefix_text = decode(tokens[prefix:read], self.skip_special_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,23 @@ class Tokenizer:
         )
         assert isinstance(text, str)
         return text
+
+    def decode_stream(
+        self, context_ids: list[int], skip_special_tokens: bool
+    ) -> Callable[[int], str | None] | None:
+        """A step function over `tokenizers`' DecodeStream (one Rust call per token: the new text,
+        or None while a character is incomplete), for byte-level tokenizers, where its text equals
+        decode()'s; None where that agreement is not established (the caller decodes windows)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or self._decoder_kind != "byte_level":
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        except (ImportError, TypeError):  # tokenizers < 0.22 has no DecodeStream(ids=...)
+            return None
+        return lambda token_id: stream.step(backend, token_id)
 
     def apply_chat_template(
         self,

@@ -7,7 +7,17 @@ import random
 import pytest
 import torch
 
+from engine.executor import cpu_kernels
 from engine.executor.attention import AttentionMetadata, allocate_kv_cache, paged_attention
+
+# "cpu" is the C++ decode kernel reading the paged cache in place; "sdpa" the pure-torch fallback.
+CPU_BACKENDS = [
+    "sdpa",
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built"),
+    ),
+]
 
 
 def dense_reference(q, k_ctx, v_ctx, query_len, scale):
@@ -22,7 +32,9 @@ def dense_reference(q, k_ctx, v_ctx, query_len, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim=8):
+def run_step(
+    rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim=8, backend="sdpa"
+):
     """Fill earlier context into a shuffled paged cache, run one step, compare with the reference."""
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     free = list(range(1, num_blocks))  # block 0 stays unused, like padding
@@ -44,6 +56,7 @@ def run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, hea
         kv_cache[0, blocks, old % block_size] = k_ctx[: len(old)]
         kv_cache[1, blocks, old % block_size] = v_ctx[: len(old)]
     meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size)
+    meta.backend = backend
     q = torch.randn(sum(query_lens), num_heads, head_dim)
     k = torch.cat(
         [kc[s - n :] for (kc, _), n, s in zip(contexts, query_lens, seq_lens, strict=True)]
@@ -62,23 +75,27 @@ def run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, hea
     return kv_cache, tables, contexts
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_mixed_decode_and_prefill_match_dense(block_size, num_heads, num_kv_heads):
+def test_mixed_decode_and_prefill_match_dense(block_size, num_heads, num_kv_heads, backend):
     torch.manual_seed(block_size + num_heads + num_kv_heads)
     rng = random.Random(block_size * 7 + num_kv_heads)
     # 3 decodes (one new token each), then: a fresh prompt, a later chunk, a 1-token chunk.
     query_lens = [1, 1, 1, 9, 5, 1]
     seq_lens = [1, 17, 33, 9, 21, 6]
-    kv_cache, tables, _ = run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads)
+    kv_cache, tables, _ = run_step(
+        rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, backend=backend
+    )
     # The step is read as 3 decodes followed by 3 prefill chunks, not as 6 prefills.
     meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size)
     assert meta.num_decode_seqs == 3
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 12, 17, 18]
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("seed", range(5))
-def test_random_shapes_match_dense(seed):
+def test_random_shapes_match_dense(seed, backend):
     torch.manual_seed(seed)
     rng = random.Random(seed)
     num_kv_heads = rng.choice([1, 2, 4])
@@ -89,14 +106,48 @@ def test_random_shapes_match_dense(seed):
         num_decodes = 1
     query_lens = [1] * num_decodes + [rng.randint(1, 40) for _ in range(num_prefills)]
     seq_lens = [n + rng.choice([0, rng.randint(1, 50)]) for n in query_lens]
-    run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads)
+    head_dim = rng.choice([8, 64, 72])  # 72: the kernel's vector loop plus a tail
+    run_step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim, backend)
 
 
-def test_only_prefill_and_only_decode_steps():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_only_prefill_and_only_decode_steps(backend):
     torch.manual_seed(0)
     rng = random.Random(0)
-    run_step(rng, [7], [7], 4, 4, 2)  # a whole prompt at once
-    run_step(rng, [1, 1], [5, 70], 16, 4, 2)  # decodes only
+    run_step(rng, [7], [7], 4, 4, 2, backend=backend)  # a whole prompt at once
+    run_step(rng, [1, 1], [5, 70], 16, 4, 2, backend=backend)  # decodes only
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_decode_kernel_half_precision_matches_float32(dtype):
+    """The kernel accumulates in float32 whatever the cache dtype: only the inputs' rounding differs."""
+    torch.manual_seed(3)
+    block_size, num_blocks = 16, 12
+    cache = torch.randn(2, num_blocks, block_size, 2, 64)
+    tables = torch.tensor([[3, 7, 1, 0], [2, 5, 9, 11]], dtype=torch.int32)
+    lens = torch.tensor([40, 61], dtype=torch.int32)
+    q = torch.randn(2, 6, 64)
+    ref = cpu_kernels.paged_decode_attention(q, cache, tables, lens, 0.125)
+    low = cpu_kernels.paged_decode_attention(q.to(dtype), cache.to(dtype), tables, lens, 0.125)
+    assert low.dtype == dtype
+    torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+def test_cpu_decode_kernel_is_batch_invariant():
+    """A sequence's output is bitwise the same alone and next to others of other lengths."""
+    torch.manual_seed(5)
+    cache = torch.randn(2, 40, 16, 3, 64)
+    tables = torch.randperm(39, dtype=torch.int32).add(1).view(3, 13)
+    lens = torch.tensor([200, 17, 131], dtype=torch.int32)
+    q = torch.randn(3, 9, 64)
+    batch = cpu_kernels.paged_decode_attention(q, cache, tables, lens, 0.125)
+    for i in range(3):
+        alone = cpu_kernels.paged_decode_attention(
+            q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], 0.125
+        )
+        assert torch.equal(alone[0], batch[i])
 
 
 def test_slot_mapping_writes_land_in_the_right_blocks():
@@ -149,6 +200,10 @@ def test_backend_choice_and_override(monkeypatch):
 
     try:
         attention_backend.cache_clear()
+        expected = "cpu" if cpu_kernels.available() else "sdpa"
+        assert attention_backend("cpu", torch.float32) == expected
+        monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "sdpa")  # the pure-torch path on demand
+        attention_backend.cache_clear()
         assert attention_backend("cpu", torch.float32) == "sdpa"
         monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "flash")
         attention_backend.cache_clear()
@@ -156,7 +211,49 @@ def test_backend_choice_and_override(monkeypatch):
             attention_backend("cpu", torch.bfloat16)
         monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "fast")
         attention_backend.cache_clear()
-        with pytest.raises(ValueError, match="must be auto, sdpa, triton, flash"):
+        with pytest.raises(ValueError, match="must be auto, sdpa, triton, flash, cpu"):
             attention_backend("cpu", torch.float32)
     finally:
         attention_backend.cache_clear()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_and_kv_write_equal_the_torch_ops(dtype):
+    """Rotary inside the fused qkv and the cache write: bitwise what apply_rotary + write_kv give."""
+    from engine.executor.attention import write_kv
+    from engine.models.layers import apply_rotary
+
+    torch.manual_seed(7)
+    n, heads, kv_heads, d = 5, 6, 2, 16
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d).to(dtype)
+    angles = torch.rand(n, d // 2) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([3, 17, 4, 30, 9])
+    cache = torch.zeros(2, 8, 4, kv_heads, d, dtype=dtype)
+    expected_cache = cache.clone()
+    qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+    rotated = apply_rotary(qk, cos[:, None], sin[:, None])
+    v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+    write_kv(rotated[:, heads:], v, expected_cache, slots)
+
+    cpu_kernels.rope_write_kv(qkv, cos, sin, cache, slots, heads, kv_heads)
+    assert torch.equal(qkv[:, : (heads + kv_heads) * d].view_as(rotated), rotated)
+    assert torch.equal(cache, expected_cache)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_the_module(dtype):
+    from engine.models.layers import RMSNorm
+
+    torch.manual_seed(8)
+    norm = RMSNorm(72, 1e-5, dtype, torch.device("cpu"))
+    norm.weight.data.copy_(torch.randn(72))
+    x = (torch.randn(9, 72) * 3).to(dtype)
+    expected = norm(x)
+    got = cpu_kernels.rms_norm(x, norm.weight, 1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    # rows are independent: a row normalizes the same alone
+    assert torch.equal(cpu_kernels.rms_norm(x[3:4], norm.weight, 1e-5)[0], got[3])

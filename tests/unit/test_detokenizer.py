@@ -137,3 +137,57 @@ def test_stop_string_made_of_multibyte_characters(tokenizer: Tokenizer):
     assert matched == "世界"
     assert detok.text == "你好，"
     assert "".join(deltas) == "你好，" and all("\ufffd" not in d for d in deltas)
+
+
+# ---------------------------------------------------------------- DecodeStream agrees with windows
+
+
+def _deltas(tokenizer: Tokenizer, prompt_ids: list[int], ids: list[int], skip: bool, fast: bool):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip, [], False)
+    if not fast:
+        detok._stream_step = None  # the window decode path, as used for other tokenizers
+    deltas = []
+    for token_id in ids:
+        detok.add_tokens([token_id])
+        deltas.append(detok.take_delta(finished=False))
+    deltas.append(detok.take_delta(finished=True))
+    return deltas, detok.text
+
+
+def test_byte_level_tokenizer_uses_decode_stream(tokenizer: Tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [1, 2], True, [], False)
+    assert detok._stream_step is not None
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize(
+    "text,prompt",
+    [
+        (MULTILINGUAL, "Say something:"),
+        ("  leading spaces\n\ttabs and\r\nnewlines  ", ""),
+        ("<|im_start|>assistant\nHi<|im_end|> after", "Q: "),
+        ("ÄÖÜ ß — “quotes” …", "中文"),
+    ],
+)
+def test_decode_stream_deltas_equal_window_decoding(tokenizer: Tokenizer, text, prompt, skip):
+    """Token by token, the DecodeStream path returns exactly the old path's deltas."""
+    ids, prompt_ids = tokenizer.encode(text), tokenizer.encode(prompt)
+    fast, fast_text = _deltas(tokenizer, prompt_ids, ids, skip, fast=True)
+    slow, slow_text = _deltas(tokenizer, prompt_ids, ids, skip, fast=False)
+    assert fast == slow
+    assert fast_text == slow_text == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_stream_agrees_on_random_tokens(tokenizer: Tokenizer, seed: int):
+    """Arbitrary ids (byte fragments, special tokens, broken UTF-8 at the end) decode alike."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(tokenizer.vocab_size) for _ in range(200)]
+    prompt_ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(0, 8))]
+    for skip in (True, False):
+        fast, fast_text = _deltas(tokenizer, prompt_ids, ids, skip, fast=True)
+        slow, slow_text = _deltas(tokenizer, prompt_ids, ids, skip, fast=False)
+        assert fast == slow
+        assert fast_text == slow_text

@@ -24,8 +24,8 @@ def row(
 ) -> SamplingRow:
     return SamplingRow(
         params=params or SamplingParams(temperature=0.0),
-        prompt_token_ids=prompt or [],
-        output_token_ids=output or [],
+        token_ids=[*(prompt or []), *(output or [])],
+        num_prompt_tokens=len(prompt or []),
         generator=generator,
         eos_token_ids=eos,
     )

@@ -1,0 +1,134 @@
+"""Optional C++ CPU kernels (csrc/), compiled once per torch version into the kvserve cache by the
+installer (`python -m engine.executor.cpu_kernels`) or on first use; pure-torch code is the fallback
+wherever the build is not possible (no compiler), so every code path still runs."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_DISABLE_ENV = "KVSERVE_CPU_KERNELS"  # "0" turns the C++ kernels off (pure-torch paths only)
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("KVSERVE_CACHE_DIR")  # the same cache as converted models
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "kvserve"
+    return root / "cpu_kernels"
+
+
+def library_path() -> Path:
+    """Where this source, built against this torch and Python, lives: rebuilt when either changes."""
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{sys.version_info[:2]}|{sysconfig.get_platform()}".encode())
+    return cache_dir() / f"kvserve_cpu_{key.hexdigest()[:16]}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels into the cache (an atomic rename, so concurrent builders are safe)."""
+    target = library_path()
+    if target.exists() and not force:
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++ or g++) found")
+    from torch.utils import cpp_extension
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # No FMA contraction: the fused elementwise kernels must round exactly as torch's ops do.
+    cmd = [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+    cmd += [str(_SOURCE)]
+    cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [f"-L{p}" for p in cpp_extension.library_paths()]
+    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{result.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def available() -> bool:
+    """Load the kernels (building them if needed) once; False, with the reason logged, if not."""
+    if os.environ.get(_DISABLE_ENV, "1") == "0":
+        logger.info("C++ CPU kernels disabled by %s=0; using the pure-torch paths", _DISABLE_ENV)
+        return False
+    try:
+        path = library_path()
+        if not path.exists():
+            logger.info("building the C++ CPU kernels (once per torch version) ...")
+            path = build()
+        torch.ops.load_library(str(path))
+    except (RuntimeError, OSError) as e:
+        logger.warning("C++ CPU kernels unavailable, using the pure-torch paths: %s", e)
+        return False
+    return True
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, heads, d]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, d]
+    block_tables: torch.Tensor,  # [>= B, width] int32
+    seq_lens: torch.Tensor,  # [>= B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, heads, d]
+    return torch.ops.kvserve.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rms-normalized x, x [n, hidden], in one pass per row."""
+    return torch.ops.kvserve.rms_norm(x, weight, eps)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,  # [n, (heads + 2 * kv_heads) * d], rotated in place
+    cos: torch.Tensor,  # [n, d // 2]
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, d]
+    slot_mapping: torch.Tensor,  # [n] int64
+    heads: int,
+    kv_heads: int,
+) -> None:
+    """Rotary on q and k inside the fused qkv, then k and v stored at their cache slots."""
+    torch.ops.kvserve.rope_write_kv(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads)
+
+
+def main() -> int:
+    """Build the kernels now (the installer calls this); exit status 0 even without a compiler."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        path = build(force="--force" in sys.argv)
+    except RuntimeError as e:
+        logger.warning(
+            "kvserve: C++ CPU kernels not built (%s); the pure-torch paths will be used", e
+        )
+        return 0
+    torch.ops.load_library(str(path))
+    logger.info("kvserve: C++ CPU kernels ready at %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+// kvserve's CPU kernels. Paged decode attention: each decode sequence's single query attends over
+// its context read straight from the paged KV cache (no gathered or padded copy); one work item per
+// (sequence, KV head), so a sequence's result never depends on which other sequences share the step.
+// Fused per-row layer ops (RMSNorm; rotary + KV-cache write) that round like the torch ops they
+// replace (products rounded to the model dtype; built with -ffp-contract=off), one pass each.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // independent accumulators: lets the compiler vectorize the dot
+
+// Compiled twice (AVX2+FMA and baseline x86-64); the loader picks the one the CPU runs.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KV_TARGETS __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define KV_TARGETS
+#endif
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+// q [group, d] (float, pre-scaled), k [d] -> scores[g] for one context token
+template <typename T>
+KV_TARGETS void dot_group(const float* q, const T* k, int64_t group, int64_t d, float* out) {
+  float kf[512];
+  for (int64_t i = 0; i < d; ++i) kf[i] = to_f(k[i]);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * d;
+    float acc[kLanes] = {0};
+    int64_t i = 0;
+    for (; i + kLanes <= d; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) acc[j] += qg[i + j] * kf[i + j];
+    float s = 0.f;
+    for (; i < d; ++i) s += qg[i] * kf[i];
+    for (int j = 0; j < kLanes; ++j) s += acc[j];
+    out[g] = s;
+  }
+}
+
+// acc[g, :] += p[g] * v[:] for one context token
+template <typename T>
+KV_TARGETS void axpy_group(const float* p, const T* v, int64_t group, int64_t d, float* acc) {
+  float vf[512];
+  for (int64_t i = 0; i < d; ++i) vf[i] = to_f(v[i]);
+  for (int64_t g = 0; g < group; ++g) {
+    float* a = acc + g * d;
+    const float w = p[g];
+    for (int64_t i = 0; i < d; ++i) a[i] += w * vf[i];
+  }
+}
+
+template <typename T>
+void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const int64_t group = heads / kv_heads;
+  // Strides in elements: kv_cache [2, num_blocks, block_size, kv_heads, d] is contiguous.
+  const int64_t s_kv = kv_cache.stride(0), s_block = kv_cache.stride(1), s_tok = kv_cache.stride(2);
+  const int64_t table_width = block_tables.size(1);
+  const T* cache = kv_cache.data_ptr<T>();
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);  // q may be a view into fused qkv
+  T* op = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores, tmp(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[b];
+      const int32_t* table = tables + b * table_width;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qh = qp + b * q_row + (h * group + g) * q_head;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(qh[i]) * fscale;
+      }
+      scores.assign(group * len, 0.f);  // [len, group]
+      for (int64_t t = 0; t < len; ++t) {
+        const T* k = cache + table[t / block_size] * s_block + (t % block_size) * s_tok + h * d;
+        dot_group<T>(qf.data(), k, group, d, scores.data() + t * group);
+      }
+      std::vector<float> mx(group, -std::numeric_limits<float>::infinity()), sum(group, 0.f);
+      for (int64_t t = 0; t < len; ++t)
+        for (int64_t g = 0; g < group; ++g) mx[g] = std::max(mx[g], scores[t * group + g]);
+      for (int64_t t = 0; t < len; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          const float e = std::exp(scores[t * group + g] - mx[g]);
+          scores[t * group + g] = e;
+          sum[g] += e;
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* v =
+            cache + s_kv + table[t / block_size] * s_block + (t % block_size) * s_tok + h * d;
+        axpy_group<T>(scores.data() + t * group, v, group, d, acc.data());
+      }
+      T* ob = op + (b * heads + h * group) * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = len > 0 ? 1.f / sum[g] : 0.f;
+        for (int64_t i = 0; i < d; ++i) ob[g * d + i] = static_cast<T>(acc[g * d + i] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "bad shapes");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache differ in dtype");
+  TORCH_CHECK(kv_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block tables and seq lens must be int32");
+  TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(2) <= 512, "head_dim mismatch or > 512");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
+  auto qc = q.stride(2) == 1 ? q : q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  TORCH_CHECK(tables.size(0) >= qc.size(0) && lens.size(0) >= qc.size(0), "too few sequences");
+  auto out = at::empty({qc.size(0), qc.size(1), qc.size(2)}, qc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(qc, kv_cache, tables, lens, scale, out);
+  });
+  return out;
+}
+
+// -------------------------------------------------------------------------------- RMSNorm
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), the float32 statistics of torch's rms_norm.
+template <typename T>
+KV_TARGETS void rms_norm_row(const T* x, const T* w, int64_t h, float eps, T* out) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= h; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = to_f(x[i + j]);
+      acc[j] += v * v;
+    }
+  float s = 0.f;
+  for (; i < h; ++i) s += to_f(x[i]) * to_f(x[i]);
+  for (int j = 0; j < kLanes; ++j) s += acc[j];
+  const float inv = 1.f / std::sqrt(s / static_cast<float>(h) + eps);
+  for (int64_t k = 0; k < h; ++k) {
+    const T normed = static_cast<T>(to_f(x[k]) * inv);
+    out[k] = static_cast<T>(to_f(w[k]) * to_f(normed));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && weight.dim() == 1, "x [n, h], weight [h]");
+  TORCH_CHECK(x.size(1) == weight.size(0) && x.scalar_type() == weight.scalar_type(), "shapes");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t n = xc.size(0), h = xc.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row<scalar_t>(xp + r * h, wp, h, static_cast<float>(eps), op + r * h);
+    });
+  });
+  return out;
+}
+
+// ------------------------------------------------------------ rotary + KV-cache write
+
+// In place on qkv [n, (heads + 2 * kv_heads) * d]: rotate the q and k heads ("rotate half":
+// x1 * cos - x2 * sin, x2 * cos + x1 * sin, each product rounded to T), then store k and v at
+// their cache slots. cos, sin: [n, d / 2] per token.
+template <typename T>
+void rope_write_kv_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          at::Tensor& kv_cache, const at::Tensor& slots, int64_t heads,
+                          int64_t kv_heads) {
+  const int64_t n = qkv.size(0), d = kv_cache.size(4), half = d / 2;
+  const int64_t row = qkv.stride(0), kv_plane = kv_cache.stride(0);
+  T* base = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t cos_row = cos.stride(0);
+  T* cache = kv_cache.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t slot_stride = kv_heads * d;  // one token of one plane (K or V)
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* x = base + t * row;
+      const T* c = cp + t * cos_row;
+      const T* s = sp + t * cos_row;
+      for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+        T* x1 = x + hd * d;
+        T* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_f(x1[i]), b = to_f(x2[i]), ci = to_f(c[i]), si = to_f(s[i]);
+          const T ac = static_cast<T>(a * ci), bs = static_cast<T>(b * si);
+          const T bc = static_cast<T>(b * ci), as = static_cast<T>(a * si);
+          x1[i] = static_cast<T>(to_f(ac) - to_f(bs));
+          x2[i] = static_cast<T>(to_f(bc) + to_f(as));
+        }
+      }
+      const T* k = x + heads * d;
+      const T* v = k + kv_heads * d;
+      T* kd = cache + slot[t] * slot_stride;
+      std::copy(k, k + slot_stride, kd);
+      std::copy(v, v + slot_stride, kd + kv_plane);
+    }
+  });
+}
+
+void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor kv_cache, const at::Tensor& slot_mapping, int64_t heads,
+                   int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv [n, width] with unit column stride");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "contiguous KV cache expected");
+  const int64_t d = kv_cache.size(4);
+  TORCH_CHECK(d % 2 == 0 && kv_cache.size(3) == kv_heads, "head_dim even, kv heads match");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d, "qkv width != (heads + 2 kv) * d");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d / 2 && cos.stride(1) == 1, "cos [n, d / 2]");
+  TORCH_CHECK(sin.sizes() == cos.sizes() && sin.strides() == cos.strides(), "sin like cos");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && slot_mapping.size(0) == qkv.size(0), "token counts");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots");
+  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type() &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "qkv, cos, sin and the KV cache must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_kv", [&] {
+    rope_write_kv_kernel<scalar_t>(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
+      "Tensor slot_mapping, int heads, int kv_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_write_kv", &rope_write_kv);
+}
