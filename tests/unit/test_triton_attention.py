@@ -16,7 +16,7 @@ if not ON_CUDA:  # must be set before triton is first imported (it fixes how ker
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from engine.executor import triton_attention  # noqa: E402
+from engine.executor import cpu_kernels, triton_attention  # noqa: E402
 from engine.executor.attention import (  # noqa: E402
     AttentionMetadata,
     _sdpa_decode,
@@ -152,7 +152,8 @@ def test_backend_selection(monkeypatch):
         # On CUDA without flash-attn (or with a block size flash-attn cannot read in place): triton.
         if ON_CUDA:
             assert attention_backend("cuda", torch.bfloat16, 16) in ("triton", "flash")
-        assert attention_backend("cpu", torch.float32, 16) == "sdpa"  # CPU default stays SDPA
+        expected = "cpu" if cpu_kernels.available() else "sdpa"  # the C++ kernels, else SDPA
+        assert attention_backend("cpu", torch.float32, 16) == expected
         monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "triton")
         attention_backend.cache_clear()
         if ON_CUDA:
