@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from server.distributed.config import RayConfig
 from server.distributed.deployments import KvserveIngress, KvserveReplica
@@ -33,20 +32,19 @@ def build_application(
         **ray_config.scaling_options(),
     }
     if ray_config.request_router == "prefix":
-        from server.distributed.router import PrefixAffinityRouter
-
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter
-        )
-    replica = serve.deployment(KvserveReplica, name="KvserveReplica", **options)
+        options["request_router_config"] = {
+            "request_router_class": "server.distributed.router.PrefixAffinityRouter"
+        }
+    replica = serve.deployment(name="KvserveReplica", **options)(KvserveReplica)
     ingress = serve.deployment(
-        KvserveIngress,
         name="KvserveIngress",
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000,  # queueing and backpressure belong to the replicas
+    )(KvserveIngress)
+    return ingress.bind(
+        replica.bind(dict(values)), server_config.max_request_body_bytes, server_config.api_key
     )
-    return ingress.bind(replica.bind(dict(values)), server_config.max_request_body_bytes)
 
 
 def build(args: dict[str, Any]) -> Any:

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from server.distributed.asgi_call import ForwardRequest, ResponseStart, call_asgi
 from server.distributed.prefix_index import routing_text
 from server.errors import APIError, service_unavailable
+from server.middleware import key_ok
 
 logger = logging.getLogger(__name__)
 DIRECTORY_NAME = "kvserve-replica-directory"
@@ -55,7 +56,7 @@ def directory() -> Any:
 class KvserveReplica:
     """One kvserve engine and app. `values` are the resolved `kvserve serve` options."""
 
-    async def __init__(self, values: dict[str, Any]) -> None:
+    async def __init__(self, values: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray awaits it
         import uvicorn
 
         from engine import AsyncLLMEngine
@@ -114,13 +115,22 @@ def _error(err: APIError) -> Response:
 class KvserveIngress:
     """HTTP in, one replica call out; no protocol logic lives here (the replica's app has it all)."""
 
-    def __init__(self, replica: Any, max_request_body_bytes: int) -> None:
+    def __init__(self, replica: Any, max_request_body_bytes: int, api_key: str | None) -> None:
         self.replica = replica
         self.max_body = max_request_body_bytes
-        self.http: Any = None
+        self.api_key = api_key
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
+        if path in ("/v1/internal/replicas", "/v1/internal/sd") and not self._authorized(request):
+            return _error(
+                APIError(
+                    "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                    status=401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            )
         if path == "/v1/internal/replicas":
             return JSONResponse({"data": await self._replicas()})
         if path == "/v1/internal/sd":
@@ -173,9 +183,14 @@ class KvserveIngress:
             chunks = [chunk async for chunk in _safe(stream)]
             if any(isinstance(c, APIError) for c in chunks):
                 return _error(next(c for c in chunks if isinstance(c, APIError)))
-            return Response(b"".join(c for c in chunks if isinstance(c, bytes)), start.status, headers)
+            return Response(
+                b"".join(c for c in chunks if isinstance(c, bytes)), start.status, headers
+            )
         headers.pop("content-length", None)
         return StreamingResponse(_sse(stream), status_code=start.status, headers=headers)
+
+    def _authorized(self, request: Request) -> bool:
+        return self.api_key is None or key_ok(request.headers, self.api_key)
 
     async def _replicas(self) -> list[dict[str, Any]]:
         """Registered replicas that still answer on their own port (dead ones are dropped)."""

@@ -36,7 +36,9 @@ def serve_on_ray(
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         app = build_application(values, ray_config, server_config)
-        logger.info("starting kvserve replicas on Ray Serve (router: %s)", ray_config.request_router)
+        logger.info(
+            "starting kvserve replicas on Ray Serve (router: %s)", ray_config.request_router
+        )
         serve.run(app, name="kvserve", route_prefix="/", blocking=False)
         logger.info(
             "serving on http://%s:%d through Ray Serve", server_config.host, server_config.port

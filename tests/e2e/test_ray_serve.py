@@ -53,7 +53,9 @@ def served_requests(replica: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def ray_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def ray_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     env = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     log = tmp_path_factory.mktemp("ray") / "ray.log"
     server = ServerProcess(tiny_llama_dir, ARGS, log, env=env)
@@ -69,7 +71,9 @@ def ray_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 def client(ray_server: ServerProcess):
     import openai
 
-    return openai.OpenAI(base_url=ray_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=ray_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
 
 
 def model_id(client) -> str:
@@ -113,7 +117,8 @@ def test_shared_prefixes_stick_to_the_replica_holding_them(ray_server, client) -
     model = model_id(client)
     topics = ["astronomy", "gardening", "railways", "chemistry"]
     prefixes = [
-        f"You are an expert on {topic}. " + " ".join(f"{topic} fact {i} is notable." for i in range(40))
+        f"You are an expert on {topic}. "
+        + " ".join(f"{topic} fact {i} is notable." for i in range(40))
         for topic in topics
     ]
     prefix_tokens = [
@@ -135,7 +140,8 @@ def test_shared_prefixes_stick_to_the_replica_holding_them(ray_server, client) -
     cached: list[list[int]] = [[] for _ in prefixes]
     with ThreadPoolExecutor(4) as pool:
         for question in range(1, 4):  # rounds of one request per prefix, concurrently
-            for i, got in enumerate(pool.map(lambda p: ask(p, question), prefixes)):
+            asked = pool.map(ask, prefixes, [question] * len(prefixes))
+            for i, got in enumerate(asked):
                 cached[i].append(got)
     for i, n in enumerate(prefix_tokens):
         covered = (n - 1) // 16 * 16  # whole KV blocks of the shared prefix
