@@ -100,3 +100,24 @@ async def test_call_asgi_streams_start_then_body_and_reads_cancel_as_disconnect(
     assert await stream.__anext__() == b"HI"
     await stream.aclose()  # the caller went away
     await asyncio.wait_for(disconnected.wait(), 5)
+
+
+def test_the_serve_config_file_builds_the_application() -> None:
+    pytest.importorskip("ray.serve", reason="needs the ray extra: pip install 'kvserve[ray]'")
+    from pathlib import Path
+
+    import yaml
+
+    from server.distributed.app import build
+
+    config = yaml.safe_load(
+        (Path(__file__).parents[2] / "deploy" / "ray" / "serve-config.yaml").read_text()
+    )
+    (app_config,) = config["applications"]
+    assert app_config["import_path"] == "server.distributed.app:build"
+    app = build(app_config["args"])
+    replica = app._bound_deployment.init_args[0]
+    assert replica._bound_deployment.name == "KvserveReplica"
+    assert replica._bound_deployment._deployment_config.num_replicas == 2
+    with pytest.raises(ValueError, match="replicas"):
+        build({"replicas": -3})
