@@ -24,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ARGS = [
     "--replicas", "2", "--threads", "1", "--replica-cpus", "0.5", "--api-key", API_KEY,
     "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
-    "--max-num-seqs", "16", "--log-level", "warning", "--log-stats-interval", "0",
+    "--max-num-seqs", "4", "--max-queued-requests", "4", "--log-level", "warning", "--log-stats-interval", "0",
 ]  # fmt: skip
 
 
@@ -165,6 +165,26 @@ def test_distinct_prompts_are_served_by_both_replicas(ray_server, client) -> Non
     after = [served_requests(r) for r in found]
     gained = [a - b for a, b in zip(after, before, strict=True)]
     assert sum(gained) == 16 and all(g > 0 for g in gained), gained
+
+
+def test_a_replicas_429_reaches_the_client_with_retry_after(ray_server, client) -> None:
+    model = model_id(client)
+    body = {"model": model, "prompt": "flood", "max_tokens": 60, "ignore_eos": True}
+
+    def post(i: int) -> httpx.Response:
+        payload = {**body, "prompt": f"flood {i}"}
+        return httpx.post(
+            ray_server.url + "/v1/completions", json=payload, headers=AUTH, timeout=120
+        )
+
+    with ThreadPoolExecutor(32) as pool:
+        responses = list(pool.map(post, range(32)))
+    rejected = [r for r in responses if r.status_code == 429]
+    assert rejected and any(r.status_code == 200 for r in responses)
+    assert all(r.status_code in (200, 429) for r in responses)
+    for r in rejected:
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"]
 
 
 def test_killed_replica_fails_its_requests_and_ray_restores_it(ray_server, client) -> None:
