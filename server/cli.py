@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from server.settings import add_serve_arguments, build_configs, resolve
+from server.settings import add_serve_arguments, build_configs, build_ray_config, resolve
 
 if TYPE_CHECKING:
     from engine import EngineClient, EngineConfig
@@ -71,10 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "version")}
     try:
-        engine_config, server_config = build_configs(resolve(cli_values))
+        values = resolve(cli_values)
+        engine_config, server_config = build_configs(values)
+        ray_config = build_ray_config(values)
     except ValueError as e:
         parser.exit(2, f"kvserve serve: error: {e}\n")
     configure_logging(server_config.log_level)
+    if ray_config.enabled:
+        from server.distributed.launch import serve_on_ray
+
+        return serve_on_ray(values, ray_config, server_config)
     return asyncio.run(serve(engine_config, server_config))
 
 

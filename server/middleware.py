@@ -94,7 +94,7 @@ class GuardMiddleware:
                 err = service_unavailable("The server is shutting down.")
                 await _send_error(send, err, {"Connection": "close"})
                 return
-            if config.api_key is not None and not _key_ok(headers, config.api_key):
+            if config.api_key is not None and not key_ok(headers, config.api_key):
                 err = APIError(
                     "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
                     status=401,
@@ -128,7 +128,7 @@ class GuardMiddleware:
             self.state.in_flight -= counted
 
 
-def _key_ok(headers: Headers, api_key: str) -> bool:
+def key_ok(headers: Headers, api_key: str) -> bool:
     auth = headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer":

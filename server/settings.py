@@ -21,6 +21,7 @@ from engine import (
     ModelConfig,
     SchedulerConfig,
 )
+from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
 
 ENV_PREFIX = "KVSERVE_"
@@ -31,6 +32,7 @@ _TARGETS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "engine": EngineConfig,
+    "ray": RayConfig,
 }
 
 
@@ -263,6 +265,51 @@ OPTIONS: tuple[Option, ...] = (
         float,
         "seconds between engine stats log lines (0 disables)",
     ),
+    Option(
+        "replicas",
+        "ray.replicas",
+        _int,
+        "kvserve replicas on Ray Serve, one engine each (needs the ray extra); 0 = this process",
+    ),
+    Option(
+        "ray-address",
+        "ray.ray_address",
+        parse_optional_str,
+        "join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a local one",
+    ),
+    Option("replica-cpus", "ray.replica_cpus", float, "CPUs Ray reserves for each replica"),
+    Option("replica-gpus", "ray.replica_gpus", float, "GPUs Ray reserves for each replica"),
+    Option(
+        "min-replicas",
+        "ray.min_replicas",
+        _optional_int,
+        "autoscaling lower bound; default: 1 when --max-replicas is set",
+    ),
+    Option(
+        "max-replicas",
+        "ray.max_replicas",
+        _optional_int,
+        "autoscaling upper bound; autoscaling is off when unset",
+    ),
+    Option(
+        "target-ongoing-requests",
+        "ray.target_ongoing_requests",
+        float,
+        "autoscaling target of in-flight requests per replica",
+    ),
+    Option(
+        "max-ongoing-requests",
+        "ray.max_ongoing_requests",
+        _int,
+        "in-flight requests Ray sends one replica at most (more wait in Ray's router)",
+    ),
+    Option(
+        "request-router",
+        "ray.request_router",
+        str,
+        "how Ray picks a replica: prefix (prompt-prefix affinity) or pow2 (Ray's default)",
+        choices=ROUTERS,
+    ),
 )
 OPTIONS_BY_DEST = {o.dest: o for o in OPTIONS}
 
@@ -382,3 +429,13 @@ def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig
         **groups["engine"],
     )
     return engine_config, ServerConfig(**groups["server"])
+
+
+def build_ray_config(values: Mapping[str, Any]) -> RayConfig:
+    """The Ray Serve settings (replicas, resources, autoscaling, router); ValueError when bad."""
+    fields = {
+        opt.target.split(".")[1]: values[opt.dest]
+        for opt in OPTIONS
+        if opt.target.startswith("ray.")
+    }
+    return RayConfig(**fields)

@@ -1,0 +1,3 @@
+"""kvserve on Ray Serve: one engine per replica behind an ingress that routes by prompt prefix.
+Imports of `ray` stay inside the modules that need it, so `kvserve serve` without `--replicas`
+never imports Ray (install it with the `ray` extra: `pip install 'kvserve[ray]'`)."""

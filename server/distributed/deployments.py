@@ -1,0 +1,243 @@
+"""The two Ray Serve deployments: `KvserveReplica` (one engine and the whole kvserve FastAPI app,
+driven in-process) and `KvserveIngress` (reads an HTTP request, hands it to a replica through a
+deployment handle whose request router picks the replica, and streams the replica's answer back).
+A replica's own /metrics, /health and stats are also served on a port of its node, listed by the
+ingress at GET /v1/internal/replicas and as Prometheus HTTP service discovery at /v1/internal/sd."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from server.distributed.asgi_call import ForwardRequest, ResponseStart, call_asgi
+from server.distributed.prefix_index import routing_text
+from server.errors import APIError, service_unavailable
+from server.middleware import key_ok
+
+logger = logging.getLogger(__name__)
+DIRECTORY_NAME = "kvserve-replica-directory"
+
+
+@ray.remote(num_cpus=0)
+class ReplicaDirectory:
+    """Replica id -> where its own HTTP port is; replicas register at start, dead ones are pruned."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, dict[str, Any]] = {}
+
+    def register(self, replica_id: str, info: dict[str, Any]) -> None:
+        self.replicas[replica_id] = info
+
+    def unregister(self, replica_id: str) -> None:
+        self.replicas.pop(replica_id, None)
+
+    def list(self) -> dict[str, dict[str, Any]]:
+        return dict(self.replicas)
+
+
+def directory() -> Any:
+    return ReplicaDirectory.options(  # type: ignore[attr-defined]
+        name=DIRECTORY_NAME, namespace="kvserve", get_if_exists=True, lifetime="detached"
+    ).remote()
+
+
+class KvserveReplica:
+    """One kvserve engine and app. `values` are the resolved `kvserve serve` options."""
+
+    async def __init__(self, values: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray awaits it
+        import uvicorn
+
+        from engine import AsyncLLMEngine
+        from server.app import build_app
+        from server.cli import configure_logging
+        from server.settings import build_configs
+
+        engine_config, server_config = build_configs(values)
+        configure_logging(server_config.log_level)
+        self.app = build_app(server_config)
+        engine = await asyncio.to_thread(AsyncLLMEngine.from_config, engine_config)
+        await engine.start()
+        self.app.state.server.engine = engine
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # The same app on a port of this node, for Prometheus and per-replica probes.
+        uv = uvicorn.Config(self.app, host="0.0.0.0", port=0, log_config=None, lifespan="off")
+        sock = uv.bind_socket()
+        self.http = uvicorn.Server(uv)
+        self.http_task = asyncio.create_task(self.http.serve(sockets=[sock]))
+        node_ip = ray.util.get_node_ip_address()
+        self.info = {
+            "replica_id": self.replica_id,
+            "pid": os.getpid(),
+            "node_ip": node_ip,
+            "url": f"http://{node_ip}:{sock.getsockname()[1]}",
+            "started": time.time(),
+        }
+        await directory().register.remote(self.replica_id, self.info)
+
+    async def forward(self, request: ForwardRequest) -> AsyncIterator[ResponseStart | bytes]:
+        async for item in call_asgi(self.app, request):
+            yield item
+
+    def replica_info(self) -> dict[str, Any]:
+        return self.info
+
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising makes Ray replace the replica."""
+        engine = self.app.state.server.engine
+        health = engine.health()
+        if health.state == "dead":
+            raise RuntimeError(f"kvserve engine is dead: {health.error}")
+
+    async def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            await directory().unregister.remote(self.replica_id)
+        with contextlib.suppress(Exception):
+            self.http.should_exit = True
+            await self.app.state.server.engine.shutdown()
+
+
+def _error(err: APIError) -> Response:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class KvserveIngress:
+    """HTTP in, one replica call out; no protocol logic lives here (the replica's app has it all)."""
+
+    def __init__(self, replica: Any, max_request_body_bytes: int, api_key: str | None) -> None:
+        self.replica = replica
+        self.max_body = max_request_body_bytes
+        self.api_key = api_key
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if path in ("/v1/internal/replicas", "/v1/internal/sd") and not self._authorized(request):
+            return _error(
+                APIError(
+                    "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                    status=401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            )
+        if path == "/v1/internal/replicas":
+            return JSONResponse({"data": await self._replicas()})
+        if path == "/v1/internal/sd":
+            return JSONResponse(
+                [
+                    {
+                        "targets": [r["url"].removeprefix("http://")],
+                        "labels": {"replica_id": r["replica_id"]},
+                    }
+                    for r in await self._replicas()
+                ]
+            )
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body:
+                return _error(
+                    APIError(
+                        f"The request body exceeds the limit of {self.max_body} bytes.",
+                        status=413,
+                    )
+                )
+        client = (request.client.host, request.client.port) if request.client else None
+        forward = ForwardRequest(
+            method=request.method,
+            path=path,
+            query_string=request.url.query.encode(),
+            headers=list(request.scope["headers"]),
+            body=bytes(body),
+            client=client,
+            routing_text=routing_text(path, bytes(body)),
+        )
+        stream = self.replica.forward.options(stream=True).remote(forward)
+        try:
+            start = await stream.__anext__()
+        except StopAsyncIteration:
+            return _error(service_unavailable("The replica closed the request without a response."))
+        except Exception as e:  # noqa: BLE001 - the replica died or was unreachable
+            logger.warning("replica call failed: %s", e)
+            return _error(_replica_failed(e))
+        assert isinstance(start, ResponseStart)
+        # Ray's proxy adds its own x-request-id (the same id: the replica echoes the incoming one).
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in start.headers
+            if k.lower() != b"x-request-id"
+        }
+        media = headers.get("content-type", "")
+        if not media.startswith("text/event-stream"):
+            chunks = [chunk async for chunk in _safe(stream)]
+            if any(isinstance(c, APIError) for c in chunks):
+                return _error(next(c for c in chunks if isinstance(c, APIError)))
+            return Response(
+                b"".join(c for c in chunks if isinstance(c, bytes)), start.status, headers
+            )
+        headers.pop("content-length", None)
+        return StreamingResponse(_sse(stream), status_code=start.status, headers=headers)
+
+    def _authorized(self, request: Request) -> bool:
+        return self.api_key is None or key_ok(request.headers, self.api_key)
+
+    async def _replicas(self) -> list[dict[str, Any]]:
+        """Registered replicas that still answer on their own port (dead ones are dropped)."""
+        import httpx
+
+        known: dict[str, dict[str, Any]] = await directory().list.remote()
+        alive = []
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            for replica_id, info in sorted(known.items(), key=lambda kv: kv[1]["started"]):
+                try:
+                    await client.get(info["url"] + "/version")
+                except httpx.HTTPError:
+                    await directory().unregister.remote(replica_id)
+                    continue
+                alive.append(info)
+        return alive
+
+
+def _replica_failed(exc: BaseException) -> APIError:
+    return service_unavailable(
+        f"The kvserve replica serving this request failed ({type(exc).__name__}); "
+        "Ray is replacing it, retry the request."
+    )
+
+
+async def _safe(stream: Any) -> AsyncIterator[bytes | APIError]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as e:  # noqa: BLE001
+        yield _replica_failed(e)
+
+
+async def _sse(stream: Any) -> AsyncIterator[bytes]:
+    """The replica's event stream; a replica that dies mid-stream ends it with an error event."""
+    try:
+        async for item in _safe(stream):
+            if isinstance(item, APIError):
+                yield f"data: {json.dumps(item.body())}\n\n".encode()
+                return
+            yield item
+    finally:
+        with contextlib.suppress(Exception):
+            stream.cancel()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
