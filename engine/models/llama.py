@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] int64 -> [num_tokens, hidden_size]
-        h = F.embedding(input_ids, self.embed_tokens.weight)
+        h = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv_cache, meta, self.dense)
