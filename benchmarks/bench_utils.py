@@ -1,5 +1,6 @@
 """Server processes for the repo's benchmark scripts: started on loopback, logging to a file, always
-stopped. The request driver and statistics live in the installed `server.bench` package."""
+stopped; the CPU line benchmarks print with their figures. The request driver and statistics live in
+the installed `server.bench` package."""
 
 from __future__ import annotations
 
@@ -86,3 +87,16 @@ class ServerProcess:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def cpu_summary() -> str:
+    """One line naming the CPU, torch's vector capability and the flags that decide weight formats."""
+    from engine.models.cpu_features import detect_cpu
+
+    return f"CPU: {detect_cpu().describe()}; torch {torch_version()}"
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_utils import cpu_summary
 from server.bench import load_tokenizer, ratio, synthetic_prompts
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def run_kvserve(
 def _hf_model(model_dir: Path, dtype: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype])
+    torch_dtype = TORCH_DTYPES.get(dtype, torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
     return model.eval()
 
 
@@ -115,7 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, help="model folder or .gguf (default: the bundled SmolLM2)"
     )
-    p.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bfloat16")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", *TORCH_DTYPES),
+        default="auto",
+        help="kvserve's --dtype (auto: its default); transformers runs auto as float32",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("auto", "none", "int8", "int4"),
+        default="auto",
+        help="kvserve's weight format (auto: its default, int8 on x86 CPUs)",
+    )
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128, help="longest prompt in tokens")
     p.add_argument(
@@ -159,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     tokens: dict[str, list[list[int]]] = {}
     if "kvserve" in modes:
+        options = {"quantization": args.quantization, **json.loads(args.engine_options)}
         seconds, tokens["kvserve"] = run_kvserve(
-            model_dir, args.dtype, prompts, args.output_len, json.loads(args.engine_options)
+            model_dir, args.dtype, prompts, args.output_len, options
         )
         results["kvserve"] = {"seconds": seconds}
     hf_modes = [m for m in modes if m.startswith("hf-")]
@@ -190,7 +204,8 @@ def format_report(
     lengths = [len(p) for p in prompts]
     lines = [
         f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.output_len} output "
-        f"tokens each, {args.dtype}, {torch.get_num_threads()} threads",
+        f"tokens each, kvserve dtype {args.dtype} quantization {args.quantization}, "
+        f"{torch.get_num_threads()} threads; {cpu_summary()}",
         f"{'mode':<15}{'seconds':>10}{'out tokens':>12}{'out tok/s':>12}{'kvserve/this':>14}{'same tokens':>13}",
     ]
     kv = results.get("kvserve", {}).get("output_tok_s", float("nan"))

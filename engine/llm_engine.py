@@ -58,9 +58,10 @@ class LLMEngine:
         self.model_dir = model_dir or resolve_model(mc.model, mc.cache_dir)
         self.model_name = model_name or served_model_name(mc.model, self.model_dir)
         torch.manual_seed(mc.seed)
-        loaded = load_model(self.model_dir, mc.dtype, mc.device)
+        loaded = load_model(self.model_dir, mc.dtype, mc.device, mc.quantization)
         self.model = loaded.model
-        prepare_model(self.model, mc)  # threads, quantization, compile
+        quantization = loaded.weight_format.quantization if loaded.weight_format else None
+        prepare_model(self.model, mc, quantization)  # threads, quantization, compile
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)

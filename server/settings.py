@@ -155,8 +155,8 @@ OPTIONS: tuple[Option, ...] = (
         "dtype",
         "model.dtype",
         str,
-        "weight and activation dtype; auto = the checkpoint's (float32 stays float32 on CPU, "
-        "bfloat16 on CUDA)",
+        "activation (and float weight) dtype; auto = float32 on CPU (bfloat16 for a bf16 "
+        "checkpoint on a CPU with native bf16 when not int8), bfloat16 on CUDA",
         choices=DTYPES,
     ),
     Option("device", "model.device", str, "auto, cpu, cuda or cuda:N"),
@@ -197,8 +197,10 @@ OPTIONS: tuple[Option, ...] = (
         "quantization",
         "model.quantization",
         parse_optional_str,
-        "weight-only quantization of the linear weights (CPU kernels)",
-        choices=("none", "int8", "int4"),
+        "weight format: auto = int8 on x86 CPUs with fbgemm (AVX2/AVX-512), else none; int8 = "
+        "per-channel int8 weights, per-row int8 activations (batch-invariant); int4 only where "
+        "its kernel beats int8 (refused otherwise)",
+        choices=("auto", "none", "int8", "int4"),
     ),
     Option(
         "compile",

@@ -9,13 +9,16 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TASKS = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
+QUANTIZATIONS = ("auto", "int8", "int4")  # and "none" (stored as None)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     # A local HF folder, a .gguf file, a hub id already in the local HF cache, or None (bundled default).
     model: str | None = None
-    dtype: str = "auto"  # auto -> bfloat16 on CUDA and on CPUs with native bf16, else float32
+    # auto -> bfloat16 on CUDA; on CPU float32 (the int8 kernels' activations), or a bf16
+    # checkpoint's bfloat16 where the CPU has native bf16 and no int8 format is chosen
+    dtype: str = "auto"
     device: str = "auto"  # auto -> cuda when available, else cpu
     max_model_len: int | None = None  # None -> the model's own maximum
     task: str = "auto"  # auto | generate | embed
@@ -23,7 +26,8 @@ class ModelConfig:
     chat_template: str | None = None  # a file path or an inline Jinja template
     cache_dir: str | None = None  # conversion cache for .gguf models; None -> ~/.cache/kvserve
     seed: int = 0  # torch.manual_seed once at start-up; a request seeds its own samples
-    quantization: str | None = None  # None | int8 | int4 (weight-only); "none" means None
+    # auto: int8 on x86 CPUs with fbgemm (AVX2/AVX-512), else none | none (None) | int8 | int4
+    quantization: str | None = "auto"
     compile: bool = False  # torch.compile the dense part of each layer (slow start-up)
     num_threads: int | None = None  # torch intra-op threads; None -> torch's default
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
@@ -39,8 +43,10 @@ class ModelConfig:
             raise ValueError("max_model_len must be a positive integer")
         if self.quantization == "none":
             object.__setattr__(self, "quantization", None)
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be auto, none, int8 or int4; got {self.quantization!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be at least 1")
 

@@ -25,12 +25,15 @@ from engine.text.structured import GrammarCompiler, bitmask_words
 logger = logging.getLogger(__name__)
 
 
-def prepare_model(model: torch.nn.Module, config: ModelConfig) -> None:
+def prepare_model(
+    model: torch.nn.Module, config: ModelConfig, quantization: str | None = None
+) -> None:
     """Apply the model options that change how the loaded model runs: threads, weight
-    quantization, torch.compile of the dense layer parts."""
+    quantization (the format load_model chose: None, int8 or int4), torch.compile of the dense
+    layer parts."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    quantize_model(model, config.quantization)
+    quantize_model(model, quantization)
     if config.compile:
         compile_dense = getattr(model, "compile_dense", None)
         if compile_dense is None:

@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] int64 -> [num_tokens, hidden_size]
-        h = F.embedding(input_ids, self.embed_tokens.weight)
+        h = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
         fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
         if fused and uses_cpu_kernels(meta, h.device, h.dtype):

@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
+    from engine.models.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class LoadedModel:
     device: torch.device
     max_model_len: int
     eos_token_ids: set[int]
+    weight_format: WeightFormat | None = None  # the quantization chosen for the device and CPU
 
 
 # ---------------------------------------------------------------- bundled models
@@ -235,14 +237,9 @@ def checkpoint_dtype(hf_config: Any) -> str | None:
 
 
 def _cpu_has_native_bf16() -> bool:
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    if "amx" in capability or "bf16" in capability:
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    from engine.models.cpu_features import detect_cpu
+
+    return detect_cpu().native_bf16
 
 
 def resolve_device(device: str) -> torch.device:
@@ -257,11 +254,16 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def load_model(model_dir: Path, dtype: str, device: str) -> LoadedModel:
-    """Build the model class named by config.json and load its weights onto `device`."""
+def load_model(
+    model_dir: Path, dtype: str, device: str, quantization: str | None = "none"
+) -> LoadedModel:
+    """Build the model class named by config.json and load its weights onto `device`, in the dtype
+    of the weight format chosen for `quantization` (packing the weights is `prepare_model`'s job)."""
     from transformers import AutoConfig
 
     from engine.models import get_model_class
+    from engine.models.cpu_features import detect_cpu
+    from engine.models.weight_format import choose_weight_format
 
     model_dir = Path(model_dir)
     config_file = model_dir / "config.json"
@@ -274,7 +276,15 @@ def load_model(model_dir: Path, dtype: str, device: str) -> LoadedModel:
     architectures = getattr(hf_config, "architectures", None) or []
     model_cls = get_model_class(architectures)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device, checkpoint_dtype(hf_config))
+    weight_format = choose_weight_format(
+        quantization, dtype, torch_device, checkpoint_dtype(hf_config)
+    )
+    if torch_device.type == "cpu":
+        logger.info("CPU: %s", detect_cpu().describe())
+    logger.info("weight format: %s (%s)", weight_format.describe(), weight_format.reason)
+    for warning in weight_format.warnings:
+        logger.warning("%s", warning)
+    torch_dtype = weight_format.dtype
     start = time.perf_counter()
     model = model_cls(hf_config, dtype=torch_dtype, device=torch_device)
     model.load_weights(iter_weights(model_dir))
@@ -294,6 +304,7 @@ def load_model(model_dir: Path, dtype: str, device: str) -> LoadedModel:
         device=torch_device,
         max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_token_ids(model_dir, hf_config),
+        weight_format=weight_format,
     )
 
 

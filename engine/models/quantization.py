@@ -1,5 +1,6 @@
-"""Weight-only quantization of a loaded model's linear weights (int8 per channel, int4 per group)
-and the one `linear` every model layer calls, which dispatches to torch's packed-weight kernels."""
+"""Quantization of a loaded model's matmul weights (int8: per-channel weights and per-row activations
+on fbgemm, see int8_linear; int4: weight-only, per group) and the one `linear` every model layer
+calls, which dispatches to the packed kernels."""
 
 from __future__ import annotations
 
@@ -9,33 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.int8_linear import Int8Embedding, Int8Weight
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)  # 32 matches the blocks of GGUF Q4_0/Q4_1
 DEFAULT_INT4_GROUP_SIZE = 32
-
-
-class Int8Weight(nn.Module):
-    """Symmetric per-output-channel int8: w ~= q * scale[:, None], q in [-127, 127]."""
-
-    qweight: torch.Tensor
-    scale: torch.Tensor
-
-    def __init__(self, weight: torch.Tensor) -> None:  # weight: [out, in]
-        super().__init__()
-        w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("qweight", q.contiguous())  # [out, in] int8
-        self.register_buffer("scale", scale.to(weight.dtype))  # [out], the activation dtype
-        self.out_features, self.in_features = weight.shape
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
-
-    def dequantize(self) -> torch.Tensor:  # [out, in] in the scale's dtype
-        return self.qweight.to(self.scale.dtype) * self.scale[:, None]
 
 
 class Int4Weight(nn.Module):
@@ -106,32 +87,44 @@ def quantize_model(
     """Replace the model's linear weights (those named in `model.quantizable_weights()`) by int8 or
     int4 packed weights, in place. Returns the bytes the weights now take (all parameters + buffers)."""
     if method is None:
-        return _weight_bytes(model)
+        return weight_bytes(model)
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be int8 or int4; got {method!r}")
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(
-            f"--quantization {method} uses torch's CPU weight-only kernels; on {device} serve "
-            "bf16/fp16 weights (drop --quantization)"
+            f"--quantization {method} uses CPU kernels; on {device} serve bf16/fp16 weights "
+            "(--quantization none)"
         )
     find_weights = getattr(type(model), "quantizable_weights", None)
     if find_weights is None:
         raise ValueError(f"--quantization is not supported for {type(model).__name__} models")
-    before = _weight_bytes(model)
+    before = weight_bytes(model)
     for owner, attr in find_weights(model):
         weight = getattr(owner, attr)
         quantized = quantize_weight(weight.data, method, group_size)
         if attr in owner._parameters:
             del owner._parameters[attr]
         setattr(owner, attr, quantized)
-    after = _weight_bytes(model)
+    _share_int8_head_with_embedding(model)
+    after = weight_bytes(model)
     logger.info(
         "quantized linear weights to %s: %.0f MB -> %.0f MB", method, before / 1e6, after / 1e6
     )
     return after
 
 
-def _weight_bytes(model: nn.Module) -> int:
+def _share_int8_head_with_embedding(model: nn.Module) -> None:
+    """A head tied to the embedding and packed as int8: lookups then dequantize rows of the same
+    int8 table (no float copy of the table stays in memory)."""
+    head = getattr(model, "lm_head_weight", None)
+    if getattr(model, "tie_word_embeddings", False) and isinstance(head, Int8Weight):
+        dtype = getattr(model, "dtype", torch.float32)
+        model.embed_tokens = Int8Embedding(head, dtype)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter, buffer and packed int8 weight of `model`."""
     tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    packed = sum(m.nbytes for m in model.modules() if isinstance(m, Int8Weight))
+    return packed + sum(t.numel() * t.element_size() for t in tensors)
