@@ -33,16 +33,29 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.protocol_messages import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessageObject,
+    MessagesRequest,
+    MessageTokensCount,
+)
+from server.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, require_task
 from server.serving_score import create_score
+from server.serving_messages import count_tokens, create_message
+from server.serving_responses import create_response, delete_response, retrieve_response
 from server.state import ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
+}
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
 STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
     # Before OpenAPI 3.2 an event stream's schema describes one event: JSON chunks, then "[DONE]".
@@ -147,6 +160,51 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     return await create_score(body, request, state)
 
 
+@router.post(
+    "/v1/responses", response_model=ResponseObject, responses=ERROR_RESPONSES | STREAM_RESPONSE
+)
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API over the chat path; `store` keeps the response for continuation."""
+    state = _state(request)
+    require_task(state.require_engine(), "generate")
+    return await create_response(body, request, state)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERROR_RESPONSES)
+async def get_response(response_id: str, request: Request) -> Response:
+    return retrieve_response(response_id, _state(request))
+
+
+@router.delete(
+    "/v1/responses/{response_id}", response_model=ResponseDeleted, responses=ERROR_RESPONSES
+)
+async def remove_response(response_id: str, request: Request) -> Response:
+    return delete_response(response_id, _state(request))
+
+
+@router.post(
+    "/v1/messages",
+    response_model=MessageObject,
+    responses=ANTHROPIC_ERROR_RESPONSES | STREAM_RESPONSE,
+)
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    """Anthropic's Messages API over the chat path (errors in Anthropic's envelope)."""
+    state = _state(request)
+    require_task(state.require_engine(), "generate")
+    return await create_message(body, request, state)
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=MessageTokensCount,
+    responses=ANTHROPIC_ERROR_RESPONSES,
+)
+async def messages_count_tokens(body: CountTokensRequest, request: Request) -> MessageTokensCount:
+    state = _state(request)
+    require_task(state.require_engine(), "generate")
+    return MessageTokensCount(**count_tokens(body, state))
+
+
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     return await create_embedding(body, request, _state(request))
@@ -217,7 +275,7 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastA
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["X-Request-Id", "Retry-After"],
         )

@@ -1,5 +1,6 @@
-"""The OpenAI error envelope: one exception type, the mapping from engine errors (by exception type,
-never by message text), and FastAPI handlers."""
+"""The error envelopes: one exception type, the mapping from engine errors (by exception type, never by
+message text), and FastAPI handlers that answer in OpenAI's envelope, or in Anthropic's on the Messages
+API paths (`/v1/messages...`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ from engine import (
 )
 
 logger = logging.getLogger(__name__)
+
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+# Anthropic's error types by HTTP status (any other 4xx is invalid_request_error, any other 5xx api_error).
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 # OpenAI request fields that kvserve does not implement: a non-empty value is a 400 naming the field.
 UNSUPPORTED_MESSAGE = "{field!r} is not supported by this server"
@@ -59,8 +73,26 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's envelope: {"type": "error", "error": {"type", "message"}}; the message names the field."""
+        kind = ANTHROPIC_ERROR_TYPES.get(
+            self.status, "invalid_request_error" if self.status < 500 else "api_error"
+        )
+        message = self.message
+        if self.param and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, path: str | None = None) -> JSONResponse:
+        """The error in the envelope of the API that `path` belongs to (OpenAI's unless Anthropic's)."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def is_anthropic_path(path: str | None) -> bool:
+    return path is not None and (
+        path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
+    )
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -252,12 +284,13 @@ def validation_error(errors: list[dict[str, Any]], content_type: str | None = No
 
 async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(list(exc.errors()), request.headers.get("content-type")).response()
+    err = validation_error(list(exc.errors()), request.headers.get("content-type"))
+    return err.response(request.url.path)
 
 
 async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -276,13 +309,13 @@ async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         err = APIError(detail, status=exc.status_code, type=kind)
-    return JSONResponse(
-        err.body(), status_code=err.status, headers=dict(exc.headers or {}) | err.headers
-    )
+    response = err.response(request.url.path)
+    response.headers.update(dict(exc.headers or {}))
+    return response
 
 
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
-    return to_api_error(exc).response()
+    return to_api_error(exc).response(request.url.path)
 
 
 def _document_errors_as_sent(app: FastAPI) -> None:

@@ -1,5 +1,5 @@
 """Pure-ASGI middleware (no BaseHTTPMiddleware, so disconnects and streaming pass through untouched):
-request ids, the drain gate with in-flight counting, the API key and the body-size cap."""
+request ids, the drain gate with in-flight counting, the API key (bearer or x-api-key) and the body-size cap."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class UnhandledErrorMiddleware:
         except Exception as exc:
             if started:
                 raise  # half a response is out: only the server can end the connection
-            await _send_error(send, to_api_error(exc))
+            await _send_error(send, to_api_error(exc), None, scope["path"])
 
 
 class BodyTooLarge(HTTPException):
@@ -92,22 +92,22 @@ class GuardMiddleware:
         if path not in OPEN_PATHS:
             if self.state.draining:
                 err = service_unavailable("The server is shutting down.")
-                await _send_error(send, err, {"Connection": "close"})
+                await _send_error(send, err, {"Connection": "close"}, path)
                 return
             if config.api_key is not None and not key_ok(headers, config.api_key):
                 err = APIError(
-                    "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                    "Incorrect API key provided. Send it as 'Authorization: Bearer <key>' "
+                    "or 'x-api-key: <key>'.",
                     status=401,
                     code="invalid_api_key",
                 )
-                await _send_error(send, err, {"WWW-Authenticate": "Bearer"})
+                await _send_error(send, err, {"WWW-Authenticate": "Bearer"}, path)
                 return
         limit = config.max_request_body_bytes
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _send_error(
-                send, APIError(f"The request body exceeds the limit of {limit} bytes.", status=413)
-            )
+            err = APIError(f"The request body exceeds the limit of {limit} bytes.", status=413)
+            await _send_error(send, err, None, path)
             return
         received = 0
 
@@ -129,6 +129,10 @@ class GuardMiddleware:
 
 
 def key_ok(headers: Headers, api_key: str) -> bool:
+    """The key as a bearer token (OpenAI clients) or in x-api-key (Anthropic clients)."""
+    given = headers.get("x-api-key")
+    if given is not None and hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        return True
     auth = headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer":
@@ -137,9 +141,9 @@ def key_ok(headers: Headers, api_key: str) -> bool:
 
 
 async def _send_error(
-    send: Send, err: APIError, extra_headers: dict[str, str] | None = None
+    send: Send, err: APIError, extra_headers: dict[str, str] | None = None, path: str | None = None
 ) -> None:
-    response = err.response()
+    response = err.response(path)
     for key, value in (extra_headers or {}).items():
         response.headers[key] = value
     await response({"type": "http"}, _no_receive, send)

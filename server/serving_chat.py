@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import InvalidRequestError, RequestOutput, ToolPlan
+from engine import EngineClient, InvalidRequestError, RequestOutput, SamplingParams, ToolPlan
 from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
@@ -63,9 +65,32 @@ def apply_template(
         ) from None
 
 
-async def create_chat_completion(
-    req: ChatCompletionRequest, raw: Request, state: ServerState
-) -> Response:
+@dataclass(frozen=True)
+class ChatGeneration:
+    """A validated chat request ready for the engine: what every chat-shaped API surface runs."""
+
+    model: str
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    num_top: int  # top logprobs per token (0: none)
+    plan: ToolPlan | None = None  # the request's tools: how they are prompted, forced and parsed
+    parallel_tool_calls: bool | None = None
+
+    def open(
+        self, engine: EngineClient, raw: Request | None
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Start the engine request; the outputs stream aborts it when closed or when `raw` disconnects."""
+        streams = start_streams(
+            engine, self.request_id, [(None, self.prompt_ids)], self.params, raw
+        )
+        return merge_outputs(streams, raw)
+
+
+def prepare_chat(
+    req: ChatCompletionRequest, state: ServerState, request_id: str | None = None
+) -> ChatGeneration:
+    """Check a chat request and turn it into prompt token ids and sampling params (400s name the field)."""
     engine = state.require_engine()
     model = state.check_model(req.model)
     tokenizer = engine.tokenizer
@@ -78,7 +103,6 @@ async def create_chat_completion(
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens == 0:
         raise invalid_request(f"{param} must be at least 1 for chat completions", param)
-    n = req.n or 1
     constraint = request_constraint(req)
     plan = tool_plan(
         req, tokenizer.chat_template, state.config.tool_call_parser, constraint is not None
@@ -91,7 +115,7 @@ async def create_chat_completion(
     num_top = req.top_logprobs or 0
     params = build_sampling_params(
         req,
-        n=n,
+        n=req.n or 1,
         best_of=None,
         max_tokens=max_tokens,
         logprobs=num_top if req.logprobs else None,
@@ -100,11 +124,27 @@ async def create_chat_completion(
         structured_outputs=constraint,
     )
     check_prompts(engine, [prompt_ids], params, "messages")
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    outputs = merge_outputs(
-        start_streams(engine, request_id, [(None, prompt_ids)], params, raw), raw
+    return ChatGeneration(
+        model,
+        request_id or f"chatcmpl-{uuid.uuid4().hex}",
+        prompt_ids,
+        params,
+        num_top,
+        plan,
+        req.parallel_tool_calls,
     )
+
+
+async def create_chat_completion(
+    req: ChatCompletionRequest, raw: Request, state: ServerState
+) -> Response:
+    gen = prepare_chat(req, state)
+    engine = state.require_engine()
+    tokenizer = engine.tokenizer
+    model, request_id, prompt_ids, num_top = gen.model, gen.request_id, gen.prompt_ids, gen.num_top
+    n, plan = gen.params.n, gen.plan
+    created = int(time.time())
+    outputs = gen.open(engine, raw)
     try:
         first = await first_output(outputs, "messages")
     except ClientDisconnected:

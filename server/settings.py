@@ -152,6 +152,13 @@ OPTIONS: tuple[Option, ...] = (
         "most choices one /v1/score request may hold",
     ),
     Option(
+        "responses-store-size",
+        "server.responses_store_size",
+        _int,
+        "Responses API responses kept for previous_response_id and GET (least recently used "
+        "evicted first; 0 keeps none)",
+    ),
+    Option(
         "dtype",
         "model.dtype",
         str,

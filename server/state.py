@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine import EngineClient
 from server.errors import model_not_found, service_unavailable
+from server.response_store import ResponseStore
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 
@@ -23,6 +24,7 @@ class ServerConfig:
     log_level: str = "info"
     tool_call_parser: str = "auto"  # auto: from the chat template (see engine.text.tool_parsers)
     max_score_choices: int = 64  # choices one /v1/score request may hold
+    responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -33,6 +35,8 @@ class ServerConfig:
             raise ValueError("max_score_choices must be at least 1")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must not be negative")
+        if self.responses_store_size < 0:
+            raise ValueError("responses_store_size must not be negative")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
 
@@ -47,6 +51,7 @@ class ServerState:
         self.draining = False
         self.in_flight = 0
         self.created = int(time.time())
+        self.responses = ResponseStore(config.responses_store_size)
 
     @property
     def ready(self) -> bool:

@@ -1,0 +1,136 @@
+"""What the Responses and Messages surfaces share over the chat path: building a chat completions request
+from their fields (errors renamed to their own field names), and an engine output as an assistant turn
+(text, tool calls, why it ended), whole or as a stream of deltas."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from engine import CompletionOutput
+from server.errors import APIError, validation_error
+from server.protocol import ChatCompletionRequest
+
+TurnEnd = Literal["stop", "length", "tool_calls"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments
+
+
+@dataclass
+class ChatTurn:
+    """An assistant turn as every surface reports it."""
+
+    text: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    end: TurnEnd = "stop"
+    stop_string: str | None = None  # the stop sequence that ended it, if one did
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A streamed piece of call `index`: the first carries its id and name, later ones argument text."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+TurnDelta = TextDelta | ToolCallDelta
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _turn_end(out: CompletionOutput, has_tool_calls: bool) -> tuple[TurnEnd, str | None]:
+    if out.finish_reason == "length":
+        return "length", None
+    if has_tool_calls:
+        return "tool_calls", None
+    stop = out.stop_reason if isinstance(out.stop_reason, str) else None
+    return "stop", stop
+
+
+def final_turn(out: CompletionOutput) -> ChatTurn:
+    """A finished (final-kind) engine output as a turn."""
+    end, stop = _turn_end(out, False)
+    tokens = out.num_output_tokens or len(out.token_ids)
+    return ChatTurn(out.text, [], end, stop, tokens)
+
+
+class TurnStream:
+    """Delta engine outputs of one sample -> TurnDeltas; `turn` is the whole turn once it finished."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+        self.output_tokens = 0
+        self.turn: ChatTurn | None = None
+
+    def feed(self, out: CompletionOutput) -> list[TurnDelta]:
+        self.output_tokens = out.num_output_tokens or self.output_tokens + len(out.token_ids)
+        deltas: list[TurnDelta] = [TextDelta(out.text)] if out.text else []
+        self.text.extend(d.text for d in deltas if isinstance(d, TextDelta))
+        if out.finish_reason is not None:
+            end, stop = _turn_end(out, bool(self.tool_calls))
+            self.turn = ChatTurn(
+                "".join(self.text), list(self.tool_calls), end, stop, self.output_tokens
+            )
+        return deltas
+
+
+def chat_request(fields: dict[str, Any], names: FieldNames) -> ChatCompletionRequest:
+    """Validate translated fields as a chat completions request; a 400 names the caller's field."""
+    with names.renamed():
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:
+            raise validation_error([dict(err) for err in e.errors()]) from None
+
+
+class FieldNames:
+    """Chat request field names -> the surface's (`messages[3]` -> `input[2]`), for error messages."""
+
+    def __init__(self, fields: dict[str, str], message_sources: list[str], messages: str) -> None:
+        self.fields = fields
+        self.message_sources = message_sources  # chat message index -> the surface's path
+        self.messages = messages  # the surface's name for the whole conversation
+
+    def rename(self, param: str) -> str:
+        head, sep, rest = param.partition(".")
+        if head.startswith("messages["):
+            index = head[len("messages[") : head.find("]")]
+            if index.isdigit() and int(index) < len(self.message_sources):
+                return self.message_sources[int(index)]
+            return self.messages
+        if head == "messages":
+            return self.messages
+        return self.fields.get(head, head) + (sep + rest if head not in self.fields else "")
+
+    @contextlib.contextmanager
+    def renamed(self) -> Iterator[None]:
+        try:
+            yield
+        except APIError as e:
+            if e.param is not None:
+                old, new = e.param, self.rename(e.param)
+                e.param = new
+                e.message = e.message.replace(old, new, 1) if old != new else e.message
+            raise

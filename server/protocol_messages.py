@@ -1,0 +1,182 @@
+"""Pydantic models of Anthropic's Messages API requests (`POST /v1/messages`, `.../count_tokens`): text,
+tool_use and tool_result blocks, tools and tool_choice. Strict: unknown fields and unimplemented features
+are 400s in Anthropic's error envelope."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from server.protocol import MAX_STOP, OpenModel, StrictModel
+
+MAX_STOP_SEQUENCES = MAX_STOP
+
+
+class CacheControl(StrictModel):
+    """Accepted and ignored: prefix caching is automatic (cache_read_input_tokens reports it)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(StrictModel):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: None = None
+
+
+class ToolUseBlock(StrictModel):
+    """A tool call the assistant made earlier, replayed as history."""
+
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(StrictModel):
+    """The caller's result of a tool call, matched to it by `tool_use_id`."""
+
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, Field(min_length=1)]
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(StrictModel):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _supported_blocks(cls, value: Any) -> Any:
+        """Name the real problem (an image or document block) instead of the union's mismatch."""
+        if isinstance(value, list):
+            for i, block in enumerate(value):
+                kind = block.get("type") if isinstance(block, dict) else None
+                if isinstance(kind, str) and kind not in ("text", "tool_use", "tool_result"):
+                    raise ValueError(
+                        "only text, tool_use and tool_result blocks are supported, "
+                        f"but block {i} has type {kind!r}"
+                    )
+        return value
+
+
+class Tool(StrictModel):
+    type: Literal["custom"] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type") != "object":
+            raise ValueError('the input schema must have "type": "object"')
+        return value
+
+
+class ToolChoiceAuto(StrictModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(StrictModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(StrictModel):
+    type: Literal["tool"]
+    name: Annotated[str, Field(min_length=1)]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(StrictModel):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone,
+    Field(discriminator="type"),
+]
+
+
+class MessagesMetadata(StrictModel):
+    user_id: Annotated[str, Field(max_length=256)] | None = None
+
+
+class MessagesInput(StrictModel):
+    """What both endpoints read: the conversation and its tools."""
+
+    model: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    # Not implemented: any value is a 400.
+    thinking: None = None
+    mcp_servers: None = None
+
+
+class CountTokensRequest(MessagesInput):
+    pass
+
+
+class MessagesRequest(MessagesInput):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stream: bool | None = False
+    metadata: MessagesMetadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+    # Not implemented: any value is a 400.
+    container: None = None
+    context_management: None = None
+
+
+# ----------------------------------------------------------------------------------------- responses
+
+
+class AnthropicUsage(OpenModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class MessageObject(OpenModel):
+    """A reply: text and tool_use blocks (as the `anthropic` SDK's `Message`)."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class MessageTokensCount(OpenModel):
+    input_tokens: int
+
+
+class AnthropicErrorInfo(OpenModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(OpenModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo

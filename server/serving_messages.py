@@ -1,0 +1,333 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API as a translation over the chat
+path. Blocks become chat messages (tool_use -> tool calls, tool_result -> tool messages), the output an
+assistant turn as text and tool_use blocks; streams are Anthropic's typed events; errors its envelope."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import RequestOutput
+from server.chat_translation import (
+    ChatTurn,
+    FieldNames,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    TurnStream,
+    chat_request,
+    final_turn,
+)
+from server.errors import invalid_request, to_api_error
+from server.generation import ClientDisconnected, first_output
+from server.protocol_messages import (
+    CountTokensRequest,
+    MessagesInput,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from server.serving_chat import ChatGeneration, prepare_chat
+from server.sse import sse_event, sse_response
+from server.state import ServerState
+
+CHAT_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+
+
+def _text(blocks: list[TextBlock]) -> list[dict[str, str]]:
+    return [{"type": "text", "text": b.text} for b in blocks]
+
+
+def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
+    """system + messages -> chat messages, with the request path each one came from."""
+    messages: list[dict[str, Any]] = []
+    sources: list[str] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else _text(req.system)
+        messages.append({"role": "system", "content": system})
+        sources.append("system")
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}]"
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            sources.append(where)
+            continue
+        blocks = message.content
+        if message.role == "assistant":
+            if any(isinstance(b, ToolResultBlock) for b in blocks):
+                raise invalid_request(
+                    f"{where}.content: tool_result blocks belong in user messages", where
+                )
+            entry: dict[str, Any] = {
+                "role": "assistant",
+                "content": _text([b for b in blocks if isinstance(b, TextBlock)]),
+            }
+            calls = [
+                {
+                    "id": b.id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": json.dumps(b.input)},
+                }
+                for b in blocks
+                if isinstance(b, ToolUseBlock)
+            ]
+            if calls:
+                entry["tool_calls"] = calls
+            messages.append(entry)
+            sources.append(where)
+            continue
+        if any(isinstance(b, ToolUseBlock) for b in blocks):
+            raise invalid_request(
+                f"{where}.content: tool_use blocks belong in assistant messages", where
+            )
+        text: list[TextBlock] = []
+        for block in [*blocks, None]:
+            if isinstance(block, TextBlock):
+                text.append(block)
+                continue
+            if text:  # a run of text blocks is one user message
+                messages.append({"role": "user", "content": _text(text)})
+                sources.append(where)
+                text = []
+            if isinstance(block, ToolResultBlock):
+                content = block.content if block.content is not None else ""
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.tool_use_id,
+                        "content": content if isinstance(content, str) else _text(content),
+                    }
+                )
+                sources.append(where)
+    if req.messages[-1].role == "assistant":
+        last = f"messages[{len(req.messages) - 1}]"
+        raise invalid_request(
+            f"{last}: continuing a final assistant message (prefill) is not supported; "
+            "end the conversation with a user message",
+            last,
+        )
+    return messages, sources
+
+
+def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completions request these Messages fields mean (tools and tool_choice included)."""
+    fields: dict[str, Any] = {"model": req.model, "messages": messages}
+    if isinstance(req, MessagesRequest):
+        fields |= {
+            "max_completion_tokens": req.max_tokens,
+            "stop": req.stop_sequences,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "stream": bool(req.stream),
+            "user": req.metadata.user_id if req.metadata is not None else None,
+        }
+    if req.tools:
+        fields["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "parameters": t.input_schema,
+                    **({"description": t.description} if t.description is not None else {}),
+                },
+            }
+            for t in req.tools
+        ]
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if getattr(choice, "disable_parallel_tool_use", None):
+            fields["parallel_tool_calls"] = False
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _prepare(req: MessagesInput, state: ServerState, request_id: str) -> ChatGeneration:
+    messages, sources = chat_messages(req)
+    names = FieldNames(CHAT_FIELD_NAMES, sources, "messages")
+    chat = chat_request(chat_fields(req, messages), names)
+    with names.renamed():
+        return prepare_chat(chat, state, request_id=request_id)
+
+
+def stop_reason(turn: ChatTurn) -> str:
+    if turn.end == "length":
+        return "max_tokens"
+    if turn.end == "tool_calls":
+        return "tool_use"
+    return "stop_sequence" if turn.stop_string is not None else "end_turn"
+
+
+def _tool_input(call: ToolCall) -> dict[str, Any]:
+    try:
+        value = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(turn: ChatTurn) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": turn.text}] if turn.text else []
+    for call in turn.tool_calls:
+        blocks.append(
+            {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call)}
+        )
+    return blocks
+
+
+def _usage(gen: ChatGeneration, cached: int, output_tokens: int) -> dict[str, Any]:
+    """Anthropic counts cache reads apart: input_tokens + cache_read_input_tokens is the whole prompt."""
+    return {
+        "input_tokens": len(gen.prompt_ids) - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output_tokens,
+    }
+
+
+def _message(gen: ChatGeneration, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict:
+    return {
+        "id": gen.request_id,
+        "type": "message",
+        "role": "assistant",
+        "model": gen.model,
+        "content": content,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+
+
+async def create_message(req: MessagesRequest, raw: Request, state: ServerState) -> Response:
+    engine = state.require_engine()
+    gen = _prepare(req, state, f"msg_{uuid.uuid4().hex}")
+    outputs = gen.open(engine, raw)
+    try:
+        first = await first_output(outputs, "messages")
+    except ClientDisconnected:
+        return Response(status_code=499)
+    if req.stream:
+        return sse_response(_MessageStream(gen).events(first, outputs))
+    final = first[1] if first is not None else None
+    try:
+        async for _, output in outputs:
+            final = output
+    except ClientDisconnected:
+        return Response(status_code=499)
+    assert final is not None and final.outputs, "the engine ended a request without output"
+    turn = final_turn(final.outputs[0])
+    usage = _usage(gen, final.num_cached_tokens, turn.output_tokens)
+    body = _message(gen, content_blocks(turn), usage)
+    body |= {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
+    return JSONResponse(body)
+
+
+def count_tokens(req: CountTokensRequest, state: ServerState) -> dict[str, int]:
+    """The prompt tokens a Messages request with these fields would have."""
+    gen = _prepare(req, state, f"count-{uuid.uuid4().hex}")
+    return {"input_tokens": len(gen.prompt_ids)}
+
+
+class _MessageStream:
+    """Delta engine outputs -> message_start, content blocks (start, deltas, stop), message_delta, stop."""
+
+    def __init__(self, gen: ChatGeneration) -> None:
+        self.gen = gen
+        self.turns = TurnStream()
+        self.index = -1  # the last content block started, -1 before the first
+        self.open = False  # whether that block is still open
+        self.block_kind = "text"
+        self.cached = 0
+
+    @staticmethod
+    def _event(kind: str, **fields: Any) -> str:
+        return sse_event(kind, {"type": kind, **fields})
+
+    def _start_block(self, block: dict[str, Any]) -> list[str]:
+        frames = self._stop_block()
+        self.index += 1
+        self.open = True
+        return frames + [self._event("content_block_start", index=self.index, content_block=block)]
+
+    def _stop_block(self) -> list[str]:
+        if not self.open:
+            return []
+        self.open = False
+        return [self._event("content_block_stop", index=self.index)]
+
+    def _frames_for(self, output: RequestOutput) -> list[str]:
+        frames: list[str] = []
+        for out in output.outputs:
+            for delta in self.turns.feed(out):
+                if isinstance(delta, TextDelta):
+                    if not self.open or self.block_kind != "text":
+                        frames += self._start_block({"type": "text", "text": ""})
+                        self.block_kind = "text"
+                    frames.append(
+                        self._event(
+                            "content_block_delta",
+                            index=self.index,
+                            delta={"type": "text_delta", "text": delta.text},
+                        )
+                    )
+                else:
+                    frames += self._tool_frames(delta)
+        return frames
+
+    def _tool_frames(self, delta: ToolCallDelta) -> list[str]:
+        frames = []
+        if delta.id is not None:
+            block = {"type": "tool_use", "id": delta.id, "name": delta.name or "", "input": {}}
+            frames += self._start_block(block)
+            self.block_kind = "tool_use"
+        if delta.arguments and self.open and self.block_kind == "tool_use":
+            frames.append(
+                self._event(
+                    "content_block_delta",
+                    index=self.index,
+                    delta={"type": "input_json_delta", "partial_json": delta.arguments},
+                )
+            )
+        return frames
+
+    async def events(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncIterator[str]:
+        cached = first[1].num_cached_tokens if first is not None else 0
+        start = _message(self.gen, [], _usage(self.gen, cached, 0))
+        yield self._event("message_start", message=start)
+        yield self._event("ping")
+        try:
+            if first is not None:
+                for frame in self._frames_for(first[1]):
+                    yield frame
+            async for _, output in outputs:
+                for frame in self._frames_for(output):
+                    yield frame
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            yield sse_event("error", to_api_error(e, "messages").anthropic_body())
+            return
+        finally:
+            await outputs.aclose()
+        turn = self.turns.turn
+        assert turn is not None, "the engine ended a request without a finished output"
+        for frame in self._stop_block():
+            yield frame
+        delta = {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
+        yield self._event(
+            "message_delta", delta=delta, usage=_usage(self.gen, cached, turn.output_tokens)
+        )
+        yield self._event("message_stop")

@@ -1,0 +1,460 @@
+"""POST /v1/responses (and GET/DELETE /v1/responses/{id}): OpenAI's Responses API as a translation over the
+chat path. Input items become chat messages, the output an assistant turn as `message` and `function_call`
+items; streams are typed events with sequence numbers; `store` keeps responses for `previous_response_id`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine import RequestOutput
+from server.chat_translation import (
+    ChatTurn,
+    FieldNames,
+    TextDelta,
+    ToolCallDelta,
+    TurnStream,
+    chat_request,
+    final_turn,
+)
+from server.errors import APIError, to_api_error
+from server.generation import ClientDisconnected, first_output
+from server.protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    MessageItem,
+    ResponsesRequest,
+)
+from server.response_store import StoredResponse
+from server.serving_chat import ChatGeneration, prepare_chat
+from server.sse import sse_event, sse_response
+from server.state import ServerState
+
+CHAT_FIELD_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    return APIError(
+        f"{what} with id {response_id!r} not found.",
+        status=404,
+        param=param,
+        code="previous_response_not_found" if param else "not_found",
+    )
+
+
+def _parts(content: str | list[Any]) -> str | list[dict[str, str]]:
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": getattr(p, "text", None) or p.refusal} for p in content]
+
+
+def input_messages(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Input items -> chat messages, with the `input[...]` path each message came from."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}], ["input"]
+    messages: list[dict[str, Any]] = []
+    sources: list[str] = []
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": _parts(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                # One assistant turn: its text and the calls that followed it.
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            assert isinstance(item, FunctionCallOutputItem)
+            content = _parts(item.output)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+        sources.append(f"input[{i}]")
+    return messages, sources
+
+
+def chat_fields(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completions request this Responses request means (tools and text.format included)."""
+    fields: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "seed": req.seed,
+        "min_tokens": req.min_tokens,
+        "user": req.user,
+        "stream": bool(req.stream),
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }
+    if req.tools:
+        fields["tools"] = [
+            {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+            for t in req.tools
+        ]
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        fields["tool_choice"] = (
+            choice
+            if isinstance(choice, str)
+            else {"type": "function", "function": {"name": choice.name}}
+        )
+    text_format = req.text.format if req.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        fmt = text_format.model_dump(by_alias=True, exclude_none=True)
+        kind = fmt.pop("type")
+        fields["response_format"] = {"type": kind, **({kind: fmt} if fmt else {})}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class _Context:
+    """One Responses request: its translation to chat, and the response object around its output."""
+
+    def __init__(self, req: ResponsesRequest, state: ServerState) -> None:
+        self.req = req
+        self.state = state
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            entry = state.responses.get(req.previous_response_id)
+            if entry is None:
+                raise not_found(req.previous_response_id, "previous_response_id")
+            history = entry.conversation
+        new, sources = input_messages(req.input)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        self.conversation = [*history, *new]  # what a continuation starts from (no instructions)
+        names = FieldNames(
+            CHAT_FIELD_NAMES,
+            ["instructions"] * len(system) + ["previous_response_id"] * len(history) + sources,
+            "input",
+        )
+        chat = chat_request(chat_fields(req, [*system, *self.conversation]), names)
+        self.id = f"resp_{uuid.uuid4().hex}"
+        with names.renamed():
+            self.gen: ChatGeneration = prepare_chat(chat, state, request_id=self.id)
+        self.created_at = int(time.time())
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        turn: ChatTurn | None = None,
+        cached: int = 0,
+    ) -> dict[str, Any]:
+        req = self.req
+        usage = None
+        if turn is not None:
+            prompt = len(self.gen.prompt_ids)
+            usage = {
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+                "output_tokens": turn.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + turn.output_tokens,
+            }
+        text_format = req.text.format if req.text is not None else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": None,
+            "model": self.gen.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "prompt_cache_key": req.prompt_cache_key,
+            "reasoning": {"effort": None, "summary": None},
+            "safety_identifier": req.safety_identifier,
+            "service_tier": "default",
+            "store": req.store is not False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {
+                "format": text_format.model_dump(by_alias=True, exclude_none=True)
+                if text_format is not None
+                else {"type": "text"},
+                "verbosity": "medium",
+            },
+            "tool_choice": (
+                req.tool_choice.model_dump()
+                if req.tool_choice is not None and not isinstance(req.tool_choice, str)
+                else req.tool_choice or "auto"
+            ),
+            "tools": [
+                {"type": "function", "description": None, "parameters": None, "strict": None}
+                | t.model_dump(exclude_none=True)
+                for t in req.tools or []
+            ],
+            "top_logprobs": 0,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": dict(req.metadata or {}),
+        }
+
+    def finish(self, turn: ChatTurn, output: list[dict[str, Any]], cached: int) -> dict[str, Any]:
+        """The finished response object; stored (with its conversation) unless `store` is false."""
+        status = "incomplete" if turn.end == "length" else "completed"
+        body = self.response(status, output, turn, cached)
+        if self.req.store is not False:
+            assistant: dict[str, Any] = {"role": "assistant", "content": turn.text}
+            if turn.tool_calls:
+                assistant["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in turn.tool_calls
+                ]
+            conversation = [*self.conversation, assistant]
+            self.state.responses.put(StoredResponse(body, conversation))
+        return body
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content if status != "in_progress" else [],
+    }
+
+
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def output_items(turn: ChatTurn) -> list[dict[str, Any]]:
+    """A turn as output items: a message (unless the turn is only tool calls), then its function calls."""
+    status = "incomplete" if turn.end == "length" else "completed"
+    items = []
+    if turn.text or not turn.tool_calls:
+        items.append(_message_item(_new_item_id("msg"), turn.text, status))
+    for call in turn.tool_calls:
+        items.append(
+            _call_item(_new_item_id("fc"), call.id, call.name, call.arguments, "completed")
+        )
+    return items
+
+
+async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Response:
+    engine = state.require_engine()
+    ctx = _Context(req, state)
+    outputs = ctx.gen.open(engine, raw)
+    try:
+        first = await first_output(outputs, "input")
+    except ClientDisconnected:
+        return Response(status_code=499)
+    if req.stream:
+        return sse_response(_ResponseStream(ctx).events(first, outputs))
+    final = first[1] if first is not None else None
+    try:
+        async for _, output in outputs:
+            final = output
+    except ClientDisconnected:
+        return Response(status_code=499)
+    assert final is not None and final.outputs, "the engine ended a request without output"
+    turn = final_turn(final.outputs[0])
+    return JSONResponse(ctx.finish(turn, output_items(turn), final.num_cached_tokens))
+
+
+def retrieve_response(response_id: str, state: ServerState) -> JSONResponse:
+    entry = state.responses.get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return JSONResponse(entry.response)
+
+
+def delete_response(response_id: str, state: ServerState) -> JSONResponse:
+    if not state.responses.delete(response_id):
+        raise not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+class _ResponseStream:
+    """Delta engine outputs -> the Responses API's typed events, numbered by `sequence_number`."""
+
+    def __init__(self, ctx: _Context) -> None:
+        self.ctx = ctx
+        self.sequence = 0
+        self.turns = TurnStream()
+        self.items: list[dict[str, Any]] = []  # output items, finished or open (the last one)
+        self.open_text: list[str] | None = None  # text of the open message item
+        self.open_args: list[str] | None = None  # arguments of the open function_call item
+        self.cached = 0
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        frame = sse_event(kind, {"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return frame
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _open_message(self) -> list[str]:
+        self.items.append(_message_item(_new_item_id("msg"), "", "in_progress"))
+        self.open_text = []
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self._event(
+                "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
+            ),
+            self._event("response.content_part.added", **self._where(), content_index=0, part=part),
+        ]
+
+    def _close_open_item(self, status: str) -> list[str]:
+        frames = []
+        if self.open_text is not None:
+            text = "".join(self.open_text)
+            item = _message_item(self.items[-1]["id"], text, status)
+            part = item["content"][0]
+            frames += [
+                self._event(
+                    "response.output_text.done",
+                    **self._where(),
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done", **self._where(), content_index=0, part=part
+                ),
+            ]
+            self.open_text = None
+        elif self.open_args is not None:
+            item = dict(self.items[-1], arguments="".join(self.open_args), status="completed")
+            frames.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    **self._where(),
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+            self.open_args = None
+        else:
+            return []
+        self.items[-1] = item
+        frames.append(
+            self._event("response.output_item.done", output_index=len(self.items) - 1, item=item)
+        )
+        return frames
+
+    def _frames_for(self, output: RequestOutput) -> list[str]:
+        self.cached = output.num_cached_tokens
+        frames: list[str] = []
+        for out in output.outputs:
+            for delta in self.turns.feed(out):
+                if isinstance(delta, TextDelta):
+                    if self.open_text is None:
+                        frames += self._close_open_item("completed") + self._open_message()
+                    assert self.open_text is not None
+                    self.open_text.append(delta.text)
+                    frames.append(
+                        self._event(
+                            "response.output_text.delta",
+                            **self._where(),
+                            content_index=0,
+                            delta=delta.text,
+                            logprobs=[],
+                        )
+                    )
+                else:
+                    frames += self._tool_call_frames(delta)
+        return frames
+
+    def _tool_call_frames(self, delta: ToolCallDelta) -> list[str]:
+        frames = []
+        if delta.id is not None:  # a new call begins
+            frames += self._close_open_item("completed")
+            item = _call_item(_new_item_id("fc"), delta.id, delta.name or "", "", "in_progress")
+            self.items.append(item)
+            self.open_args = []
+            frames.append(
+                self._event(
+                    "response.output_item.added", output_index=len(self.items) - 1, item=item
+                )
+            )
+        if delta.arguments and self.open_args is not None:
+            self.open_args.append(delta.arguments)
+            frames.append(
+                self._event(
+                    "response.function_call_arguments.delta", **self._where(), delta=delta.arguments
+                )
+            )
+        return frames
+
+    async def events(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncIterator[str]:
+        ctx = self.ctx
+        started = ctx.response("in_progress", [])
+        yield self._event("response.created", response=started)
+        yield self._event("response.in_progress", response=started)
+        try:
+            if first is not None:
+                for frame in self._frames_for(first[1]):
+                    yield frame
+            async for _, output in outputs:
+                for frame in self._frames_for(output):
+                    yield frame
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            err = to_api_error(e, "input")
+            yield self._event("error", code=err.code, message=err.message, param=err.param)
+            return
+        finally:
+            await outputs.aclose()
+        turn = self.turns.turn
+        assert turn is not None, "the engine ended a request without a finished output"
+        status = "incomplete" if turn.end == "length" else "completed"
+        if not self.items:  # no text and no calls: still one (empty) message, as when not streamed
+            for frame in self._open_message():
+                yield frame
+        for frame in self._close_open_item(status):
+            yield frame
+        body = ctx.finish(turn, self.items, self.cached)
+        yield self._event(f"response.{body['status']}", response=body)
