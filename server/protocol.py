@@ -7,9 +7,17 @@ kvserve does not implement are typed `None` so that any real value is rejected w
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 128
 MAX_STOP = 16
@@ -44,6 +52,27 @@ class StrictModel(BaseModel):
         if _has_lone_surrogate(value):
             raise ValueError("the text is not valid Unicode: it contains an unpaired surrogate")
         return value
+
+
+def typed_union(members: dict[str, type], default: str | None = None) -> Any:
+    """A union of models chosen by their `type` field (`default` when the field is absent). The tags are
+    spelled `type[...]` so that error paths stay the request's own (`input[0].content`), and an unknown
+    type gets one error listing the known ones."""
+
+    def kind(value: Any) -> str | None:
+        tag = value.get("type", default) if isinstance(value, dict) else None
+        return f"type[{tag}]" if tag in members else None
+
+    tagged = tuple(Annotated[model, Tag(f"type[{tag}]")] for tag, model in members.items())
+    known = ", ".join(repr(tag) for tag in members)
+    return Annotated[
+        Union[tagged],  # noqa: UP007 - built at run time
+        Discriminator(
+            kind,
+            custom_error_type="invalid_type_tag",
+            custom_error_message=f"the type must be one of {known}",
+        ),
+    ]
 
 
 class OpenModel(BaseModel):

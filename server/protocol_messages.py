@@ -4,11 +4,11 @@ are 400s in Anthropic's error envelope."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from server.protocol import MAX_STOP, OpenModel, StrictModel
+from server.protocol import MAX_STOP, OpenModel, StrictModel, typed_union
 
 MAX_STOP_SEQUENCES = MAX_STOP
 
@@ -47,7 +47,12 @@ class ToolResultBlock(StrictModel):
     cache_control: CacheControl | None = None
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+if TYPE_CHECKING:
+    ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+else:
+    ContentBlock = typed_union(
+        {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock}
+    )
 
 
 class Message(StrictModel):
@@ -104,10 +109,17 @@ class ToolChoiceNone(StrictModel):
     type: Literal["none"]
 
 
-ToolChoice = Annotated[
-    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone,
-    Field(discriminator="type"),
-]
+if TYPE_CHECKING:
+    ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+else:
+    ToolChoice = typed_union(
+        {
+            "auto": ToolChoiceAuto,
+            "any": ToolChoiceAny,
+            "tool": ToolChoiceTool,
+            "none": ToolChoiceNone,
+        }
+    )
 
 
 class MessagesMetadata(StrictModel):

@@ -3,11 +3,11 @@ text formats. Strict like the chat models: unknown fields and unimplemented feat
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Field, field_validator
 
-from server.protocol import NonNegInt, OpenModel, SeedInt, StrictModel
+from server.protocol import NonNegInt, OpenModel, SeedInt, StrictModel, typed_union
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS = 64
@@ -34,7 +34,12 @@ class Refusal(StrictModel):
     refusal: str
 
 
-ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+if TYPE_CHECKING:
+    ContentPart = InputText | OutputText | Refusal
+else:
+    ContentPart = typed_union(
+        {"input_text": InputText, "output_text": OutputText, "refusal": Refusal}
+    )
 
 
 def _text_parts_only(value: Any) -> Any:
@@ -84,25 +89,17 @@ class FunctionCallOutputItem(StrictModel):
     _check_parts = field_validator("output", mode="before")(_text_parts_only)
 
 
-def _item_kind(value: Any) -> str | None:
-    if isinstance(value, dict):
-        kind = value.get("type", "message")
-        return kind if kind in ("message", "function_call", "function_call_output") else None
-    return None
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(
-        _item_kind,
-        custom_error_type="invalid_item",
-        custom_error_message=(
-            "each input item must be a message, function_call or function_call_output"
-        ),
-    ),
-]
+if TYPE_CHECKING:
+    InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+else:
+    InputItem = typed_union(
+        {
+            "message": MessageItem,
+            "function_call": FunctionCallItem,
+            "function_call_output": FunctionCallOutputItem,
+        },
+        default="message",
+    )
 
 
 class FunctionTool(StrictModel):
@@ -134,9 +131,12 @@ class FormatJsonSchema(StrictModel):
     strict: bool | None = None
 
 
-TextFormat = Annotated[
-    FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")
-]
+if TYPE_CHECKING:
+    TextFormat = FormatText | FormatJsonObject | FormatJsonSchema
+else:
+    TextFormat = typed_union(
+        {"text": FormatText, "json_object": FormatJsonObject, "json_schema": FormatJsonSchema}
+    )
 
 
 class TextConfig(StrictModel):

@@ -123,6 +123,7 @@ class FakeEngine(FakeClientBase):
         self.step_delay = 0.0
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.script: str | None = None
+        self.script_stop: str | int | None = None  # set: a finished script ends with "stop" for it
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
         if params is None:
@@ -181,6 +182,9 @@ class FakeEngine(FakeClientBase):
                 prompt_logprobs = [None] + [
                     TokenLogprob(t, -1.0, 1, [(t, -1.0)]) for t in prompt_token_ids[1:]
                 ]
+            finish, stop_reason = "length", None
+            if script is not None and self.script_stop is not None and max_tokens == len(script):
+                finish, stop_reason = "stop", self.script_stop
             for step in range(max_tokens + 1):
                 await asyncio.sleep(self.step_delay)
                 if self.fail_after is not None and step >= self.fail_after:
@@ -215,7 +219,8 @@ class FakeEngine(FakeClientBase):
                             text=text,
                             token_ids=ids,
                             logprobs=logprobs,
-                            finish_reason="length" if done else None,
+                            finish_reason=(None if not done else finish),
+                            stop_reason=stop_reason if done else None,
                             num_output_tokens=len(tokens[i]),
                         )
                     )
