@@ -126,17 +126,41 @@ class MessagesMetadata(StrictModel):
     user_id: Annotated[str, Field(max_length=256)] | None = None
 
 
+class JsonOutputFormat(StrictModel):
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(StrictModel):
+    format: JsonOutputFormat | None = None
+    effort: None = None  # not implemented: any value is a 400
+
+
 class MessagesInput(StrictModel):
-    """What both endpoints read: the conversation and its tools."""
+    """What both endpoints read: the conversation, its tools and its output format."""
 
     model: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the older name of output_config.format
+    cache_control: CacheControl | None = None
+    speed: Literal["standard"] | None = None
     # Not implemented: any value is a 400.
     thinking: None = None
     mcp_servers: None = None
+    inference_geo: None = None
+    diagnostics: None = None
+    user_profile_id: None = None
+    workspace_id: None = None
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The output's JSON schema, from output_config.format or output_format."""
+        config = self.output_config.format if self.output_config is not None else None
+        fmt = config or self.output_format
+        return fmt.schema_ if fmt is not None else None
 
 
 class CountTokensRequest(MessagesInput):
@@ -146,6 +170,7 @@ class CountTokensRequest(MessagesInput):
 class MessagesRequest(MessagesInput):
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    # Sampling: newer SDKs no longer list these (send them with extra_body); raw HTTP clients do.
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None

@@ -37,7 +37,11 @@ from server.serving_chat import ChatGeneration, prepare_chat
 from server.sse import sse_event, sse_response
 from server.state import ServerState
 
-CHAT_FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+CHAT_FIELD_NAMES = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+}
 
 
 def _text(blocks: list[TextBlock]) -> list[dict[str, str]]:
@@ -140,6 +144,12 @@ def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str,
             }
             for t in req.tools
         ]
+    schema = req.json_schema()
+    if schema is not None:
+        fields["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema, "strict": True},
+        }
     choice = req.tool_choice
     if choice is not None:
         if choice.type == "tool":
