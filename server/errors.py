@@ -219,16 +219,29 @@ def _union_error(errors: list[dict[str, Any]]) -> tuple[dict[str, Any], str | No
     if split is None:
         return None
     field = split[0]
-    first_per_member: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-    for error in errors:
-        parts = _split_union(tuple(error.get("loc", ())))
-        if parts is not None and parts[0] == field:
-            first_per_member.setdefault(parts[1], (parts[2], error))
 
     def progress(entry: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[Any, ...]:
         inner, error = entry
         indexes = tuple(i for i in inner if isinstance(i, int))
         return (indexes, len(inner), not _is_type_error(error))
+
+    # A member's progress is where its first error is; within that element, its deepest error is the
+    # one to show (a nested union, a string or a list of parts, says which part is wrong).
+    first_per_member: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    for error in errors:
+        parts = _split_union(tuple(error.get("loc", ())))
+        if parts is None or parts[0] != field:
+            continue
+        entry = (parts[2], error)
+        known = first_per_member.get(parts[1])
+        if known is None:
+            first_per_member[parts[1]] = entry
+            continue
+        known_indexes = progress(known)[0]
+        if progress(entry)[0][: len(known_indexes)] == known_indexes and progress(entry) > progress(
+            known
+        ):
+            first_per_member[parts[1]] = entry
 
     inner, best = max(first_per_member.values(), key=progress)
     if inner or not _is_type_error(best):

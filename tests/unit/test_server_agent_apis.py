@@ -264,6 +264,10 @@ async def test_an_engine_failure_mid_stream_is_an_error_event(
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
             "input[0].content",
         ),
+        (  # a nested union (string or parts) names the part that is wrong
+            {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "input[0].content[0].text",
+        ),
         ({"input": "abc", "temperature": 3}, "temperature"),
         ({"input": "abc", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "abc", "bogus": 1}, "bogus"),
