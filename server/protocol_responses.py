@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from server.protocol import NonNegInt, OpenModel, SeedInt, StrictModel, typed_union
+from server.protocol import NonNegInt, OpenModel, StrictModel, typed_union
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS = 64
@@ -173,7 +173,7 @@ class ResponsesRequest(StrictModel):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    seed: SeedInt | None = None
+    seed: int | None = None  # its range is the engine's rule (SamplingParams)
     min_tokens: NonNegInt | None = None
     # Not implemented: any value is a 400.
     include: None = None
