@@ -61,7 +61,7 @@ def typed_union(members: dict[str, type], default: str | None = None) -> Any:
 
     def kind(value: Any) -> str | None:
         tag = value.get("type", default) if isinstance(value, dict) else None
-        return f"type[{tag}]" if tag in members else None
+        return f"type[{tag}]" if isinstance(tag, str) and tag in members else None
 
     tagged = tuple(Annotated[model, Tag(f"type[{tag}]")] for tag, model in members.items())
     known = ", ".join(repr(tag) for tag in members)

@@ -29,6 +29,7 @@ from server.protocol_responses import (
     FunctionCallOutputItem,
     InputItem,
     MessageItem,
+    Refusal,
     ResponsesRequest,
 )
 from server.response_store import StoredResponse
@@ -55,7 +56,9 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 def _parts(content: str | list[Any]) -> str | list[dict[str, str]]:
     if isinstance(content, str):
         return content
-    return [{"type": "text", "text": getattr(p, "text", None) or p.refusal} for p in content]
+    return [
+        {"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text} for p in content
+    ]
 
 
 def input_messages(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], list[str]]:

@@ -129,13 +129,17 @@ async def test_input_items_become_the_chat_conversation(
             "role": "assistant",
             "id": "msg_1",
             "status": "completed",
-            "content": [{"type": "output_text", "text": "Yo", "annotations": []}],
+            "content": [
+                {"type": "output_text", "text": "Yo", "annotations": []},
+                {"type": "output_text", "text": ""},  # an empty part is still a part
+                {"type": "refusal", "refusal": "No."},
+            ],
         },
         {"role": "user", "content": "Again"},
     ]
     r = await client.post("/v1/responses", json={"input": items, "max_output_tokens": 1})
     assert r.status_code == 200, r.text
-    assert _prompt(engine) == "<system>Rules.<user>Hi<assistant>Yo<user>Again<assistant>"
+    assert _prompt(engine) == "<system>Rules.<user>Hi<assistant>Yo\n\nNo.<user>Again<assistant>"
 
 
 async def test_previous_response_id_continues_without_old_instructions(
@@ -268,6 +272,8 @@ async def test_an_engine_failure_mid_stream_is_an_error_event(
             {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
             "input[0].content[0].text",
         ),
+        ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0]"),
+        ({"input": "abc", "text": {"format": {"type": {"a": 1}}}}, "text.format"),
         ({"input": "abc", "temperature": 3}, "temperature"),
         ({"input": "abc", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "abc", "bogus": 1}, "bogus"),
@@ -435,6 +441,14 @@ async def test_an_engine_failure_mid_stream_is_an_anthropic_error_event(
         ({"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
         ({"max_tokens": 0, "messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
         ({"max_tokens": 5, "messages": []}, "messages"),
+        (  # an unhashable type is a 400, not a crash
+            {
+                "max_tokens": 5,
+                "tool_choice": {"type": {}},
+                "messages": [{"role": "user", "content": "H"}],
+            },
+            "tool_choice",
+        ),
         (
             {"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "H"}]},
             "temperature",
