@@ -44,9 +44,9 @@ from server.protocol_responses import ResponseDeleted, ResponseObject, Responses
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, require_task
-from server.serving_score import create_score
 from server.serving_messages import count_tokens, create_message
 from server.serving_responses import create_response, delete_response, retrieve_response
+from server.serving_score import create_score
 from server.state import ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)

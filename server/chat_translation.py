@@ -5,16 +5,16 @@ from their fields (errors renamed to their own field names), and an engine outpu
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from engine import CompletionOutput
+from engine import CompletionOutput, ToolPlan
 from server.errors import APIError, validation_error
 from server.protocol import ChatCompletionRequest
+from server.tool_calling import ToolCallDeltas, parse_tool_calls
 
 TurnEnd = Literal["stop", "length", "tool_calls"]
 
@@ -55,10 +55,6 @@ class ToolCallDelta:
 TurnDelta = TextDelta | ToolCallDelta
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def _turn_end(out: CompletionOutput, has_tool_calls: bool) -> tuple[TurnEnd, str | None]:
     if out.finish_reason == "length":
         return "length", None
@@ -68,31 +64,66 @@ def _turn_end(out: CompletionOutput, has_tool_calls: bool) -> tuple[TurnEnd, str
     return "stop", stop
 
 
-def final_turn(out: CompletionOutput) -> ChatTurn:
-    """A finished (final-kind) engine output as a turn."""
-    end, stop = _turn_end(out, False)
+def final_turn(
+    out: CompletionOutput, plan: ToolPlan | None = None, parallel: bool | None = None
+) -> ChatTurn:
+    """A finished (final-kind) engine output as a turn; with a tool plan, its calls are parsed out."""
+    content, calls = parse_tool_calls(out.text, plan, parallel)
+    tool_calls = [
+        ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
+    end, stop = _turn_end(out, bool(tool_calls))
     tokens = out.num_output_tokens or len(out.token_ids)
-    return ChatTurn(out.text, [], end, stop, tokens)
+    return ChatTurn(content or "", tool_calls, end, stop, tokens)
 
 
 class TurnStream:
-    """Delta engine outputs of one sample -> TurnDeltas; `turn` is the whole turn once it finished."""
+    """Delta engine outputs of one sample -> TurnDeltas; `turn` is the whole turn once it finished.
+    With a tool plan, the streaming tool-call parser splits text from calls (joined, the deltas equal
+    `final_turn` of the whole text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: ToolPlan | None = None, parallel: bool | None = None) -> None:
         self.text: list[str] = []
-        self.tool_calls: list[ToolCall] = []
+        self.calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments...]
         self.output_tokens = 0
         self.turn: ChatTurn | None = None
+        self.parser = (
+            ToolCallDeltas(plan, parallel) if plan is not None and plan.parse_calls else None
+        )
+
+    def _split(self, text: str, final: bool) -> list[TurnDelta]:
+        if self.parser is None:
+            return [TextDelta(text)] if text else []
+        deltas: list[TurnDelta] = []
+        for chunk in self.parser.deltas(text, final=final):
+            if chunk.get("content"):
+                deltas.append(TextDelta(chunk["content"]))
+            for call in chunk.get("tool_calls", []):
+                fn = call.get("function", {})
+                deltas.append(
+                    ToolCallDelta(
+                        call["index"], fn.get("arguments", ""), call.get("id"), fn.get("name")
+                    )
+                )
+        return deltas
 
     def feed(self, out: CompletionOutput) -> list[TurnDelta]:
         self.output_tokens = out.num_output_tokens or self.output_tokens + len(out.token_ids)
-        deltas: list[TurnDelta] = [TextDelta(out.text)] if out.text else []
-        self.text.extend(d.text for d in deltas if isinstance(d, TextDelta))
+        deltas = self._split(out.text, final=out.finish_reason is not None)
+        for d in deltas:
+            if isinstance(d, TextDelta):
+                self.text.append(d.text)
+            elif d.id is not None:
+                self.calls[d.index] = [d.id, d.name or "", d.arguments]
+            elif d.index in self.calls:
+                self.calls[d.index].append(d.arguments)
         if out.finish_reason is not None:
-            end, stop = _turn_end(out, bool(self.tool_calls))
-            self.turn = ChatTurn(
-                "".join(self.text), list(self.tool_calls), end, stop, self.output_tokens
-            )
+            tool_calls = [
+                ToolCall(parts[0], parts[1], "".join(parts[2:]))
+                for _, parts in sorted(self.calls.items())
+            ]
+            end, stop = _turn_end(out, bool(tool_calls))
+            self.turn = ChatTurn("".join(self.text), tool_calls, end, stop, self.output_tokens)
         return deltas
 
 

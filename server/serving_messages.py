@@ -234,7 +234,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
     except ClientDisconnected:
         return Response(status_code=499)
     assert final is not None and final.outputs, "the engine ended a request without output"
-    turn = final_turn(final.outputs[0])
+    turn = final_turn(final.outputs[0], gen.plan, gen.parallel_tool_calls)
     usage = _usage(gen, final.num_cached_tokens, turn.output_tokens)
     body = _message(gen, content_blocks(turn), usage)
     body |= {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
@@ -252,7 +252,7 @@ class _MessageStream:
 
     def __init__(self, gen: ChatGeneration) -> None:
         self.gen = gen
-        self.turns = TurnStream()
+        self.turns = TurnStream(gen.plan, gen.parallel_tool_calls)
         self.index = -1  # the last content block started, -1 before the first
         self.open = False  # whether that block is still open
         self.block_kind = "text"

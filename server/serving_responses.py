@@ -297,7 +297,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     except ClientDisconnected:
         return Response(status_code=499)
     assert final is not None and final.outputs, "the engine ended a request without output"
-    turn = final_turn(final.outputs[0])
+    turn = final_turn(final.outputs[0], ctx.gen.plan, ctx.gen.parallel_tool_calls)
     return JSONResponse(ctx.finish(turn, output_items(turn), final.num_cached_tokens))
 
 
@@ -320,7 +320,7 @@ class _ResponseStream:
     def __init__(self, ctx: _Context) -> None:
         self.ctx = ctx
         self.sequence = 0
-        self.turns = TurnStream()
+        self.turns = TurnStream(ctx.gen.plan, ctx.gen.parallel_tool_calls)
         self.items: list[dict[str, Any]] = []  # output items, finished or open (the last one)
         self.open_text: list[str] | None = None  # text of the open message item
         self.open_args: list[str] | None = None  # arguments of the open function_call item

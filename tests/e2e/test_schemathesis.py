@@ -55,6 +55,7 @@ OPERATIONS = [
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
     ("POST", "/v1/embeddings"),
+    ("POST", "/v1/score"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
 ]
