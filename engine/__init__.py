@@ -38,6 +38,7 @@ from engine.core.snapshot import (
     EngineSnapshot,
     RequestProgress,
     SnapshotDetail,
+    StepRecord,
 )
 from engine.text.score_inputs import ScoreInputs, build_score_inputs
 from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser
@@ -89,6 +90,7 @@ __all__ = [
     "PromptError",
     "RequestProgress",
     "SnapshotDetail",
+    "StepRecord",
     "StepStats",
     "FinishedRequestStats",
     "Tokenizer",

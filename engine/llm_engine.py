@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from engine.core.snapshot import (
     RequestProgress,
     RequestState,
     SnapshotDetail,
+    StepRecord,
 )
 from engine.core.stats import EngineTotals, StepStats
 from engine.executor.model_runner import ModelRunner, prepare_model
@@ -45,6 +47,7 @@ from engine.text.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
+RECENT_STEPS = 240  # steps the detailed snapshot's timeline keeps
 
 
 class LLMEngine:
@@ -94,6 +97,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
+        self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
         self.snapshot = self.build_snapshot()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
@@ -305,6 +309,8 @@ class LLMEngine:
         stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
         stats.prefix_cache_queries = self.kv.stats.queries - queries_before
         stats.prefix_cache_hits = self.kv.stats.hits - hits_before
+        for s in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
+            s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
         self._accumulate(stats)
         self.snapshot = self.build_snapshot()  # one store: readers see the old or the new whole
         return outputs
@@ -371,8 +377,18 @@ class LLMEngine:
             BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
             for block_id, seq_ids in sorted(holders.items())
         )
-        cached_free = sum(1 for b in pool.free_queue if pool.block_keys[b] is not None)
-        return SnapshotDetail(blocks, cached_free)
+        keys = pool.block_keys
+        cached_free = tuple(b for b in pool.free_queue if keys[b] is not None)
+        sc = self.config.scheduler
+        return SnapshotDetail(
+            blocks,
+            len(cached_free),
+            cached_free,
+            tuple(self.recent_steps),
+            self.kv.block_size,
+            sc.max_num_batched_tokens,
+            sc.max_num_seqs,
+        )
 
     def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
         if sched.num_prefill_tokens == 0:
@@ -396,6 +412,18 @@ class LLMEngine:
         t.prefix_cache_hits += stats.prefix_cache_hits
         t.num_finished += len(stats.finished)
         self.last_step = stats
+        self.recent_steps.append(
+            StepRecord(
+                t.num_steps,
+                time.monotonic(),
+                stats.duration,
+                stats.num_prefill_tokens,
+                stats.num_decode_tokens,
+                stats.num_preemptions,
+                stats.num_running,
+                stats.num_waiting,
+            )
+        )
 
 
 def sample_seed(seed: int, index: int) -> int:

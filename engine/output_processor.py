@@ -79,11 +79,13 @@ class OutputProcessor:
             seq.logprobs.append(logprob)
             seq.cumulative_logprob += logprob.logprob
         m = group.metrics
+        m.num_generation_tokens += 1
         if m.first_token_time is None:
             m.first_token_time = now
             stats.first_tokens.append((group.request_id, now - m.arrival_time))
         elif m.last_token_time is not None and seq.index == 0:
             stats.inter_token_latencies.append(now - m.last_token_time)
+            m.num_token_gaps += 1
         if seq.index == 0:
             m.last_token_time = now
 

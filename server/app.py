@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from engine import EngineClient
+from server.engine_page import router as engine_page_router
 from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
 from server.metrics import MetricsMiddleware, ServerMetrics
 from server.metrics import router as metrics_router
@@ -268,6 +269,7 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastA
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)
+    app.include_router(engine_page_router)
     # Added innermost first: requests pass Metrics -> RequestId -> CORS -> Guard -> UnhandledError -> routes.
     app.add_middleware(UnhandledErrorMiddleware)
     app.add_middleware(GuardMiddleware, state=app.state.server)
@@ -280,6 +282,6 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastA
             expose_headers=["X-Request-Id", "Retry-After"],
         )
     app.add_middleware(RequestIdMiddleware)
-    routes = [*router.routes, *metrics_router.routes, *app.router.routes]
+    routes = [*router.routes, *metrics_router.routes, *engine_page_router.routes, *app.router.routes]
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics, routes=routes)
     return app

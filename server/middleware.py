@@ -7,10 +7,11 @@ import hmac
 import uuid
 from typing import Any
 
-from starlette.datastructures import Headers, MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders, QueryParams
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.engine_page import KEY_COOKIE, PAGE_PREFIX
 from server.errors import APIError, service_unavailable, to_api_error
 from server.state import ServerState
 
@@ -94,7 +95,7 @@ class GuardMiddleware:
                 err = service_unavailable("The server is shutting down.")
                 await _send_error(send, err, {"Connection": "close"}, path)
                 return
-            if config.api_key is not None and not key_ok(headers, config.api_key):
+            if config.api_key is not None and not key_ok(headers, config.api_key, path, scope.get("query_string", b"")):
                 err = APIError(
                     "Incorrect API key provided. Send it as 'Authorization: Bearer <key>' "
                     "or 'x-api-key: <key>'.",
@@ -128,16 +129,31 @@ class GuardMiddleware:
             self.state.in_flight -= counted
 
 
-def key_ok(headers: Headers, api_key: str) -> bool:
-    """The key as a bearer token (OpenAI clients) or in x-api-key (Anthropic clients)."""
+def key_ok(headers: Headers, api_key: str, path: str = "", query_string: bytes = b"") -> bool:
+    """The key as a bearer token (OpenAI clients) or in x-api-key (Anthropic clients); on the engine
+    page's routes also as `?api_key=` or the page's cookie (a browser cannot send a header with a
+    page load or an EventSource)."""
     given = headers.get("x-api-key")
     if given is not None and hmac.compare_digest(given.strip().encode(), api_key.encode()):
         return True
     auth = headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.strip().encode(), api_key.encode())
+    if scheme.lower() == "bearer":
+        return hmac.compare_digest(token.strip().encode(), api_key.encode())
+    if path == PAGE_PREFIX or path.startswith(PAGE_PREFIX + "/"):
+        given = QueryParams(query_string).get("api_key")
+        if given is None:
+            given = _cookie(headers, KEY_COOKIE)
+        return given is not None and hmac.compare_digest(given.encode(), api_key.encode())
+    return False
+
+
+def _cookie(headers: Headers, name: str) -> str | None:
+    for part in headers.get("cookie", "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return None
 
 
 async def _send_error(

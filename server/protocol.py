@@ -158,6 +158,8 @@ class SamplingFields(StrictModel):
     # Structured outputs (OpenAI's response_format; vLLM's structured_outputs).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # kvserve: add the per-request cost sheet (`metrics`); null defers to the X-KVServe-Metrics header.
+    return_metrics: bool | None = None
 
 
 class CompletionRequest(SamplingFields):

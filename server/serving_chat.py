@@ -28,6 +28,7 @@ from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.sse import sse_response
 from server.state import ServerState
+from server.cost_sheet import cost_sheet, wants_metrics
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
 from server.tool_calling import (
@@ -144,6 +145,7 @@ async def create_chat_completion(
     model, request_id, prompt_ids, num_top = gen.model, gen.request_id, gen.prompt_ids, gen.num_top
     n, plan = gen.params.n, gen.plan
     created = int(time.time())
+    with_metrics = wants_metrics(req.return_metrics, raw)
     outputs = gen.open(engine, raw)
     try:
         first = await first_output(outputs, "messages")
@@ -151,7 +153,7 @@ async def create_chat_completion(
         return Response(status_code=499)
     if req.stream:
         stream = _ChatStream(
-            req, tokenizer, model, request_id, created, len(prompt_ids), n, num_top, plan
+            req, tokenizer, model, request_id, created, len(prompt_ids), n, num_top, plan, with_metrics
         )
         return sse_response(stream.frames(first, outputs))
     final = first[1] if first is not None else None
@@ -195,6 +197,8 @@ async def create_chat_completion(
         "usage": usage_block(len(prompt_ids), completion_tokens, final.num_cached_tokens),
         "system_fingerprint": None,
     }
+    if with_metrics:
+        body["metrics"] = cost_sheet([final])
     return JSONResponse(body)
 
 
@@ -216,8 +220,11 @@ class _ChatStream(ChunkStream):
         n: int,
         num_top: int,
         plan: ToolPlan | None = None,
+        with_metrics: bool = False,
     ) -> None:
-        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n)
+        super().__init__(
+            req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics
+        )
         self.num_top = num_top
         self.pending_logprobs: dict[int, list[Any]] = {}  # tokens whose text is still held back
         self.tool_deltas: dict[int, ToolCallDeltas] | None = None

@@ -26,6 +26,7 @@ from server.logprobs import CompletionLogprobsBuilder
 from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from server.sse import sse_response
 from server.state import ServerState
+from server.cost_sheet import cost_sheet, wants_metrics
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
 
@@ -73,6 +74,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         structured_outputs=request_constraint(req),
     )
     check_prompts(engine, [ids for _, ids in prompts], params, "prompt")
+    with_metrics = wants_metrics(req.return_metrics, raw)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     outputs = merge_outputs(start_streams(engine, request_id, prompts, params, raw), raw)
@@ -81,15 +83,18 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     except ClientDisconnected:
         return Response(status_code=499)
     if req.stream:
-        stream = _CompletionStream(req, tokenizer, model, request_id, created, prompts, n)
+        stream = _CompletionStream(
+            req, tokenizer, model, request_id, created, prompts, n, with_metrics
+        )
         return sse_response(stream.frames(first, outputs))
     try:
         finals = await _collect(first, outputs, len(prompts))
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(
-        _full_response(req, tokenizer, model, request_id, created, prompts, finals, n)
-    )
+    body = _full_response(req, tokenizer, model, request_id, created, prompts, finals, n)
+    if with_metrics:
+        body["metrics"] = cost_sheet(finals)
+    return JSONResponse(body)
 
 
 async def _collect(
@@ -193,9 +198,12 @@ class _CompletionStream(ChunkStream):
         created: int,
         prompts: list[Prompt],
         n: int,
+        with_metrics: bool,
     ) -> None:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n)
+        super().__init__(
+            req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics
+        )
         self.prompts = prompts
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
         self.echoed: set[int] = set()

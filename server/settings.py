@@ -125,6 +125,13 @@ OPTIONS: tuple[Option, ...] = (
         "comma-separated CORS origins; CORS is off when empty",
     ),
     Option(
+        "engine-page",
+        "server.engine_page",
+        parse_bool,
+        "serve the live engine page at /engine (behind the API key)",
+        is_bool=True,
+    ),
+    Option(
         "max-request-body-bytes",
         "server.max_request_body_bytes",
         parse_size,

@@ -25,6 +25,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # auto: from the chat template (see engine.text.tool_parsers)
     max_score_choices: int = 64  # choices one /v1/score request may hold
     responses_store_size: int = 1024
+    engine_page: bool = True  # serve the live /engine page and its snapshot stream
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -1,5 +1,6 @@
 """What chat and text completions share: the usage block, and the SSE chunk stream skeleton that turns
-delta RequestOutputs into chunk frames, reports errors in-band and ends with usage and [DONE]."""
+delta RequestOutputs into chunk frames, reports errors in-band and ends with usage (and the opt-in cost
+sheet) and [DONE]."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from engine import CompletionOutput, RequestOutput
+from server.cost_sheet import cost_sheet
 from server.errors import to_api_error
 from server.generation import ClientDisconnected
 from server.sse import DONE_FRAME, sse_frame
@@ -39,6 +41,7 @@ class ChunkStream:
         created: int,
         prompt_tokens: int,
         n: int,
+        with_metrics: bool = False,
     ) -> None:
         self.req = req
         self.tokenizer = tokenizer
@@ -50,8 +53,15 @@ class ChunkStream:
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.output_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
         self.cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the cache
+        self.with_metrics = with_metrics
+        self.finals: dict[int, RequestOutput] = {}  # prompt index -> its engine request's last output
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+    def _chunk(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
+    ) -> str:
         payload: dict[str, Any] = {
             "id": self.request_id,
             "object": self.object_name,
@@ -62,6 +72,8 @@ class ChunkStream:
         }
         if self.include_usage:
             payload["usage"] = usage
+        if metrics is not None:
+            payload["metrics"] = metrics
         return sse_frame(payload)
 
     def _count(self, index: int, out: CompletionOutput) -> None:
@@ -84,9 +96,11 @@ class ChunkStream:
             for frame in self._opening_frames():
                 yield frame
             if first is not None:
+                self.finals[first[0]] = first[1]
                 for frame in self._frames_for(*first):
                     yield frame
             async for prompt_index, output in outputs:
+                self.finals[prompt_index] = output
                 for frame in self._frames_for(prompt_index, output):
                     yield frame
         except ClientDisconnected:
@@ -96,9 +110,12 @@ class ChunkStream:
             return
         finally:
             await outputs.aclose()
-        if self.include_usage:
+        metrics = None
+        if self.with_metrics:
+            metrics = cost_sheet([self.finals[i] for i in sorted(self.finals)])
+        if self.include_usage or metrics is not None:
             usage = usage_block(
                 self.prompt_tokens, sum(self.output_tokens.values()), sum(self.cached.values())
             )
-            yield self._chunk([], usage)
+            yield self._chunk([], usage, metrics)
         yield DONE_FRAME

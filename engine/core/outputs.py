@@ -40,6 +40,12 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Costs accumulated by the engine (the per-request cost sheet reads them when the request ends).
+    num_generation_tokens: int = 0  # tokens sampled, all samples together
+    num_token_gaps: int = 0  # inter-token latencies observed (non-first tokens of sample 0)
+    num_preemptions: int = 0  # times one of its samples lost its KV blocks
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (minus cache hits)
+    kv_block_seconds: float = 0.0  # sum over steps of the KV blocks its samples held x step time
 
 
 @dataclass

@@ -71,6 +71,7 @@ class Sequence:
     num_preemptions: int = 0
     # Score groups: the first scored position (the choice's first token); its logprobs go to `logprobs`.
     score_start: int | None = None
+    num_lost_tokens: int = 0  # computed tokens whose KV the last preemption dropped
 
     @property
     def params(self) -> SamplingParams:

@@ -152,6 +152,9 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING and looked_up:  # first admission, a real lookup
                 self.kv.record_prefix_query(seq.num_tokens, num_cached)
                 seq.num_cached_tokens = num_cached
+            elif seq.num_lost_tokens:  # resumed: what the prefix cache does not give back is redone
+                seq.group.metrics.num_recomputed_tokens += max(0, seq.num_lost_tokens - num_cached)
+                seq.num_lost_tokens = 0
             seq.num_computed_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -186,9 +189,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        seq.num_lost_tokens = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
+        seq.group.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)

@@ -1,7 +1,8 @@
 """Immutable views of engine state (no torch): the core builds one at the end of every step, in the
 thread that ran the step, and swaps it in whole, so readers on other threads (metrics, /health, the
-stats endpoint) never touch the scheduler's live lists. Cheap by default: counts and one progress row
-per request; the per-block detail is built only when a caller asks for it."""
+stats endpoint, the /engine page) never touch the scheduler's live lists. Cheap by default: counts and
+one progress row per request; the per-block detail and the recent-step timeline are built only when a
+caller asks for them (the /engine page, while someone watches it)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,31 @@ class BlockHolders:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step as the timeline shows it: how its token budget split, how long it took."""
+
+    step: int  # 1-based step number (EngineSnapshot.num_steps after it)
+    time: float  # time.monotonic() at its end
+    duration: float  # seconds
+    num_prefill_tokens: int  # prompt (prefill-chunk) tokens computed
+    num_decode_tokens: int  # one per decoding sequence
+    num_preemptions: int
+    num_running: int  # sequences running after it
+    num_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
 class SnapshotDetail:
-    """The costly part, built on request (engine.detailed_snapshot()): who holds which KV block."""
+    """The costly part, built on request (engine.detailed_snapshot()): who holds which KV block, which
+    free blocks still hold reusable prefix content, the last steps, and the limits they run against."""
 
     blocks: tuple[BlockHolders, ...]
     num_cached_free_blocks: int  # free blocks still holding reusable prefix-cache content
+    cached_free_block_ids: tuple[int, ...] = ()
+    steps: tuple[StepRecord, ...] = ()  # the most recent steps, oldest first
+    block_size: int = 0  # tokens per KV block
+    token_budget: int = 0  # max tokens one step computes (decodes + prefill chunks)
+    max_num_seqs: int = 0  # sequences one step runs at most
 
 
 @dataclass(frozen=True, slots=True)
