@@ -309,7 +309,9 @@ class LLMEngine:
         stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
         stats.prefix_cache_queries = self.kv.stats.queries - queries_before
         stats.prefix_cache_hits = self.kv.stats.hits - hits_before
-        for s in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
+        for (
+            s
+        ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
             s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
         self._accumulate(stats)
         self.snapshot = self.build_snapshot()  # one store: readers see the old or the new whole

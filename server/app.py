@@ -282,6 +282,11 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastA
             expose_headers=["X-Request-Id", "Retry-After"],
         )
     app.add_middleware(RequestIdMiddleware)
-    routes = [*router.routes, *metrics_router.routes, *engine_page_router.routes, *app.router.routes]
+    routes = [
+        *router.routes,
+        *metrics_router.routes,
+        *engine_page_router.routes,
+        *app.router.routes,
+    ]
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics, routes=routes)
     return app

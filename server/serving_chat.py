@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import EngineClient, InvalidRequestError, RequestOutput, SamplingParams, ToolPlan
+from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
@@ -28,7 +29,6 @@ from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.sse import sse_response
 from server.state import ServerState
-from server.cost_sheet import cost_sheet, wants_metrics
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
 from server.tool_calling import (
@@ -222,9 +222,7 @@ class _ChatStream(ChunkStream):
         plan: ToolPlan | None = None,
         with_metrics: bool = False,
     ) -> None:
-        super().__init__(
-            req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics
-        )
+        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics)
         self.num_top = num_top
         self.pending_logprobs: dict[int, list[Any]] = {}  # tokens whose text is still held back
         self.tool_deltas: dict[int, ToolCallDeltas] | None = None

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import CompletionOutput, RequestOutput
+from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import invalid_request
 from server.generation import (
     ClientDisconnected,
@@ -26,7 +27,6 @@ from server.logprobs import CompletionLogprobsBuilder
 from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from server.sse import sse_response
 from server.state import ServerState
-from server.cost_sheet import cost_sheet, wants_metrics
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
 
@@ -201,9 +201,7 @@ class _CompletionStream(ChunkStream):
         with_metrics: bool,
     ) -> None:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        super().__init__(
-            req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics
-        )
+        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics)
         self.prompts = prompts
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
         self.echoed: set[int] = set()

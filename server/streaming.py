@@ -54,7 +54,9 @@ class ChunkStream:
         self.output_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
         self.cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the cache
         self.with_metrics = with_metrics
-        self.finals: dict[int, RequestOutput] = {}  # prompt index -> its engine request's last output
+        self.finals: dict[
+            int, RequestOutput
+        ] = {}  # prompt index -> its engine request's last output
 
     def _chunk(
         self,

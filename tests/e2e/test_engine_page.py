@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def page_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def page_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     args = [
         "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "192",
         "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--log-level", "warning",
@@ -54,7 +56,9 @@ def _complete(url: str, suffix: int, max_tokens: int) -> None:
     r.raise_for_status()
 
 
-LAST_STEP = "Math.max(0, ...[...document.querySelectorAll('#timeline g.step')].map(g => +g.dataset.step))"
+LAST_STEP = (
+    "Math.max(0, ...[...document.querySelectorAll('#timeline g.step')].map(g => +g.dataset.step))"
+)
 
 # Reads the canvas pixel at the middle of a block's cell and names its state by the page's colours.
 PIXEL_STATE = """(blockId) => {
@@ -100,9 +104,7 @@ def test_engine_page_shows_steps_shared_blocks_and_cached_free(page_server: Serv
             shared = page.evaluate(
                 "[...window.enginePage.snap.kv.states].flatMap((s, i) => s === 's' ? [i] : [])"
             )
-            holders = page.evaluate(
-                f"window.enginePage.holders.get({shared[0]}) || []"
-            )
+            holders = page.evaluate(f"window.enginePage.holders.get({shared[0]}) || []")
             assert len(holders) > 1, holders  # a shared block names several holders
             assert page.evaluate(PIXEL_STATE, shared[0]) == "shared"
             page.wait_for_timeout(500)  # a few more updates: the timeline has moved on
