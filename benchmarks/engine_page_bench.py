@@ -86,6 +86,17 @@ async def _run(
             "kib_per_event": payload_bytes / max(events, 1) / 1024}  # fmt: skip
 
 
+def _cost_per_event(engine: AsyncLLMEngine, repeats: int = 200) -> float:
+    """Seconds one update costs, measured between steps on the engine as the runs left it."""
+    from server.engine_page import page_payload
+
+    limits = {"max_queued_requests": engine.max_queued_requests, "max_queued_tokens": None}
+    start = time.perf_counter()
+    for _ in range(repeats):
+        json.dumps(page_payload(engine.core.build_snapshot(detail=True), limits))
+    return (time.perf_counter() - start) / repeats
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"dtype": args.dtype, "device": args.device,
                                "max_num_seqs": args.requests, "log_stats_interval": 0}  # fmt: skip
@@ -103,12 +114,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for watch in order:
                 runs.append(await _run(engine, args, watch, f"r{r}-{int(watch)}"))
                 print(json.dumps(runs[-1]), file=sys.stderr)
+        per_event = _cost_per_event(engine)
     finally:
         await engine.shutdown()
     closed = statistics.median(x["tok_s"] for x in runs if not x["watch"])
     opened = statistics.median(x["tok_s"] for x in runs if x["watch"])
     return {
         "cpu": cpu_flags(),
+        "kv_blocks": engine.snapshot().num_total_blocks,
+        # The work one page update adds (detailed snapshot + payload + JSON), and what 10 a second
+        # would cost at most as a share of one core: a noise-free bound next to the throughput ratio.
+        "ms_per_event": round(1000 * per_event, 3),
+        "max_share_of_a_core_at_10_per_s_pct": round(100 * 10 * per_event, 3),
         "rounds": args.rounds,
         "median_tok_s_closed": round(closed, 2),
         "median_tok_s_open": round(opened, 2),
