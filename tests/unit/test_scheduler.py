@@ -150,6 +150,24 @@ def test_preempted_sequence_resumes_from_its_cached_blocks():
     # The recompute starts after the three cached full blocks, not from scratch.
     assert resumed.start_pos == 12 and resumed.num_new_tokens == seq.num_tokens - 12
     assert seq.num_cached_tokens == 0  # cached_tokens reports the first admission only
+    # The cost sheet: 13 computed tokens were lost, 12 came back from the cache: 1 is recomputed.
+    assert g.metrics.num_preemptions == 1 and g.metrics.num_recomputed_tokens == 1
+
+
+def test_recomputed_tokens_count_what_the_cache_does_not_give_back():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv)
+    g = make_group("a", 10)
+    sched.add_group(g)
+    for _ in range(3):
+        run_step(sched)  # prefill + 2 decodes: 13 tokens, 12 computed
+    seq = g.seqs[0]
+    sched.running.remove(seq)
+    sched._preempt(seq)
+    out = run_step(sched)
+    assert out.scheduled[0].num_new_tokens == 13  # everything again, the newest token included
+    assert g.metrics.num_preemptions == 1 and g.metrics.num_recomputed_tokens == 12
+    assert seq.num_lost_tokens == 0  # counted once, not again at a later admission
 
 
 def test_followers_share_the_leaders_blocks_with_prefix_caching_off():
