@@ -80,6 +80,7 @@ async def _events(
     interval = 1.0 / MAX_UPDATES_PER_SECOND
     loop = asyncio.get_running_loop()
     last_time: float | None = None
+    last_step = 0
     yield "retry: 1000\n\n"
     while not await request.is_disconnected():
         started = loop.time()
@@ -93,7 +94,9 @@ async def _events(
                 yield f"event: error\ndata: {json.dumps({'message': str(e)})}\n\n"
                 return
             last_time = snapshot.time
-            yield f"data: {json.dumps(page_payload(snapshot, limits), separators=(',', ':'))}\n\n"
+            payload = page_payload(snapshot, limits, last_step)
+            last_step = snapshot.num_steps
+            yield f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
         else:
             yield ": idle\n\n"  # keeps proxies from timing the stream out, costs the engine nothing
         await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
@@ -103,9 +106,12 @@ async def _events(
 FREE, CACHED_FREE, HELD, SHARED = ".", "c", "h", "s"
 
 
-def page_payload(snap: EngineSnapshot, limits: dict[str, Any]) -> dict[str, Any]:
+def page_payload(
+    snap: EngineSnapshot, limits: dict[str, Any], after_step: int = 0
+) -> dict[str, Any]:
     """What the page draws, compact enough for tens of thousands of blocks at 10 updates a second:
-    one state character per block, and per sequence the blocks it holds (hover and highlight)."""
+    one state character per block, per sequence the blocks it holds (hover and highlight), and the
+    steps after `after_step` (the page keeps the timeline; each event adds only what is new)."""
     detail = snap.detail
     states = bytearray(FREE.encode()) * snap.num_total_blocks
     tables: dict[str, list[int]] = {}
@@ -129,6 +135,7 @@ def page_payload(snap: EngineSnapshot, limits: dict[str, Any]) -> dict[str, Any]
                 s.num_waiting,
             ]
             for s in detail.steps
+            if s.step > after_step
         ]
         config = {
             "block_size": detail.block_size,

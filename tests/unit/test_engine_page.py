@@ -46,6 +46,8 @@ def test_payload_marks_each_block_and_names_holders() -> None:
     assert payload["kv"]["states"] == "shcc.h.."
     assert payload["kv"]["tables"] == {"a/0": [0, 1], "b/0": [0, 5]}
     assert [s[0] for s in payload["steps"]] == [1, 2, 3]
+    later = page_payload(_snapshot(), {}, after_step=2)  # the stream sends each step once
+    assert [s[0] for s in later["steps"]] == [3]
     assert payload["config"] == {
         "block_size": 16, "token_budget": 64, "max_num_seqs": 4,
         "max_queued_requests": 8, "max_queued_tokens": None,
