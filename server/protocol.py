@@ -296,6 +296,8 @@ class ScoreRequest(StrictModel):
     )
     normalize: Literal["sum", "mean"] | None = "sum"
     include_end_of_turn: bool | None = False
+    # kvserve: add the per-request cost sheet (`metrics`); null defers to the X-KVServe-Metrics header.
+    return_metrics: bool | None = None
     token_logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     user: str | None = None

@@ -153,7 +153,16 @@ async def create_chat_completion(
         return Response(status_code=499)
     if req.stream:
         stream = _ChatStream(
-            req, tokenizer, model, request_id, created, len(prompt_ids), n, num_top, plan, with_metrics
+            req,
+            tokenizer,
+            model,
+            request_id,
+            created,
+            len(prompt_ids),
+            n,
+            num_top,
+            plan,
+            with_metrics,
         )
         return sse_response(stream.frames(first, outputs))
     final = first[1] if first is not None else None

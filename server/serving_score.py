@@ -18,6 +18,7 @@ from engine import (
     build_score_inputs,
     summarize_scores,
 )
+from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError, context_length_exceeded, invalid_request
 from server.generation import wait_for_disconnect
 from server.protocol import ScoreRequest
@@ -71,7 +72,10 @@ async def create_score(req: ScoreRequest, raw: Request, state: ServerState) -> R
         watcher.cancel()
         scoring.cancel()
     result = summarize_scores(output, inputs.choice_texts, req.normalize or "sum", num_top)
-    return JSONResponse(_response_body(req, tokenizer, model, request_id, created, result))
+    body = _response_body(req, tokenizer, model, request_id, created, result)
+    if wants_metrics(req.return_metrics, raw):
+        body["metrics"] = cost_sheet([output])
+    return JSONResponse(body)
 
 
 def _score_error(e: InvalidRequestError) -> APIError:

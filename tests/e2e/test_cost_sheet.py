@@ -162,3 +162,14 @@ def test_preempted_requests_report_recomputed_tokens(tiny_pool_server: ServerPro
     assert all(m["num_recomputed_tokens"] > 0 for m in preempted)
     assert all(m["num_generation_tokens"] == 60 for m in results)
     assert all(m["kv_block_seconds"] > 0 for m in results)
+
+
+def test_score_responses_carry_the_cost_sheet_too(tiny_server: ServerProcess) -> None:
+    body = {"prompt": [5, 6, 7, 8], "choices": [[9, 10], [11]], "return_metrics": True}
+    r = httpx.post(tiny_server.url + "/v1/score", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    m = r.json()["metrics"]
+    assert m["num_cached_tokens"] == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert m["e2e_latency"] >= m["queued_time"] >= 0
+    r = httpx.post(tiny_server.url + "/v1/score", json={**body, "return_metrics": None}, timeout=60)
+    assert "metrics" not in r.json()
