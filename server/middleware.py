@@ -95,7 +95,9 @@ class GuardMiddleware:
                 err = service_unavailable("The server is shutting down.")
                 await _send_error(send, err, {"Connection": "close"}, path)
                 return
-            if config.api_key is not None and not key_ok(headers, config.api_key, path, scope.get("query_string", b"")):
+            if config.api_key is not None and not key_ok(
+                headers, config.api_key, path, scope.get("query_string", b"")
+            ):
                 err = APIError(
                     "Incorrect API key provided. Send it as 'Authorization: Bearer <key>' "
                     "or 'x-api-key: <key>'.",
