@@ -169,6 +169,8 @@ class CountTokensRequest(MessagesInput):
 
 class MessagesRequest(MessagesInput):
     max_tokens: Annotated[int, Field(ge=1)]
+    # kvserve: add the per-request cost sheet (`metrics`); null defers to the X-KVServe-Metrics header.
+    return_metrics: bool | None = None
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     # Sampling: newer SDKs no longer list these (send them with extra_body); raw HTTP clients do.
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None

@@ -150,6 +150,8 @@ class ResponsesStreamOptions(StrictModel):
 
 class ResponsesRequest(StrictModel):
     model: str | None = None
+    # kvserve: add the per-request cost sheet (`metrics`); null defers to the X-KVServe-Metrics header.
+    return_metrics: bool | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     previous_response_id: str | None = None

@@ -23,6 +23,7 @@ from server.chat_translation import (
     chat_request,
     final_turn,
 )
+from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import invalid_request, to_api_error
 from server.generation import ClientDisconnected, first_output
 from server.protocol_messages import (
@@ -238,6 +239,8 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
     usage = _usage(gen, final.num_cached_tokens, turn.output_tokens)
     body = _message(gen, content_blocks(turn), usage)
     body |= {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
+    if wants_metrics(req.return_metrics, raw):
+        body["metrics"] = cost_sheet([final])
     return JSONResponse(body)
 
 

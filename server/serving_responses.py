@@ -22,6 +22,7 @@ from server.chat_translation import (
     chat_request,
     final_turn,
 )
+from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError, to_api_error
 from server.generation import ClientDisconnected, first_output
 from server.protocol_responses import (
@@ -298,7 +299,10 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
         return Response(status_code=499)
     assert final is not None and final.outputs, "the engine ended a request without output"
     turn = final_turn(final.outputs[0], ctx.gen.plan, ctx.gen.parallel_tool_calls)
-    return JSONResponse(ctx.finish(turn, output_items(turn), final.num_cached_tokens))
+    body = ctx.finish(turn, output_items(turn), final.num_cached_tokens)
+    if wants_metrics(req.return_metrics, raw):
+        body = {**body, "metrics": cost_sheet([final])}  # not kept in the response store
+    return JSONResponse(body)
 
 
 def retrieve_response(response_id: str, state: ServerState) -> JSONResponse:
