@@ -32,6 +32,8 @@ async def test_every_surface_adds_the_cost_sheet_when_asked(route: str) -> None:
             assert r.status_code == 200, r.text
             m = r.json()["metrics"]
             assert m["num_prompt_tokens"] > 0
-            assert m["num_computed_prompt_tokens"] == m["num_prompt_tokens"] - m["num_cached_tokens"]
+            assert (
+                m["num_computed_prompt_tokens"] == m["num_prompt_tokens"] - m["num_cached_tokens"]
+            )
         bad = await c.post(route, json={**BODIES[route], "return_metrics": "maybe"})
         assert bad.status_code == 400
