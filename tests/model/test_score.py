@@ -101,6 +101,7 @@ def test_scores_equal_transformers_under_a_small_token_budget(
     llm = LLM(
         str(smollm2_dir),
         dtype="float32",
+        quantization="none",  # exact float32 weights, as transformers runs them
         max_num_batched_tokens=24,  # contexts are chunked; choices share steps with other requests
         enable_prefix_caching=prefix_caching,
     )
@@ -120,7 +121,13 @@ def test_scores_equal_transformers_under_a_small_token_budget(
 
 def test_scores_equal_transformers_under_preemption(smollm2_dir, hf_model, cases):
     # 10 blocks of 16 tokens: the longest case fits alone, not beside growing generations.
-    llm = LLM(str(smollm2_dir), dtype="float32", max_num_batched_tokens=64, num_blocks=10)
+    llm = LLM(
+        str(smollm2_dir),
+        dtype="float32",
+        quantization="none",
+        max_num_batched_tokens=64,
+        num_blocks=10,
+    )
     assert max(len(ctx) + max(map(len, ch)) for ctx, ch in cases) <= 10 * BLOCK
     generations = [cases[3][0][: 20 + i] for i in range(3)]
     results, _ = score_all(llm, cases * 2, generations=generations)
@@ -129,7 +136,7 @@ def test_scores_equal_transformers_under_preemption(smollm2_dir, hf_model, cases
 
 
 def test_is_greedy_agrees_with_greedy_generation(smollm2_dir, hf_model):
-    llm = LLM(str(smollm2_dir), dtype="float32")
+    llm = LLM(str(smollm2_dir), dtype="float32", quantization="none")
     context = llm.tokenizer.encode("The three primary colors are red, yellow and")
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     generated = llm.generate([context], greedy)[0].outputs[0].token_ids
@@ -146,7 +153,7 @@ def test_is_greedy_agrees_with_greedy_generation(smollm2_dir, hf_model):
 
 
 def test_text_choices_follow_the_lm_eval_split_and_chat_scores_replies(smollm2_dir, hf_model):
-    llm = LLM(str(smollm2_dir), dtype="float32")
+    llm = LLM(str(smollm2_dir), dtype="float32", quantization="none")
     tok = llm.tokenizer
     # The context's trailing space moves to the continuation, as lm-evaluation-harness does.
     result = llm.score("The capital of France is ", ["Paris", "Rome is not"], normalize="mean")
