@@ -16,6 +16,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc-words", type=int, default=300)
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/kvserve-ray-bench"))
+    parser.add_argument(
+        "--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvserve-ray-bench"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     flags = " ".join(

@@ -13,7 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry="${GPU_CHECK_DRY:-0}"
-stash=/var/tmp/kvserve-gpu
+# Outside the working tree, which each device call copies afresh; KVSERVE_GPU_STASH overrides it.
+stash="${KVSERVE_GPU_STASH:-$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/kvserve-gpu}"
 out="${OUT:-$PWD/gpu-check-out}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
