@@ -137,10 +137,13 @@ def num_requests_for(concurrency: int, requested: int | None) -> int:
 
 
 def run_level(
-    target: Target, base_url: str, concurrency: int, args: argparse.Namespace
+    target: Target, base_url: str, concurrency: int, args: argparse.Namespace, rnd: int = 0
 ) -> dict[str, Any]:
-    """One concurrency level against a running target: its metrics, or {"error": ...}."""
+    """One concurrency level against a running target: its metrics, or {"error": ...}. The prompts
+    are seeded by round and level: every target gets the same ones, but no round or level repeats
+    an earlier one, so neither server's prefix cache answers a prompt it has already seen."""
     config = BenchConfig(
+        seed=1000 * rnd + concurrency,
         base_url=base_url,
         endpoint=args.endpoint,
         input_len=args.input_len,
@@ -189,14 +192,14 @@ def run_interleaved(
                 for concurrency in args.concurrency:
                     for target in order:
                         if target.name in urls:
-                            m = run_level(target, urls[target.name], concurrency, args)
+                            m = run_level(target, urls[target.name], concurrency, args, rnd)
                             runs[target.name].setdefault(str(concurrency), []).append(m)
                 continue
             for target in order:
                 with contextlib.ExitStack() as one:
                     url = _start_all([target], args, log_dir, one).get(target.name, "")
                     for concurrency in args.concurrency if url else []:
-                        m = run_level(target, url, concurrency, args)
+                        m = run_level(target, url, concurrency, args, rnd)
                         runs[target.name].setdefault(str(concurrency), []).append(m)
     return runs
 

@@ -72,10 +72,11 @@ def test_median_over_rounds_skips_failed_rounds():
 
 
 def test_interleaving_alternates_targets_within_each_level(monkeypatch, tmp_path):
-    calls = []
+    calls, seeds = [], []
 
-    def fake_level(target, url, concurrency, args):
+    def fake_level(target, url, concurrency, args, rnd):
         calls.append((target.name, concurrency))
+        seeds.append((rnd, concurrency))
         return _metrics(float(concurrency), 1.0)
 
     monkeypatch.setattr(compare, "run_level", fake_level)
@@ -88,6 +89,8 @@ def test_interleaving_alternates_targets_within_each_level(monkeypatch, tmp_path
         ("peer", 1), ("kvserve", 1), ("peer", 8), ("kvserve", 8),
     ]  # fmt: skip
     assert len(runs["kvserve"]["8"]) == 2 and len(runs["peer"]["1"]) == 2
+    # both targets see the same prompts within a round; each round brings new ones
+    assert seeds == [(0, 1), (0, 1), (0, 8), (0, 8), (1, 1), (1, 1), (1, 8), (1, 8)]
 
 
 def test_cpu_summary_names_the_flags():
@@ -119,7 +122,7 @@ def test_a_peer_that_polls_when_idle_never_runs_beside_kvserve(monkeypatch, tmp_
         def wait_healthy(self, timeout):
             return 0.0
 
-    def fake_level(target, url, concurrency, args):
+    def fake_level(target, url, concurrency, args, rnd):
         events.append(("run", target.name))
         return _metrics(1.0, 1.0)
 
