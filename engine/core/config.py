@@ -9,7 +9,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TASKS = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
-QUANTIZATIONS = ("auto", "int8", "int4")  # and "none" (stored as None)
+QUANTIZATIONS = ("auto", "int8", "int4", "gguf")  # and "none" (stored as None)
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,8 @@ class ModelConfig:
     chat_template: str | None = None  # a file path or an inline Jinja template
     cache_dir: str | None = None  # conversion cache for .gguf models; None -> ~/.cache/kvserve
     seed: int = 0  # torch.manual_seed once at start-up; a request seeds its own samples
-    # auto: int8 on x86 CPUs with fbgemm (AVX2/AVX-512), else none | none (None) | int8 | int4
+    # auto: a .gguf file's own blocks (gguf) or int8 blocks on x86 CPUs with AVX2, else none |
+    # none (None) | int8 (Q8_0 blocks) | int4 (Q4_1 blocks) | gguf (a .gguf file's stored blocks)
     quantization: str | None = "auto"
     compile: bool = False  # torch.compile the dense part of each layer (slow start-up)
     num_threads: int | None = None  # torch intra-op threads; None -> torch's default
@@ -45,7 +46,7 @@ class ModelConfig:
             object.__setattr__(self, "quantization", None)
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(
-                f"quantization must be auto, none, int8 or int4; got {self.quantization!r}"
+                f"quantization must be auto, none, int8, int4 or gguf; got {self.quantization!r}"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be at least 1")

@@ -19,7 +19,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SOURCES = (
+    Path(__file__).with_name("csrc") / "paged_decode.cpp",
+    Path(__file__).with_name("csrc") / "block_matmul.cpp",
+)
 _DISABLE_ENV = "KVSERVE_CPU_KERNELS"  # "0" turns the C++ kernels off (pure-torch paths only)
 
 
@@ -32,7 +35,8 @@ def cache_dir() -> Path:
 def library_path() -> Path:
     """Where this source, built against this torch and Python, lives: rebuilt when either changes."""
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        key.update(source.read_bytes())
     key.update(f"{torch.__version__}|{sys.version_info[:2]}|{sysconfig.get_platform()}".encode())
     return cache_dir() / f"kvserve_cpu_{key.hexdigest()[:16]}.so"
 
@@ -51,7 +55,7 @@ def build(force: bool = False) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # No FMA contraction: the fused elementwise kernels must round exactly as torch's ops do.
     cmd = [compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
-    cmd += [str(_SOURCE)]
+    cmd += [str(source) for source in _SOURCES]
     cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     cmd += [f"-L{p}" for p in cpp_extension.library_paths()]
@@ -61,7 +65,7 @@ def build(force: bool = False) -> Path:
     try:
         result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{result.stderr[-4000:]}")
+            raise RuntimeError(f"compiling the C++ CPU kernels failed:\n{result.stderr[-4000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -4,6 +4,7 @@ attention metadata, runs the model forward over the paged KV cache, and samples.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,14 +27,17 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_model(
-    model: torch.nn.Module, config: ModelConfig, quantization: str | None = None
+    model: torch.nn.Module,
+    config: ModelConfig,
+    quantization: str | None = None,
+    gguf_file: Path | None = None,
 ) -> None:
     """Apply the model options that change how the loaded model runs: threads, weight
-    quantization (the format load_model chose: None, int8 or int4), torch.compile of the dense
-    layer parts."""
+    quantization (the format load_model chose: None, int8, int4 or gguf, whose blocks come from
+    `gguf_file`), torch.compile of the dense layer parts."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    quantize_model(model, quantization)
+    quantize_model(model, quantization, gguf_file)
     if config.compile:
         compile_dense = getattr(model, "compile_dense", None)
         if compile_dense is None:

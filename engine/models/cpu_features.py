@@ -1,5 +1,6 @@
 """What the CPU offers the weight formats: torch's vector capability, the relevant /proc/cpuinfo
-flags (AVX2, AVX-512, VNNI, native bf16, AMX), and whether fbgemm's int8 kernels are available."""
+flags (AVX2, FMA, F16C, AVX-512, VNNI, native bf16, AMX), and whether kvserve's vectorized block
+kernels (engine/executor/csrc/block_matmul.cpp) run on it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 # The flags that decide a format; the rest of /proc/cpuinfo is noise for this purpose.
 RELEVANT_FLAGS = (
-    "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
     "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve",
 )  # fmt: skip
 
@@ -22,7 +23,6 @@ class CpuFeatures:
     model_name: str  # "AMD EPYC 7B13" or the platform's processor name
     capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     flags: frozenset[str]  # the RELEVANT_FLAGS this CPU has
-    quantized_engines: tuple[str, ...]  # torch.backends.quantized.supported_engines
 
     @property
     def native_bf16(self) -> bool:
@@ -30,25 +30,17 @@ class CpuFeatures:
         return bool({"avx512_bf16", "amx_bf16"} & self.flags) or "AMX" in self.capability.upper()
 
     @property
-    def fbgemm_int8(self) -> bool:
-        """fbgemm's int8 GEMM: x86 with AVX2 at least (it has AVX2 and AVX-512 VNNI kernels)."""
-        vector = "avx2" in self.flags or self.capability.upper().startswith(("AVX2", "AVX512"))
-        return vector and "fbgemm" in self.quantized_engines
-
-    @property
-    def int8_kernel(self) -> str:
-        if "avx512_vnni" in self.flags or "amx_int8" in self.flags:
-            return "fbgemm AVX-512 VNNI"
-        if {"avx512f", "avx512bw"} <= self.flags:
-            return "fbgemm AVX-512"
-        return "fbgemm AVX2"
+    def block_kernels(self) -> bool:
+        """kvserve's int8/int4 block kernels have an AVX2 + FMA + F16C path (x86 since ~2013);
+        elsewhere they fall back to portable loops that are slower than float32 matmuls."""
+        return {"avx2", "fma", "f16c"} <= self.flags
 
     def describe(self) -> str:
         flags = " ".join(f for f in RELEVANT_FLAGS if f in self.flags) or "none of note"
         return (
             f"{self.model_name}: torch capability {self.capability}, flags: {flags}; "
             f"native bf16: {'yes' if self.native_bf16 else 'no'}; "
-            f"fbgemm int8: {self.int8_kernel if self.fbgemm_int8 else 'no'}"
+            f"block kernels: {'AVX2' if self.block_kernels else 'portable (slow)'}"
         )
 
 
@@ -76,5 +68,4 @@ def detect_cpu() -> CpuFeatures:
         model_name=name or platform.processor() or platform.machine(),
         capability=torch.backends.cpu.get_cpu_capability(),
         flags=flags,
-        quantized_engines=tuple(torch.backends.quantized.supported_engines),
     )

@@ -45,6 +45,7 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: set[int]
     weight_format: WeightFormat | None = None  # the quantization chosen for the device and CPU
+    gguf_file: Path | None = None  # the .gguf file this folder was converted from, if any
 
 
 # ---------------------------------------------------------------- bundled models
@@ -180,6 +181,17 @@ def _convert_gguf(gguf: Path, cache_dir: str | None) -> Path:
     return target
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The .gguf file a converted folder came from, if it still exists unchanged (same content key)."""
+    marker = Path(model_dir) / _CONVERTED_MARKER
+    if not marker.is_file():
+        return None
+    gguf = Path(marker.read_text().strip())
+    if not gguf.is_file() or not Path(model_dir).name.endswith(f"-{_gguf_key(gguf)}"):
+        return None
+    return gguf
+
+
 def _write_converted(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -276,8 +288,9 @@ def load_model(
     architectures = getattr(hf_config, "architectures", None) or []
     model_cls = get_model_class(architectures)
     torch_device = resolve_device(device)
+    gguf_file = gguf_source(model_dir)
     weight_format = choose_weight_format(
-        quantization, dtype, torch_device, checkpoint_dtype(hf_config)
+        quantization, dtype, torch_device, checkpoint_dtype(hf_config), gguf_source=bool(gguf_file)
     )
     if torch_device.type == "cpu":
         logger.info("CPU: %s", detect_cpu().describe())
@@ -305,6 +318,7 @@ def load_model(
         max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_token_ids(model_dir, hf_config),
         weight_format=weight_format,
+        gguf_file=gguf_file,
     )
 
 

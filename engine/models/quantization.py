@@ -1,95 +1,69 @@
-"""Quantization of a loaded model's matmul weights (int8: per-channel weights and per-row activations
-on fbgemm, see int8_linear; int4: weight-only, per group) and the one `linear` every model layer
-calls, which dispatches to the packed kernels."""
+"""Quantization of a loaded model's matmul weights into block formats (engine.models.block_quant):
+int8 = Q8_0 blocks everywhere; int4 = Q4_1 blocks in the layers and Q8_0 for the head; gguf = the
+blocks a GGUF file stores, exactly. Also the one `linear` every model layer calls."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.int8_linear import Int8Embedding, Int8Weight
+from engine.models.block_quant import (
+    BlockQ4Weight,
+    BlockQ8Weight,
+    BlockValues,
+    BlockWeight,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128)  # 32 matches the blocks of GGUF Q4_0/Q4_1
-DEFAULT_INT4_GROUP_SIZE = 32
-
-
-class Int4Weight(nn.Module):
-    """Asymmetric int4 per group of `group_size` input channels (as GGUF Q4_1): each group keeps a
-    scale and a minimum; q in [0, 15], w ~= (q - 8) * scale + zero with zero = min + 8 * scale."""
-
-    qweight: torch.Tensor
-    scales_zeros: torch.Tensor
-
-    def __init__(self, weight: torch.Tensor, group_size: int) -> None:  # weight: [out, in]
-        super().__init__()
-        out_features, in_features = weight.shape
-        if in_features % group_size:
-            raise ValueError(f"int4 group size {group_size} must divide {in_features}")
-        w = weight.float().view(out_features, in_features // group_size, group_size)
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        zero = lo + 8.0 * scale
-        self.group_size = group_size
-        self.out_features, self.in_features = out_features, in_features
-        q = q.view(out_features, in_features)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.register_buffer("qweight", packed)  # [out, in // 2] uint8
-        # [groups, out, 2] (scale, zero) in the activation dtype, the kernel's layout
-        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_zeros", scales_zeros.to(weight.dtype))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.qweight, self.group_size, self.scales_zeros
-        )
-
-    def dequantize(self) -> torch.Tensor:  # [out, in]
-        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
-        return self.matmul(eye).t().contiguous()
-
-
-QuantizedWeight = Int8Weight | Int4Weight
+QUANTIZATIONS = ("int8", "int4", "gguf")
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """F.linear for a plain [out, in] weight, or the packed kernel for a quantized one."""
+    """F.linear for a plain [out, in] weight, or the block kernel for a quantized one."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     out = weight.matmul(x)
     return out if bias is None else out + bias
 
 
-def quantize_weight(weight: torch.Tensor, method: str, group_size: int) -> QuantizedWeight:
-    if method == "int8":
-        return Int8Weight(weight)
-    out_features, in_features = weight.shape
-    if in_features % group_size:  # an odd width: fall back to the finest group that fits
-        fits = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
-        group_size = fits[0] if fits else 0
-    if not group_size or out_features % 16:  # the int4 packing works in tiles of 16 rows
-        return Int8Weight(weight)
-    return Int4Weight(weight, group_size)
+class BlockEmbedding(nn.Module):
+    """Embedding lookups dequantized from the Q8_0 head tied to the embedding (one int8 table)."""
+
+    def __init__(self, head: BlockQ8Weight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = head
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
+        rows = self.head.rows(ids)
+        return rows if self.dtype == torch.float32 else rows.to(self.dtype)
+
+
+def _from_float(weight: torch.Tensor, kind: str) -> BlockWeight:
+    if kind == "q4_1":
+        return BlockQ4Weight(quantize_q4_1(weight))
+    return BlockQ8Weight(quantize_q8_0(weight))
 
 
 @torch.no_grad()
-def quantize_model(
-    model: nn.Module, method: str | None, group_size: int = DEFAULT_INT4_GROUP_SIZE
-) -> int:
-    """Replace the model's linear weights (those named in `model.quantizable_weights()`) by int8 or
-    int4 packed weights, in place. Returns the bytes the weights now take (all parameters + buffers)."""
+def quantize_model(model: nn.Module, method: str | None, gguf_file: Path | None = None) -> int:
+    """Replace the model's matmul weights (`model.quantizable_weights()`) by block weights, in
+    place; `gguf` takes the blocks stored in `gguf_file` wherever they dequantize exactly to the
+    loaded weights (Q8_0 elsewhere). Returns the bytes the weights now take."""
     if method is None:
         return weight_bytes(model)
     if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be int8 or int4; got {method!r}")
+        raise ValueError(f"quantization must be int8, int4 or gguf; got {method!r}")
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(
@@ -99,32 +73,69 @@ def quantize_model(
     find_weights = getattr(type(model), "quantizable_weights", None)
     if find_weights is None:
         raise ValueError(f"--quantization is not supported for {type(model).__name__} models")
+    stored = _stored_blocks(model, gguf_file) if method == "gguf" else {}
     before = weight_bytes(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    kept = 0
     for owner, attr in find_weights(model):
         weight = getattr(owner, attr)
-        quantized = quantize_weight(weight.data, method, group_size)
+        name = f"{names[id(owner)]}.{attr}".lstrip(".")
+        head = attr == "lm_head_weight"
+        if name in stored:
+            packed = stored[name].to_weight()
+            kept += 1
+        elif weight.shape[1] % 32:
+            continue  # no whole blocks: this weight stays float
+        else:
+            packed = _from_float(weight.data, "q4_1" if method == "int4" and not head else "q8_0")
         if attr in owner._parameters:
             del owner._parameters[attr]
-        setattr(owner, attr, quantized)
-    _share_int8_head_with_embedding(model)
+        setattr(owner, attr, packed)
+    _share_head_with_embedding(model)
     after = weight_bytes(model)
+    detail = f", {kept} weights as stored in {gguf_file.name}" if gguf_file and stored else ""
     logger.info(
-        "quantized linear weights to %s: %.0f MB -> %.0f MB", method, before / 1e6, after / 1e6
+        "quantized matmul weights (%s%s): %.0f MB -> %.0f MB",
+        method,
+        detail,
+        before / 1e6,
+        after / 1e6,
     )
     return after
 
 
-def _share_int8_head_with_embedding(model: nn.Module) -> None:
-    """A head tied to the embedding and packed as int8: lookups then dequantize rows of the same
-    int8 table (no float copy of the table stays in memory)."""
+def _stored_blocks(model: nn.Module, gguf_file: Path | None) -> dict[str, BlockValues]:
+    """The GGUF file's blocks for the weights they reproduce exactly (checked one by one)."""
+    from engine.models.gguf_blocks import matches_float, read_block_weights
+
+    if gguf_file is None:
+        raise ValueError("--quantization gguf serves a GGUF file's stored blocks: pass a .gguf model")
+    model.quantizable_weights()  # type: ignore[operator]  # ties the head to the embedding
+    blocks = read_block_weights(gguf_file, model)
+    current = dict(model.named_parameters(remove_duplicate=False))
+    current["lm_head_weight"] = getattr(model, "lm_head_weight", None)  # type: ignore[assignment]
+    exact = {}
+    for name, values in blocks.items():
+        weight = current.get(name)
+        if weight is not None and matches_float(values, weight):
+            exact[name] = values
+        else:
+            logger.warning("%s: GGUF blocks differ from the loaded weight; requantizing it", name)
+    return exact
+
+
+def _share_head_with_embedding(model: nn.Module) -> None:
+    """A head tied to the embedding and packed as Q8_0: lookups then dequantize rows of the same
+    table (no float copy of the table stays in memory)."""
     head = getattr(model, "lm_head_weight", None)
-    if getattr(model, "tie_word_embeddings", False) and isinstance(head, Int8Weight):
+    if getattr(model, "tie_word_embeddings", False) and isinstance(head, BlockQ8Weight):
         dtype = getattr(model, "dtype", torch.float32)
-        model.embed_tokens = Int8Embedding(head, dtype)
+        model.embed_tokens = BlockEmbedding(head, dtype)
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter, buffer and packed int8 weight of `model`."""
-    tensors = [*model.parameters(), *model.buffers()]
-    packed = sum(m.nbytes for m in model.modules() if isinstance(m, Int8Weight))
-    return packed + sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of every distinct parameter and buffer of `model` (block weights included)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in seen.values())

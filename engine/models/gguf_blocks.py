@@ -1,0 +1,154 @@
+"""A GGUF file's quantized tensors as kvserve's block weights, exactly as stored: llama.cpp's tensor
+names mapped to the Llama model's fused matmul weights, its rotary row order for q/k undone, and every
+mapped weight checked against the float weights the model loaded (the same file, dequantized)."""
+
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from engine.models.block_quant import GGUF_BLOCK_BYTES, BlockValues, from_gguf_blocks
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp name (per layer) -> (our weight, its part in fused order)
+_LAYER_PARTS = {
+    "attn_q": ("self_attn.qkv_weight", 0),
+    "attn_k": ("self_attn.qkv_weight", 1),
+    "attn_v": ("self_attn.qkv_weight", 2),
+    "attn_output": ("self_attn.o_weight", 0),
+    "ffn_gate": ("mlp.gate_up_weight", 0),
+    "ffn_up": ("mlp.gate_up_weight", 1),
+    "ffn_down": ("mlp.down_weight", 0),
+}
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation (its rotary pairs adjacent values; the HF
+    layout pairs the two halves of each head): HF row h*d + t*(d/2) + i is GGUF row h*d + 2i + t."""
+    half = rows // heads // 2
+    gguf = torch.arange(rows).view(heads, half, 2)  # [head, i, t]
+    return gguf.transpose(1, 2).reshape(rows)  # [head, t, i] in HF order
+
+
+def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
+    """Our matmul weight name (as in model.named_parameters / quantizable_weights) -> its stored
+    blocks, for every weight all of whose GGUF parts are in a block format kvserve runs directly.
+    Weights missing here (float or other GGUF types) are quantized from the float weights."""
+    arch, tensors = read_gguf_index(path)
+    if arch != "llama":
+        logger.info("GGUF architecture %r: serving its weights requantized, not as stored", arch)
+        return {}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    parts: dict[str, dict[int, BlockValues]] = {}
+    for tensor in tensors:
+        kind = _GGUF_TYPES.get(tensor.type_id)
+        if kind not in GGUF_BLOCK_BYTES or len(tensor.shape) != 2:
+            continue
+        k, n = tensor.shape  # GGUF lists the fastest dimension first
+        name, part = _our_name(tensor.name, model)
+        if name is None or k % 32:
+            continue
+        size = n * (k // 32) * GGUF_BLOCK_BYTES[kind]
+        values = from_gguf_blocks(kind, data[tensor.offset : tensor.offset + size], (n, k))
+        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = model.num_heads if "attn_q" in tensor.name else model.num_kv_heads
+            values = values.rows(_unpermute_rows(n, heads))
+        parts.setdefault(name, {})[part] = values
+    expected = {"self_attn.qkv_weight": 3, "mlp.gate_up_weight": 2}
+    found = {}
+    for name, by_part in parts.items():
+        want = expected.get(name.split(".", 2)[-1], 1)
+        if sorted(by_part) == list(range(want)):
+            found[name] = BlockValues.cat([by_part[i] for i in range(want)])
+    return found
+
+
+def _our_name(gguf_name: str, model: Any) -> tuple[str | None, int]:
+    if gguf_name == "token_embd.weight":
+        return ("lm_head_weight" if model.tie_word_embeddings else None), 0
+    if gguf_name == "output.weight":
+        return ("lm_head_weight" if not model.tie_word_embeddings else None), 0
+    pieces = gguf_name.split(".")
+    if len(pieces) == 4 and pieces[0] == "blk" and pieces[3] == "weight" and pieces[2] in _LAYER_PARTS:
+        ours, part = _LAYER_PARTS[pieces[2]]
+        return f"layers.{int(pieces[1])}.{ours}", part
+    return None, 0
+
+
+_GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # the ggml type ids of the formats run as stored
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # fastest-varying dimension first, as GGUF stores it
+    type_id: int
+    offset: int  # absolute byte offset of its data in the file
+
+
+# GGUF metadata value types: fixed sizes (struct formats), 8 = string, 9 = array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_index(path: Path) -> tuple[str | None, list[GGUFTensor]]:
+    """(general.architecture, tensor index) from a GGUF v2/v3 header, skipping the rest of the
+    metadata (a tokenizer's vocabulary included) without decoding it."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, tensor_count, kv_count = struct.unpack("<IQQ", f.read(20))
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        arch, alignment = None, 32
+        for _ in range(kv_count):
+            key = _read_str(f)
+            (vtype,) = struct.unpack("<I", f.read(4))
+            if key == "general.architecture" and vtype == 8:
+                arch = _read_str(f)
+            elif key == "general.alignment" and vtype == 4:
+                (alignment,) = struct.unpack("<I", f.read(4))
+            else:
+                _skip_value(f, vtype)
+        infos = []
+        for _ in range(tensor_count):
+            name = _read_str(f)
+            (dims,) = struct.unpack("<I", f.read(4))
+            shape = struct.unpack(f"<{dims}Q", f.read(8 * dims))
+            type_id, offset = struct.unpack("<IQ", f.read(12))
+            infos.append((name, shape, type_id, offset))
+        start = -(-f.tell() // alignment) * alignment
+    return arch, [GGUFTensor(n, tuple(s), t, start + o) for n, s, t, o in infos]
+
+
+def _read_str(f: BinaryIO) -> str:
+    (length,) = struct.unpack("<Q", f.read(8))
+    return f.read(length).decode("utf-8", errors="replace")
+
+
+def _skip_value(f: BinaryIO, vtype: int) -> None:
+    if vtype in _SCALARS:
+        f.seek(struct.calcsize(_SCALARS[vtype]), 1)
+    elif vtype == 8:
+        (length,) = struct.unpack("<Q", f.read(8))
+        f.seek(length, 1)
+    elif vtype == 9:
+        item_type, count = struct.unpack("<IQ", f.read(12))
+        if item_type in _SCALARS:
+            f.seek(count * struct.calcsize(_SCALARS[item_type]), 1)
+        else:
+            for _ in range(count):
+                _skip_value(f, item_type)
+    else:
+        raise ValueError(f"unknown GGUF metadata type {vtype}")
+
+
+def matches_float(values: BlockValues, weight: torch.Tensor) -> bool:
+    """The stored blocks dequantize to exactly the float weight the model loaded from this file."""
+    return values.shape == tuple(weight.shape) and torch.equal(values.dequantize(), weight.float())
