@@ -211,10 +211,11 @@ OPTIONS: tuple[Option, ...] = (
         "quantization",
         "model.quantization",
         parse_optional_str,
-        "weight format: auto = int8 on x86 CPUs with fbgemm (AVX2/AVX-512), else none; int8 = "
-        "per-channel int8 weights, per-row int8 activations (batch-invariant); int4 only where "
-        "its kernel beats int8 (refused otherwise)",
-        choices=("auto", "none", "int8", "int4"),
+        "weight format: auto = a .gguf model's own blocks (gguf), else int8, on x86 CPUs with "
+        "AVX2 (float weights elsewhere); int8 = Q8_0 blocks; int4 = Q4_1 blocks (Q8_0 head); "
+        "gguf = the blocks the .gguf file stores, exactly (Q4_0/Q4_1/Q8_0; others as Q8_0); all "
+        "with int8 activations per row and block of 32 (batch-invariant); none = float weights",
+        choices=("auto", "none", "int8", "int4", "gguf"),
     ),
     Option(
         "compile",

@@ -20,7 +20,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
+#include <string_view>
 #include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -37,10 +39,15 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kRowTile = 4;    // activation rows sharing each unpacked weight vector
 constexpr int64_t kRowPanel = 64;  // rows whose int8 activations stay in cache while columns stream
 
+// KVSERVE_BLOCK_KERNELS=portable forces the portable loops (to test them on an AVX2 machine).
 bool cpu_has_avx2() {
 #if KV_HAVE_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
+  static const bool has = [] {
+    const char* env = std::getenv("KVSERVE_BLOCK_KERNELS");
+    if (env != nullptr && std::string_view(env) == "portable") return false;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
   return has;
 #else
   return false;
