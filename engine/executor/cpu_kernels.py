@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     Path(__file__).with_name("csrc") / "paged_decode.cpp",
     Path(__file__).with_name("csrc") / "block_matmul.cpp",
+    Path(__file__).with_name("csrc") / "decode_layer.cpp",
 )
 _DISABLE_ENV = "KVSERVE_CPU_KERNELS"  # "0" turns the C++ kernels off (pure-torch paths only)
 
@@ -117,6 +118,28 @@ def rope_write_kv(
 ) -> None:
     """Rotary on q and k inside the fused qkv, then k and v stored at their cache slots."""
     torch.ops.kvserve.rope_write_kv(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads)
+
+
+def decode_layer(
+    h: torch.Tensor,  # [n, hidden]
+    weights: list[torch.Tensor],  # the layer's norms and matmul tensors, see csrc/decode_layer.cpp
+    kinds: list[int],
+    eps: float,
+    cos: torch.Tensor,  # [n, d // 2]
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+) -> torch.Tensor:  # [n, hidden]
+    """One decoder layer of a pure decode step in one call (the fused layer's exact ops)."""
+    return torch.ops.kvserve.decode_layer(
+        h, weights, kinds, eps, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens,
+        heads, kv_heads, scale,
+    )  # fmt: skip
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ from engine.models.layers import (
     optional_param,
     rope_parameters,
 )
+from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.quantization import linear
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,41 @@ def _fused_layer(
     return h + layer.mlp(cpu_kernels.rms_norm(h, norm2.weight, norm2.eps))
 
 
+def _decode_layer_args(layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The tensors and kinds csrc/decode_layer.cpp takes for this layer (None if it cannot run
+    it), cached on the layer and rebuilt when a weight object changes (e.g. after quantization)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    mats = (
+        (attn.qkv_weight, attn.qkv_bias),
+        (attn.o_weight, attn.o_bias),
+        (mlp.gate_up_weight, mlp.gate_up_bias),
+        (mlp.down_weight, mlp.down_bias),
+    )
+    key = tuple(id(t) for pair in mats for t in pair)
+    cached = getattr(layer, "_decode_args", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    args: tuple[list[torch.Tensor], list[int]] | None = None
+    if norm1.eps == norm2.eps:
+        tensors, kinds = [norm1.weight, norm2.weight], []
+        for weight, bias in mats:
+            if isinstance(weight, BlockQ4Weight):
+                tensors += [weight.qs, weight.d, weight.m]
+                kinds += [1, int(bias is not None), weight.out_features]
+            elif isinstance(weight, BlockQ8Weight):
+                tensors += [weight.qs, weight.d]
+                kinds += [2, int(bias is not None), weight.out_features]
+            else:
+                tensors.append(weight)
+                kinds += [0, int(bias is not None), weight.shape[0]]
+            if bias is not None:
+                tensors.append(bias)
+        args = (tensors, kinds)
+    layer._decode_args = (key, args)  # type: ignore[assignment]
+    return args
+
+
 def _pre_attention(
     layer: LlamaDecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,8 +241,19 @@ class LlamaForCausalLM(nn.Module):
         fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
         if fused and uses_cpu_kernels(meta, h.device, h.dtype):
             cos_sin = (rope[0].squeeze(1), rope[1].squeeze(1))  # [n, head_dim // 2]
+            decode_only = meta.num_decode_seqs == meta.num_seqs
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                h = _fused_layer(cast(LlamaDecoderLayer, layer), cos_sin, h, kv_cache, meta)
+                layer = cast(LlamaDecoderLayer, layer)
+                args = _decode_layer_args(layer) if decode_only else None
+                if args is None:
+                    h = _fused_layer(layer, cos_sin, h, kv_cache, meta)
+                    continue
+                attn = layer.self_attn
+                h = cpu_kernels.decode_layer(
+                    h, *args, layer.input_layernorm.eps, *cos_sin, kv_cache, meta.slot_mapping,
+                    meta.block_tables, meta.seq_lens, attn.num_heads, attn.num_kv_heads,
+                    attn.scale,
+                )  # fmt: skip
             return cpu_kernels.rms_norm(h, self.norm.weight, self.norm.eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv_cache, meta, self.dense)

@@ -1,0 +1,113 @@
+// One Llama decoder layer of a pure decode step (every sequence adds one token) in a single call: the
+// same ATen ops and kvserve kernels, in the same order, as the Python fused layer
+// (engine/models/llama.py, _fused_layer), so its values are bitwise the same; only the Python
+// dispatch between ~20 small ops per layer is gone.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+// kinds[i] for each of the 4 matmuls (qkv, o, gate_up, down): 0 float [N, K] weight, 1 q4 blocks
+// (qs, d, m), 2 q8 blocks (qs, d); then has_bias, then the true output width (block weights are
+// padded to a multiple of 8 columns).
+enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ8 = 2 };
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const std::optional<at::Tensor>&)>
+      q4;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&)>
+      q8;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor,
+                                const at::Tensor&, int64_t, int64_t)>
+      rope;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, double)>
+      attention;
+};
+
+const Ops& ops() {
+  static const Ops o = [] {
+    auto& d = c10::Dispatcher::singleton();
+    return Ops{
+        d.findSchemaOrThrow("kvserve::q4_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const std::optional<at::Tensor>&)>(),
+        d.findSchemaOrThrow("kvserve::q8_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&)>(),
+        d.findSchemaOrThrow("kvserve::rms_norm", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
+        d.findSchemaOrThrow("kvserve::rope_write_kv", "")
+            .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor,
+                        const at::Tensor&, int64_t, int64_t)>(),
+        d.findSchemaOrThrow("kvserve::paged_decode_attention", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, double)>(),
+    };
+  }();
+  return o;
+}
+
+// The i-th matmul of the layer: reads its tensors from `w` at `next` (advancing it), as
+// engine.models.quantization.linear computes it (bias added after the kernel).
+at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t& next,
+                  const std::vector<int64_t>& kinds, int i) {
+  const int64_t kind = kinds[3 * i], has_bias = kinds[3 * i + 1], width = kinds[3 * i + 2];
+  at::Tensor out;
+  if (kind == kFloat) {
+    const at::Tensor& weight = w[next++];
+    if (has_bias) return at::linear(x, weight, w[next++]);
+    return at::linear(x, weight);
+  }
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  if (kind == kQ4) {
+    out = ops().q4.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
+    next += 3;
+  } else {
+    TORCH_CHECK(kind == kQ8, "decode_layer: unknown weight kind ", kind);
+    out = ops().q8.call(xf, w[next], w[next + 1], std::nullopt);
+    next += 2;
+  }
+  if (out.size(1) != width) out = out.narrow(1, 0, width);
+  if (has_bias) out = out + w[next++];
+  return out;
+}
+
+// w: [input_layernorm.weight, post_attention_layernorm.weight, then the 4 matmuls' tensors].
+at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
+                        const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads,
+                        int64_t kv_heads, double scale) {
+  TORCH_CHECK(kinds.size() == 12 && w.size() >= 6, "decode_layer: 4 matmuls expected");
+  const Ops& o = ops();
+  const int64_t n = h.size(0), d = kv_cache.size(4), q_size = heads * d;
+  size_t next = 2;
+  at::Tensor qkv = linear(o.rms_norm.call(h, w[0], eps), w, next, kinds, 0);
+  o.rope.call(qkv, cos, sin, kv_cache, slots, heads, kv_heads);
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads, d});
+  const at::Tensor att = o.attention.call(q, kv_cache, block_tables, seq_lens, scale);
+  at::Tensor out = h + linear(att.reshape({n, q_size}), w, next, kinds, 1);
+  const at::Tensor gate_up = linear(o.rms_norm.call(out, w[1], eps), w, next, kinds, 2);
+  const int64_t inter = gate_up.size(1) / 2;
+  const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
+  return out + linear(act, w, next, kinds, 3);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def(
+      "decode_layer(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, Tensor sin, "
+      "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
+      "int kv_heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layer", &decode_layer); }
