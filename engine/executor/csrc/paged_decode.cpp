@@ -16,7 +16,14 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KV_HAVE_AVX2_ATTENTION 1
+#define KV_AVX2 __attribute__((target("avx2,fma")))
+#endif
 
 namespace {
 
@@ -64,6 +71,120 @@ KV_TARGETS void axpy_group(const float* p, const T* v, int64_t group, int64_t d,
   }
 }
 
+#ifdef KV_HAVE_AVX2_ATTENTION
+// ------------------------------------------------ float32 decode attention, AVX2 + FMA
+// One (sequence, KV head) item: scores for 8 context tokens at a time (8 dot products reduced
+// together), a vectorized softmax, then P.V with the group's query heads sharing each V load. The
+// arithmetic depends only on the sequence (its length and values), never on the batch.
+
+bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+KV_AVX2 inline __m256 exp256(__m256 x) {  // Cephes-style expf, relative error ~1e-7
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+KV_AVX2 inline __m256 hsum8(const __m256* a) {  // lane u = sum of a[u]'s lanes
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+KV_AVX2 inline float hsum1(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[a, :] = sum_t p[a, t] v[t, :] for GN heads (p rows `len` apart), 32 values of d per pass.
+template <int GN>
+KV_AVX2 void pv_pass(const float* p, const float* const* vp, int64_t len, int64_t d, float* out) {
+  for (int64_t i0 = 0; i0 < d; i0 += 32) {
+    __m256 acc[GN][4];
+    for (int a = 0; a < GN; ++a)
+      for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      __m256 v[4];
+      for (int b = 0; b < 4; ++b) v[b] = _mm256_loadu_ps(vp[t] + i0 + 8 * b);
+      for (int a = 0; a < GN; ++a) {
+        const __m256 w = _mm256_broadcast_ss(p + a * len + t);
+        for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
+      }
+    }
+    for (int a = 0; a < GN; ++a)
+      for (int b = 0; b < 4; ++b) _mm256_storeu_ps(out + a * d + i0 + 8 * b, acc[a][b]);
+  }
+}
+
+// qf [group, d] pre-scaled; kp/vp: per context token, its K/V row; out [group, d]; d % 32 == 0.
+KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const float* const* vp,
+                              int64_t len, int64_t group, int64_t d, float* scores, float* out) {
+  for (int64_t g = 0; g < group; ++g) {  // scores, g-major: scores[g * len + t]
+    const float* qg = qf + g * d;
+    float* sg = scores + g * len;
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + i);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kp[t + u] + i), qv, acc[u]);
+      }
+      _mm256_storeu_ps(sg + t, hsum8(acc));
+    }
+    for (; t < len; ++t) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(kp[t] + i), _mm256_loadu_ps(qg + i), acc);
+      sg[t] = hsum1(acc);
+    }
+    float mx = -std::numeric_limits<float>::infinity();  // softmax over this head's scores
+    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 sumv = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mxv));
+      _mm256_storeu_ps(sg + j, e);
+      sumv = _mm256_add_ps(sumv, e);
+    }
+    float sum = hsum1(sumv);
+    for (; j < len; ++j) {
+      alignas(32) float tmp[8] = {sg[j] - mx};
+      const float e = _mm256_cvtss_f32(exp256(_mm256_load_ps(tmp)));
+      sg[j] = e;
+      sum += e;
+    }
+    const float inv = len > 0 ? 1.f / sum : 0.f;
+    for (int64_t k = 0; k < len; ++k) sg[k] *= inv;
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += 2) {  // out = P V: two heads x 32 values per pass
+    if (group - g0 >= 2)
+      pv_pass<2>(scores + g0 * len, vp, len, d, out + g0 * d);
+    else
+      pv_pass<1>(scores + g0 * len, vp, len, d, out + g0 * d);
+  }
+}
+#endif
+
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -81,6 +202,33 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
 
+#ifdef KV_HAVE_AVX2_ATTENTION
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2_fma() && d % 32 == 0) {
+      at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qf(group * d), scores;
+        std::vector<const float*> kp, vp;
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / kv_heads, h = item % kv_heads;
+          const int64_t len = lens[b];
+          const int32_t* table = tables + b * table_width;
+          for (int64_t g = 0; g < group; ++g) {
+            const T* qh = qp + b * q_row + (h * group + g) * q_head;
+            for (int64_t i = 0; i < d; ++i) qf[g * d + i] = qh[i] * fscale;
+          }
+          kp.resize(len), vp.resize(len), scores.resize(group * len);
+          for (int64_t t = 0; t < len; ++t) {
+            kp[t] = cache + table[t / block_size] * s_block + (t % block_size) * s_tok + h * d;
+            vp[t] = kp[t] + s_kv;
+          }
+          attend_item_avx2(qf.data(), kp.data(), vp.data(), len, group, d, scores.data(),
+                           op + (b * heads + h * group) * d);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores, tmp(group);
     for (int64_t item = begin; item < end; ++item) {
