@@ -64,7 +64,9 @@ class LLMEngine:
         loaded = load_model(self.model_dir, mc.dtype, mc.device, mc.quantization)
         self.model = loaded.model
         quantization = loaded.weight_format.quantization if loaded.weight_format else None
-        prepare_model(self.model, mc, quantization, loaded.gguf_file)  # threads, quantization, compile
+        prepare_model(
+            self.model, mc, quantization, loaded.gguf_file
+        )  # threads, quantization, compile
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)

@@ -182,7 +182,9 @@ class BlockQ8Weight(_BlockWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, K] float32, dequantized rows
         group, lane = ids // GROUP, ids % GROUP
-        q = self.qs.view(self.groups, self.blocks, 8, GROUP, 4)[group, :, :, lane, :]  # [n, kb, 8, 4]
+        q = self.qs.view(self.groups, self.blocks, 8, GROUP, 4)[
+            group, :, :, lane, :
+        ]  # [n, kb, 8, 4]
         d = self.d[group, :, lane].float()  # [n, kb]
         return (q.reshape(ids.shape[0], self.blocks, BLOCK).float() * d[..., None]).flatten(1)
 

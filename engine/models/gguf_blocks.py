@@ -76,7 +76,12 @@ def _our_name(gguf_name: str, model: Any) -> tuple[str | None, int]:
     if gguf_name == "output.weight":
         return ("lm_head_weight" if not model.tie_word_embeddings else None), 0
     pieces = gguf_name.split(".")
-    if len(pieces) == 4 and pieces[0] == "blk" and pieces[3] == "weight" and pieces[2] in _LAYER_PARTS:
+    if (
+        len(pieces) == 4
+        and pieces[0] == "blk"
+        and pieces[3] == "weight"
+        and pieces[2] in _LAYER_PARTS
+    ):
         ours, part = _LAYER_PARTS[pieces[2]]
         return f"layers.{int(pieces[1])}.{ours}", part
     return None, 0
@@ -94,7 +99,19 @@ class GGUFTensor:
 
 
 # GGUF metadata value types: fixed sizes (struct formats), 8 = string, 9 = array
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 
 
 def read_gguf_index(path: Path) -> tuple[str | None, list[GGUFTensor]]:

@@ -21,6 +21,7 @@ from engine.executor.attention import (
     paged_attention,
     uses_cpu_kernels,
 )
+from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -29,7 +30,6 @@ from engine.models.layers import (
     optional_param,
     rope_parameters,
 )
-from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.quantization import linear
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,8 @@ def _decode_layer_args(layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], li
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     args: tuple[list[torch.Tensor], list[int]] | None = None
     if norm1.eps == norm2.eps:
-        tensors, kinds = [norm1.weight, norm2.weight], []
+        tensors: list[torch.Tensor] = [norm1.weight, norm2.weight]
+        kinds: list[int] = []
         for weight, bias in mats:
             if isinstance(weight, BlockQ4Weight):
                 tensors += [weight.qs, weight.d, weight.m]

@@ -109,7 +109,9 @@ def _stored_blocks(model: nn.Module, gguf_file: Path | None) -> dict[str, BlockV
     from engine.models.gguf_blocks import matches_float, read_block_weights
 
     if gguf_file is None:
-        raise ValueError("--quantization gguf serves a GGUF file's stored blocks: pass a .gguf model")
+        raise ValueError(
+            "--quantization gguf serves a GGUF file's stored blocks: pass a .gguf model"
+        )
     model.quantizable_weights()  # type: ignore[operator]  # ties the head to the embedding
     blocks = read_block_weights(gguf_file, model)
     current = dict(model.named_parameters(remove_duplicate=False))

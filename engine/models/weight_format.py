@@ -46,7 +46,9 @@ def choose_weight_format(
 
     quantization = None if quantization in (None, "none") else quantization
     if quantization not in (None, "auto", "int8", "int4", "gguf"):
-        raise ValueError(f"quantization must be auto, none, int8, int4 or gguf; got {quantization!r}")
+        raise ValueError(
+            f"quantization must be auto, none, int8, int4 or gguf; got {quantization!r}"
+        )
     if device.type != "cpu":
         if quantization in ("int8", "int4", "gguf"):
             raise ValueError(
