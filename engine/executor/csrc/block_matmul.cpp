@@ -24,6 +24,7 @@
 #include <optional>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -309,20 +310,20 @@ KV_AVX2 void q8_groups_avx2(const BlockWeight& w, const QuantRows& x, int64_t r0
 
 // ---------------------------------------------------------------- ops
 
-struct Quantized {
-  at::Tensor q, d, s;
-  QuantRows rows() const {
-    return {q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), q.size(1), d.size(1)};
-  }
+// The calling thread's scratch for quantized activations (reused across calls: no allocation per
+// matmul); the workers of one call only read it.
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
 };
 
-Quantized quantize_rows(const at::Tensor& x) {
+QuantRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
-  Quantized out{at::empty({M, K}, x.options().dtype(at::kChar)),
-                at::empty({M, KB}, x.options()), at::empty({M, KB}, x.options())};
+  thread_local Scratch scratch;
+  scratch.q.resize(M * K), scratch.d.resize(M * KB), scratch.s.resize(M * KB);
   const float* xp = x.data_ptr<float>();
-  int8_t* q = out.q.data_ptr<int8_t>();
-  float *d = out.d.data_ptr<float>(), *s = out.s.data_ptr<float>();
+  int8_t* q = scratch.q.data();
+  float *d = scratch.d.data(), *s = scratch.s.data();
   const bool avx2 = cpu_has_avx2();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -335,7 +336,7 @@ Quantized quantize_rows(const at::Tensor& x) {
       quantize_row_ref(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
     }
   });
-  return out;
+  return {q, d, s, K, KB};
 }
 
 // Column groups split across threads (each output element wholly on one thread); rows in panels so
@@ -343,8 +344,7 @@ Quantized quantize_rows(const at::Tensor& x) {
 template <typename Groups>
 at::Tensor run_groups(const at::Tensor& x, const BlockWeight& w, int64_t groups,
                       const std::optional<at::Tensor>& bias, Groups&& run) {
-  const Quantized xq = quantize_rows(x);
-  const QuantRows rows = xq.rows();
+  const QuantRows rows = quantize_rows(x);
   const int64_t M = x.size(0), N = 8 * groups;
   at::Tensor out = at::empty({M, N}, x.options());
   float* o = out.data_ptr<float>();

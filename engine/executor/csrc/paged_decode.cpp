@@ -205,24 +205,27 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 #ifdef KV_HAVE_AVX2_ATTENTION
   if constexpr (std::is_same_v<T, float>) {
     if (cpu_has_avx2_fma() && d % 32 == 0) {
-      at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qf(group * d), scores;
+      // Work items: (sequence, KV head) with its query heads, or single query heads when that
+      // leaves the threads idle (few sequences); a head's values are the same either way.
+      const int64_t per = batch * kv_heads < 2 * at::get_num_threads() ? 1 : group;
+      at::parallel_for(0, batch * heads / per, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qf(per * d), scores;
         std::vector<const float*> kp, vp;
         for (int64_t item = begin; item < end; ++item) {
-          const int64_t b = item / kv_heads, h = item % kv_heads;
-          const int64_t len = lens[b];
+          const int64_t b = item / (heads / per), first = (item % (heads / per)) * per;
+          const int64_t h = first / group, len = lens[b];
           const int32_t* table = tables + b * table_width;
-          for (int64_t g = 0; g < group; ++g) {
-            const T* qh = qp + b * q_row + (h * group + g) * q_head;
+          for (int64_t g = 0; g < per; ++g) {
+            const T* qh = qp + b * q_row + (first + g) * q_head;
             for (int64_t i = 0; i < d; ++i) qf[g * d + i] = qh[i] * fscale;
           }
-          kp.resize(len), vp.resize(len), scores.resize(group * len);
+          kp.resize(len), vp.resize(len), scores.resize(per * len);
           for (int64_t t = 0; t < len; ++t) {
             kp[t] = cache + table[t / block_size] * s_block + (t % block_size) * s_tok + h * d;
             vp[t] = kp[t] + s_kv;
           }
-          attend_item_avx2(qf.data(), kp.data(), vp.data(), len, group, d, scores.data(),
-                           op + (b * heads + h * group) * d);
+          attend_item_avx2(qf.data(), kp.data(), vp.data(), len, per, d, scores.data(),
+                           op + (b * heads + first) * d);
         }
       });
       return;
