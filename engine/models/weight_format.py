@@ -38,10 +38,12 @@ def choose_weight_format(
     checkpoint_dtype: str | None = None,
     cpu: CpuFeatures | None = None,
     gguf_source: bool = False,
+    kernels: bool | None = None,
 ) -> WeightFormat:
     """`quantization`: auto | none (or None) | int8 | int4 | gguf; `dtype`: auto | float32 |
-    bfloat16 | float16; `gguf_source`: the model was converted from a .gguf file. Raises ValueError
-    for a combination this device cannot serve."""
+    bfloat16 | float16; `gguf_source`: the model was converted from a .gguf file; `kernels`:
+    whether kvserve's C++ kernels load (None: try now). Raises ValueError for a combination this
+    device cannot serve."""
     from engine.models.loader import resolve_dtype
 
     quantization = None if quantization in (None, "none") else quantization
@@ -58,8 +60,14 @@ def choose_weight_format(
         torch_dtype = resolve_dtype(dtype, device, checkpoint_dtype)
         return WeightFormat(None, torch_dtype, f"{device.type}: float weights")
     cpu = cpu or detect_cpu()
+    if kernels is None and quantization is not None:
+        from engine.executor import cpu_kernels
+
+        kernels = cpu_kernels.available()
     warnings: tuple[str, ...] = ()
-    if quantization == "auto":
+    if quantization == "auto" and not kernels:
+        quantization, reason = None, "auto: kvserve's C++ kernels did not build (see the log)"
+    elif quantization == "auto":
         quantization, reason = _auto_quantization(dtype, cpu, gguf_source)
     elif quantization is None:
         reason = "--quantization none: float weights"
@@ -68,6 +76,11 @@ def choose_weight_format(
             raise ValueError(
                 "--quantization gguf serves the blocks a GGUF file stores; this model is not a "
                 ".gguf file (use int8, int4, auto or none)"
+            )
+        if not kernels:
+            raise ValueError(
+                f"--quantization {quantization} needs kvserve's C++ kernels, which did not build "
+                "or load (see the log; scripts/install.sh builds them); use --quantization none"
             )
         reason = f"--quantization {quantization}"
         if not cpu.block_kernels:
