@@ -193,11 +193,24 @@ KV_AVX2 inline __m256i broadcast4(const int8_t* p) {  // 4 activation bytes into
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
 }
 
+// Weights stream from memory once per call (decode) in short runs per thread, too short for the
+// hardware prefetcher to ramp up: ask for the blocks kPrefetch ahead (they run on into the next
+// column group, which follows in memory), and for their scales.
+constexpr int64_t kPrefetch = 16;
+
+KV_AVX2 inline void prefetch_ahead(const void* block, int64_t bytes, const c10::Half* d,
+                                   const c10::Half* m) {
+  const char* p = static_cast<const char*>(block) + kPrefetch * bytes;
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(d + kPrefetch * 8), _MM_HINT_T0);
+  if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + kPrefetch * 8), _MM_HINT_T0);
+}
+
 // RM rows x one group of 8 columns, q4. Per block: 8 vpmaddubsw (4-bit w x int8 x, pairs) summed in
 // int16 (16 products of at most 15 * 127 each: exact), one widening to int32, then per lane
 // acc = fma(d_w d_x, sum, acc) and acc = fma(m_w, s_x, acc). Same instructions for every lane and
 // every row, whatever RM is, so tiling and batching never change a value.
-template <int RM>
+template <int RM, bool PF>
 KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict wd,
                       const c10::Half* __restrict wm, const QuantRows& x, int64_t r0,
                       float* __restrict out, int64_t N) {
@@ -212,6 +225,7 @@ KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict 
   for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* wb = qs + b * 128;
+    if constexpr (PF) prefetch_ahead(wb, 128, wd + b * 8, wm + b * 8);
     __m256i isum[RM];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -239,7 +253,7 @@ KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict 
 
 // RM rows x 8 columns, q8: |w| (unsigned) times x carrying w's sign, pairs widened to int32 at once
 // (127 * 127 * 2 leaves no int16 headroom), then acc = fma(d_w d_x, sum, acc) per block.
-template <int RM>
+template <int RM, bool PF>
 KV_AVX2 void q8_group(const int8_t* __restrict qs, const c10::Half* __restrict wd,
                       const QuantRows& x, int64_t r0, float* __restrict out, int64_t N) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -251,6 +265,7 @@ KV_AVX2 void q8_group(const int8_t* __restrict qs, const c10::Half* __restrict w
   for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const int8_t* wb = qs + b * 256;
+    if constexpr (PF) prefetch_ahead(wb, 256, wd + b * 8, nullptr);
     __m256i isum[RM];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -272,15 +287,32 @@ KV_AVX2 void q8_group(const int8_t* __restrict qs, const c10::Half* __restrict w
   for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);
 }
 
-// Rows [r0, r1) of one column group, in tiles of 4 rows and a remainder.
+// Rows [r0, r1) of one column group, in tiles of 4 rows and a remainder; the tile of row 0 streams
+// the weights from memory (and prefetches), later tiles find them in cache.
 template <typename Group>
 KV_AVX2 inline void row_tiles(int64_t r0, int64_t r1, Group&& group) {
+  using std::integral_constant;
   int64_t r = r0;
-  for (; r + kRowTile <= r1; r += kRowTile) group(std::integral_constant<int, 4>{}, r);
+  if (r == 0 && r1 >= kRowTile) {
+    group(integral_constant<int, 4>{}, integral_constant<bool, true>{}, r);
+    r += kRowTile;
+  }
+  for (; r + kRowTile <= r1; r += kRowTile)
+    group(integral_constant<int, 4>{}, integral_constant<bool, false>{}, r);
+  const bool first = r == 0;
   switch (r1 - r) {
-    case 3: group(std::integral_constant<int, 3>{}, r); break;
-    case 2: group(std::integral_constant<int, 2>{}, r); break;
-    case 1: group(std::integral_constant<int, 1>{}, r); break;
+    case 3:
+      first ? group(integral_constant<int, 3>{}, integral_constant<bool, true>{}, r)
+            : group(integral_constant<int, 3>{}, integral_constant<bool, false>{}, r);
+      break;
+    case 2:
+      first ? group(integral_constant<int, 2>{}, integral_constant<bool, true>{}, r)
+            : group(integral_constant<int, 2>{}, integral_constant<bool, false>{}, r);
+      break;
+    case 1:
+      first ? group(integral_constant<int, 1>{}, integral_constant<bool, true>{}, r)
+            : group(integral_constant<int, 1>{}, integral_constant<bool, false>{}, r);
+      break;
     default: break;
   }
 }
@@ -290,8 +322,8 @@ KV_AVX2 void q4_groups_avx2(const BlockWeight& w, const QuantRows& x, int64_t r0
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qs = w.q4 + g * x.KB * 128;
     const c10::Half *d = w.d + g * x.KB * 8, *m = w.m + g * x.KB * 8;
-    row_tiles(r0, r1, [&](auto rm, int64_t r) {
-      q4_group<decltype(rm)::value>(qs, d, m, x, r, out + 8 * g, N);
+    row_tiles(r0, r1, [&](auto rm, auto pf, int64_t r) {
+      q4_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);
     });
   }
 }
@@ -301,8 +333,8 @@ KV_AVX2 void q8_groups_avx2(const BlockWeight& w, const QuantRows& x, int64_t r0
   for (int64_t g = g0; g < g1; ++g) {
     const int8_t* qs = w.q8 + g * x.KB * 256;
     const c10::Half* d = w.d + g * x.KB * 8;
-    row_tiles(r0, r1, [&](auto rm, int64_t r) {
-      q8_group<decltype(rm)::value>(qs, d, x, r, out + 8 * g, N);
+    row_tiles(r0, r1, [&](auto rm, auto pf, int64_t r) {
+      q8_group<decltype(rm)::value, decltype(pf)::value>(qs, d, x, r, out + 8 * g, N);
     });
   }
 }
