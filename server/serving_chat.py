@@ -105,11 +105,9 @@ def prepare_chat(
     if max_tokens == 0:
         raise invalid_request(f"{param} must be at least 1 for chat completions", param)
     constraint = request_constraint(req)
-    plan = tool_plan(
-        req, tokenizer.chat_template, state.config.tool_call_parser, constraint is not None
-    )
-    if plan is not None and plan.constraint is not None:
-        constraint = plan.constraint
+    plan = tool_plan(req, tokenizer.chat_template, state.config.tool_call_parser, constraint)
+    if plan is not None:
+        constraint = plan.constraint  # tool calls, the requested answer, or both
     prompt_ids = apply_template(
         tokenizer, req.messages, req.add_generation_prompt is not False, plan
     )

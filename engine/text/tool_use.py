@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.sampling_params import StructuredOutputs
+from engine.core.sampling_params import ANSWER_GRAMMAR, StructuredOutputs
 from engine.text.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
 
 ToolChoice = str | dict[str, Any]  # "none" | "auto" | "required" | {"type": "function", ...}
@@ -32,31 +32,40 @@ def plan_tool_use(
     chat_template: str | None,
     parser_name: str = "auto",
     source: str = "tools",
+    answer: StructuredOutputs | None = None,
 ) -> ToolPlan:
     """`tools` are OpenAI function tools ({"type": "function", "function": {...}}), already
-    validated. `parser_name` "auto" picks the format from the chat template."""
+    validated. `parser_name` "auto" picks the format from the chat template. `answer` constrains a
+    reply that is not a call (response_format): under "auto" the grammar allows calls or that
+    answer, under "none" only the answer; "required" and a named tool allow only calls."""
     detected, native = detect_tool_parser(chat_template)
-    parser = get_tool_parser(detected if parser_name == "auto" else parser_name)
     functions = [t["function"] for t in tools]
+    names = frozenset(f["name"] for f in functions)
+    parser = get_tool_parser(detected if parser_name == "auto" else parser_name, names)
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     parallel = parallel_tool_calls is not False
     if choice == "none" or not tools:
-        return ToolPlan(parser, native, None, None, None, False)
+        return ToolPlan(parser, native, None, None, answer, False)
     forced: list[dict[str, Any]] = functions
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         forced = [f for f in functions if f["name"] == name]
         assert forced, "tool_choice names a tool that is not in tools (validated by the caller)"
-    must_call = choice != "auto"
-    # Native formats are left free under "auto" (the model was trained on them); the prompt format
-    # is constrained so that a call, when the model makes one, always parses.
-    constrain = must_call or not native
-    constraint = None
-    if constrain:
-        grammar = parser.grammar(forced, allow_text=not must_call, parallel=parallel)
-        constraint = StructuredOutputs(grammar=grammar, source=source)
     system_prompt = None if native else describe_tools(functions, choice, parallel)
-    return ToolPlan(parser, native, tools if native else None, system_prompt, constraint, True)
+    plan = ToolPlan(parser, native, tools if native else None, system_prompt, None, True)
+    if choice != "auto":
+        plan.constraint = StructuredOutputs(
+            grammar=parser.grammar(forced, parallel, None), source=source
+        )
+    elif answer is not None:
+        grammar = parser.grammar(forced, parallel, f"@{ANSWER_GRAMMAR}")
+        plan.constraint = StructuredOutputs(grammar=grammar, answer=answer, source=source)
+    elif not native:
+        # Native formats are left free under "auto" (the model was trained on them); the prompt
+        # format is constrained so that a call, when the model makes one, always parses.
+        grammar = parser.grammar(forced, parallel, parser.free_text)
+        plan.constraint = StructuredOutputs(grammar=grammar, source=source)
+    return plan
 
 
 def describe_tools(functions: list[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str:
