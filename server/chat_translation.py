@@ -1,18 +1,19 @@
 """What the Responses and Messages surfaces share over the chat path: building a chat completions request
-from their fields (errors renamed to their own field names), and an engine output as an assistant turn
-(text, tool calls, why it ended), whole or as a stream of deltas."""
+from their fields (errors renamed to their own field names), an engine output as an assistant turn
+(text, tool calls, why it ended), whole or as a stream of deltas, and the skeleton of their event streams."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from engine import CompletionOutput, ToolPlan
-from server.errors import APIError, validation_error
+from engine import CompletionOutput, RequestOutput, ToolPlan
+from server.errors import APIError, to_api_error, validation_error
+from server.generation import ClientDisconnected
 from server.protocol import ChatCompletionRequest
 from server.tool_calling import ToolCallDeltas, parse_tool_calls
 
@@ -125,6 +126,54 @@ class TurnStream:
             end, stop = _turn_end(out, bool(tool_calls))
             self.turn = ChatTurn("".join(self.text), tool_calls, end, stop, self.output_tokens)
         return deltas
+
+
+class TurnEvents:
+    """Base of the Responses and Messages event streams: delta engine outputs -> turn deltas -> the
+    subclass's frames; an error after the 200 is one in-band error frame; the finished turn closes it."""
+
+    error_param = "messages"  # the request field an in-band prompt error names
+
+    def __init__(self, plan: ToolPlan | None, parallel: bool | None) -> None:
+        self.turns = TurnStream(plan, parallel)
+
+    def _opening_frames(self, first: RequestOutput | None) -> list[str]:
+        raise NotImplementedError
+
+    def _frames_for(self, output: RequestOutput) -> list[str]:
+        raise NotImplementedError
+
+    def _error_frame(self, error: APIError) -> str:
+        raise NotImplementedError
+
+    def _closing_frames(self, turn: ChatTurn) -> list[str]:
+        raise NotImplementedError
+
+    async def events(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncIterator[str]:
+        for frame in self._opening_frames(first[1] if first is not None else None):
+            yield frame
+        try:
+            if first is not None:
+                for frame in self._frames_for(first[1]):
+                    yield frame
+            async for _, output in outputs:
+                for frame in self._frames_for(output):
+                    yield frame
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            yield self._error_frame(to_api_error(e, self.error_param))
+            return
+        finally:
+            await outputs.aclose()
+        turn = self.turns.turn
+        assert turn is not None, "the engine ended a request without a finished output"
+        for frame in self._closing_frames(turn):
+            yield frame
 
 
 def chat_request(fields: dict[str, Any], names: FieldNames) -> ChatCompletionRequest:

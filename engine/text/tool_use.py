@@ -51,7 +51,7 @@ def plan_tool_use(
         name = choice["function"]["name"]
         forced = [f for f in functions if f["name"] == name]
         assert forced, "tool_choice names a tool that is not in tools (validated by the caller)"
-    system_prompt = None if native else describe_tools(functions, choice, parallel)
+    system_prompt = None if native else describe_tools(functions, choice, parallel, answer)
     plan = ToolPlan(parser, native, tools if native else None, system_prompt, None, True)
     if choice != "auto":
         plan.constraint = StructuredOutputs(
@@ -68,15 +68,26 @@ def plan_tool_use(
     return plan
 
 
-def describe_tools(functions: list[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str:
-    """A Hermes-style system prompt listing the functions, for templates without tool support."""
+def describe_tools(
+    functions: list[dict[str, Any]],
+    choice: ToolChoice,
+    parallel: bool,
+    answer: StructuredOutputs | None = None,
+) -> str:
+    """A Hermes-style system prompt listing the functions, for templates without tool support; under
+    "auto" it says what an answer that calls no function looks like."""
     listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
     if isinstance(choice, dict):
         rule = f"You must call the function {choice['function']['name']}."
     elif choice == "required":
         rule = "You must call one of these functions."
-    else:
+    elif answer is None:
         rule = "Call a function only when it helps; otherwise answer the user directly in text."
+    else:
+        rule = (
+            "Call a function only when you need its result; otherwise, or once the function results "
+            f"you need are in the conversation, answer the user directly {_answer_form(answer)}."
+        )
     many = "one <tool_call></tool_call> block per call" if parallel else "one block"
     return (
         "You may call functions. Their signatures, with JSON schemas of their parameters:\n"
@@ -85,6 +96,14 @@ def describe_tools(functions: list[dict[str, Any]], choice: ToolChoice, parallel
         'name and arguments:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n'
         f"</tool_call>\n{rule}"
     )
+
+
+def _answer_form(answer: StructuredOutputs) -> str:
+    if answer.json is not None:
+        return f"with a JSON value matching this JSON schema: {answer.json}"
+    if answer.json_object:
+        return "with a JSON object"
+    return "in the required format"
 
 
 def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:

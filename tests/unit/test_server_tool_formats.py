@@ -15,7 +15,7 @@ from anthropic.types import Message
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 
-from engine import StructuredOutputs
+from engine import SamplingParamsError, StructuredOutputs
 from server.app import build_app
 from server.state import ServerConfig
 from tests.unit.server_fakes import FakeEngine
@@ -196,4 +196,26 @@ async def test_bad_responses_and_messages_combinations_are_400s(client: httpx.As
     r = await client.post("/v1/messages", json=ANTHROPIC | {"output_config": bad_config})
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "output_config.format" in r.json()["error"]["message"]
+
+
+async def test_an_engine_error_on_the_format_names_each_apis_own_field(
+    client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine compiles the grammar when the request starts; its error names the chat field,
+    which Responses and Messages report under their own names."""
+
+    async def refuse(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        raise SamplingParamsError("response_format.json_schema.schema", "cannot be compiled")
+        yield  # an async generator, like the engine's
+
+    monkeypatch.setattr(engine, "generate", refuse)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert (
+        r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema"
+    )
+    r = await client.post("/v1/responses", json=RESPONSES)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+    r = await client.post("/v1/messages", json=ANTHROPIC)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "output_config.format" in r.json()["error"]["message"]
