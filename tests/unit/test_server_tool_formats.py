@@ -16,8 +16,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
 
 from engine import SamplingParamsError, StructuredOutputs
-from server.app import build_app
-from server.state import ServerConfig
 from tests.unit.server_fakes import FakeEngine
 
 SCHEMA = {
@@ -60,14 +58,6 @@ def engine() -> FakeEngine:
     engine = FakeEngine()
     engine.max_model_len = 4096  # the tools' description is a long byte-level prompt
     return engine
-
-
-@pytest.fixture
-async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(ServerConfig(), engine)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-        yield c
 
 
 def _constraint(engine: FakeEngine) -> StructuredOutputs | None:
