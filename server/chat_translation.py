@@ -5,16 +5,16 @@ from their fields (errors renamed to their own field names), an engine output as
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from engine import CompletionOutput, RequestOutput, ToolPlan
-from server.errors import APIError, to_api_error, validation_error
-from server.generation import ClientDisconnected
+from server.errors import APIError, validation_error
 from server.protocol import ChatCompletionRequest
+from server.streaming import FrameStream
 from server.tool_calling import ToolCallDeltas, parse_tool_calls
 
 TurnEnd = Literal["stop", "length", "tool_calls"]
@@ -128,52 +128,29 @@ class TurnStream:
         return deltas
 
 
-class TurnEvents:
+class TurnEvents(FrameStream):
     """Base of the Responses and Messages event streams: delta engine outputs -> turn deltas -> the
-    subclass's frames; an error after the 200 is one in-band error frame; the finished turn closes it."""
+    subclass's frames, then the frames that close the finished turn."""
 
-    error_param = "messages"  # the request field an in-band prompt error names
+    error_param = "messages"
 
     def __init__(self, plan: ToolPlan | None, parallel: bool | None) -> None:
         self.turns = TurnStream(plan, parallel)
 
-    def _opening_frames(self, first: RequestOutput | None) -> list[str]:
-        raise NotImplementedError
-
     def _frames_for(self, output: RequestOutput) -> list[str]:
         raise NotImplementedError
 
-    def _error_frame(self, error: APIError) -> str:
+    def _output_frames(self, index: int, output: RequestOutput) -> list[str]:
+        return self._frames_for(output)
+
+    def _turn_frames(self, turn: ChatTurn) -> list[str]:
+        """The frames that end the stream of the finished `turn`."""
         raise NotImplementedError
 
-    def _closing_frames(self, turn: ChatTurn) -> list[str]:
-        raise NotImplementedError
-
-    async def events(
-        self,
-        first: tuple[int, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    ) -> AsyncIterator[str]:
-        for frame in self._opening_frames(first[1] if first is not None else None):
-            yield frame
-        try:
-            if first is not None:
-                for frame in self._frames_for(first[1]):
-                    yield frame
-            async for _, output in outputs:
-                for frame in self._frames_for(output):
-                    yield frame
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield self._error_frame(to_api_error(e, self.error_param))
-            return
-        finally:
-            await outputs.aclose()
+    def _closing_frames(self) -> list[str]:
         turn = self.turns.turn
         assert turn is not None, "the engine ended a request without a finished output"
-        for frame in self._closing_frames(turn):
-            yield frame
+        return self._turn_frames(turn)
 
 
 def chat_request(fields: dict[str, Any], names: FieldNames) -> ChatCompletionRequest:

@@ -269,7 +269,7 @@ class _ChatStream(ChunkStream):
         if plan is not None and plan.parse_calls:
             self.tool_deltas = {i: ToolCallDeltas(plan, req.parallel_tool_calls) for i in range(n)}
 
-    def _opening_frames(self) -> list[str]:
+    def _opening_frames(self, first: RequestOutput | None) -> list[str]:
         roles = [
             {
                 "index": index,

@@ -231,7 +231,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
             body["metrics"] = cost_sheet([final])
         return JSONResponse(body)
 
-    stream = _MessageStream(gen).events if req.stream else None
+    stream = _MessageStream(gen).frames if req.stream else None
     return await gen.respond(engine, raw, stream, finish, "messages", names)
 
 
@@ -311,7 +311,7 @@ class _MessageStream(TurnEvents):
     def _error_frame(self, error: APIError) -> str:
         return sse_event("error", error.anthropic_body())
 
-    def _closing_frames(self, turn: ChatTurn) -> list[str]:
+    def _turn_frames(self, turn: ChatTurn) -> list[str]:
         delta = {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
         usage = _usage(self.gen, self.cached, turn.output_tokens)
         return [

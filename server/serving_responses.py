@@ -290,7 +290,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
             body = {**body, "metrics": cost_sheet([final])}  # not kept in the response store
         return JSONResponse(body)
 
-    stream = _ResponseStream(ctx).events if req.stream else None
+    stream = _ResponseStream(ctx).frames if req.stream else None
     return await ctx.gen.respond(engine, raw, stream, finish, "input", ctx.names)
 
 
@@ -432,7 +432,7 @@ class _ResponseStream(TurnEvents):
     def _error_frame(self, error: APIError) -> str:
         return self._event("error", code=error.code, message=error.message, param=error.param)
 
-    def _closing_frames(self, turn: ChatTurn) -> list[str]:
+    def _turn_frames(self, turn: ChatTurn) -> list[str]:
         status = "incomplete" if turn.end == "length" else "completed"
         frames = []
         if not self.items:  # no text and no calls: still one (empty) message, as when not streamed

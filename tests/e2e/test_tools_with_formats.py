@@ -16,31 +16,8 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response, ResponseFunctionToolCall
 
 from tests.e2e.conftest import ServerProcess
+from tests.e2e.test_agent_tools import CHAT_TOOLS, RESPONSES_TOOLS, TOOL_RESULT, WEATHER_SCHEMA
 
-PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "description": "City name", "maxLength": 40},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-DESCRIPTION = "Get the current weather in a city"
-CHAT_TOOLS: Any = [
-    {
-        "type": "function",
-        "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": PARAMETERS},
-    }
-]
-RESPONSES_TOOLS: Any = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": DESCRIPTION,
-        "parameters": PARAMETERS,
-    }
-]
 # Bounds keep a 135M model from looping on digits or words until max_tokens.
 REPORT = {
     "type": "object",
@@ -62,7 +39,6 @@ TEXT_FORMAT: Any = {
 # At temperature 0 the model calls the tool for the first and answers the second itself.
 CALLING = [{"role": "user", "content": "What is the weather in Oslo?"}]
 ANSWERING = [{"role": "user", "content": "Convert to JSON: city Paris, temperature 21, sky clear."}]
-TOOL_RESULT = '{"temperature": 21, "sky": "clear"}'
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +65,7 @@ def _valid_reply(chat: ChatCompletion) -> dict[str, Any] | None:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         for call in choice.message.tool_calls:
             assert call.function.name == "get_weather"  # type: ignore[union-attr]
-            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS)  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)  # type: ignore[union-attr]
         return None
     assert choice.finish_reason == "stop", choice
     answer = json.loads(choice.message.content or "")
@@ -154,7 +130,7 @@ def test_responses_text_format_with_tools_both_branches(client: openai.OpenAI) -
     calls = [i for i in first.output if isinstance(i, ResponseFunctionToolCall)]
     assert calls and first.output_text == ""
     for call in calls:
-        jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+        jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
     outputs = [
         {"type": "function_call_output", "call_id": c.call_id, "output": TOOL_RESULT} for c in calls
     ]
