@@ -1,5 +1,6 @@
-"""Structured outputs with llguidance: constraint -> grammar compile cache, a matcher per sequence,
-and the per-step token bitmask (one 32-bit word per 32 vocabulary ids, bit set = token allowed)."""
+"""Structured outputs with llguidance: constraint -> grammar compile cache (a grammar with an `answer`
+constraint becomes one llguidance grammar of two), a matcher per sequence, and the per-step token
+bitmask (one 32-bit word per 32 vocabulary ids, bit set = token allowed)."""
 
 from __future__ import annotations
 

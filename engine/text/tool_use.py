@@ -1,6 +1,7 @@
-"""Tool use over any chat template: tools + tool_choice -> a plan (tools for the template or a prompt
-description, the grammar that forces calls, the parser), and tool-call history rendered as the
-template (or the prompt format) expects. Plain dicts in OpenAI's shapes; no API types.
+"""Tool use over any chat template: tools + tool_choice (+ the answer format a reply without calls must
+follow) -> a plan (tools for the template or a prompt description, the grammar of calls or that answer,
+the parser), and tool-call history rendered as the template (or the prompt format) expects. Plain
+dicts in OpenAI's shapes; no API types.
 """
 
 from __future__ import annotations
