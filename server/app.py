@@ -85,6 +85,13 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def _generating(request: Request) -> ServerState:
+    """The server state, once its engine is known to generate text (else a 400 saying which to use)."""
+    state = _state(request)
+    require_task(state.require_engine(), "generate")
+    return state
+
+
 router = APIRouter()
 
 
@@ -137,9 +144,7 @@ async def retrieve_model(model: str, request: Request) -> ModelCard:
     responses=ERROR_RESPONSES | STREAM_RESPONSE,
 )
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    state = _state(request)
-    require_task(state.require_engine(), "generate")
-    return await create_completion(body, request, state)
+    return await create_completion(body, request, _generating(request))
 
 
 @router.post(
@@ -148,17 +153,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     responses=ERROR_RESPONSES | STREAM_RESPONSE,
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    state = _state(request)
-    require_task(state.require_engine(), "generate")
-    return await create_chat_completion(body, request, state)
+    return await create_chat_completion(body, request, _generating(request))
 
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=ERROR_RESPONSES)
 async def score(body: ScoreRequest, request: Request) -> Response:
     """Each choice's probability as the continuation of the prompt (or the chat's next reply)."""
-    state = _state(request)
-    require_task(state.require_engine(), "generate")
-    return await create_score(body, request, state)
+    return await create_score(body, request, _generating(request))
 
 
 @router.post(
@@ -166,9 +167,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
 )
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI's Responses API over the chat path; `store` keeps the response for continuation."""
-    state = _state(request)
-    require_task(state.require_engine(), "generate")
-    return await create_response(body, request, state)
+    return await create_response(body, request, _generating(request))
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERROR_RESPONSES)
@@ -190,9 +189,7 @@ async def remove_response(response_id: str, request: Request) -> Response:
 )
 async def messages(body: MessagesRequest, request: Request) -> Response:
     """Anthropic's Messages API over the chat path (errors in Anthropic's envelope)."""
-    state = _state(request)
-    require_task(state.require_engine(), "generate")
-    return await create_message(body, request, state)
+    return await create_message(body, request, _generating(request))
 
 
 @router.post(
@@ -201,9 +198,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     responses=ANTHROPIC_ERROR_RESPONSES,
 )
 async def messages_count_tokens(body: CountTokensRequest, request: Request) -> MessageTokensCount:
-    state = _state(request)
-    require_task(state.require_engine(), "generate")
-    return MessageTokensCount(**count_tokens(body, state))
+    return MessageTokensCount(**count_tokens(body, _generating(request)))
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)

@@ -1,6 +1,6 @@
 """What the Responses and Messages surfaces share over the chat path: building a chat completions request
-from their fields (errors renamed to their own field names), and an engine output as an assistant turn
-(text, tool calls, why it ended), whole or as a stream of deltas."""
+from their fields (errors renamed to their own field names), an engine output as an assistant turn
+(text, tool calls, why it ended), whole or as a stream of deltas, and the skeleton of their event streams."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from engine import CompletionOutput, ToolPlan
+from engine import CompletionOutput, RequestOutput, ToolPlan
 from server.errors import APIError, validation_error
 from server.protocol import ChatCompletionRequest
+from server.streaming import FrameStream
 from server.tool_calling import ToolCallDeltas, parse_tool_calls
 
 TurnEnd = Literal["stop", "length", "tool_calls"]
@@ -125,6 +126,31 @@ class TurnStream:
             end, stop = _turn_end(out, bool(tool_calls))
             self.turn = ChatTurn("".join(self.text), tool_calls, end, stop, self.output_tokens)
         return deltas
+
+
+class TurnEvents(FrameStream):
+    """Base of the Responses and Messages event streams: delta engine outputs -> turn deltas -> the
+    subclass's frames, then the frames that close the finished turn."""
+
+    error_param = "messages"
+
+    def __init__(self, plan: ToolPlan | None, parallel: bool | None) -> None:
+        self.turns = TurnStream(plan, parallel)
+
+    def _frames_for(self, output: RequestOutput) -> list[str]:
+        raise NotImplementedError
+
+    def _output_frames(self, index: int, output: RequestOutput) -> list[str]:
+        return self._frames_for(output)
+
+    def _turn_frames(self, turn: ChatTurn) -> list[str]:
+        """The frames that end the stream of the finished `turn`."""
+        raise NotImplementedError
+
+    def _closing_frames(self) -> list[str]:
+        turn = self.turns.turn
+        assert turn is not None, "the engine ended a request without a finished output"
+        return self._turn_frames(turn)
 
 
 def chat_request(fields: dict[str, Any], names: FieldNames) -> ChatCompletionRequest:

@@ -3,9 +3,10 @@ structured outputs and tool calls (planned and parsed by server/tool_calling.py)
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,13 @@ from server.tool_calling import (
 
 if TYPE_CHECKING:
     from engine import Tokenizer
+    from server.chat_translation import FieldNames
+
+# The SSE frames of a streamed response from its first output and the rest of the outputs.
+StreamFrames = Callable[
+    [tuple[int, RequestOutput] | None, AsyncGenerator[tuple[int, RequestOutput], None]],
+    AsyncIterator[str],
+]
 
 
 def apply_template(
@@ -87,6 +95,31 @@ class ChatGeneration:
         )
         return merge_outputs(streams, raw)
 
+    async def respond(
+        self,
+        engine: EngineClient,
+        raw: Request,
+        stream: StreamFrames | None,
+        finish: Callable[[RequestOutput], Response],
+        prompt_param: str = "messages",
+        names: FieldNames | None = None,
+    ) -> Response:
+        """Run the request: refused, an HTTP error (fields renamed by `names`); streamed, the SSE frames
+        of `stream`; else `finish` of the last output. 499 once the client has gone."""
+        outputs = self.open(engine, raw)
+        try:
+            with names.renamed() if names is not None else contextlib.nullcontext():
+                first = await first_output(outputs, prompt_param)
+            if stream is not None:
+                return sse_response(stream(first, outputs))
+            final = first[1] if first is not None else None
+            async for _, output in outputs:
+                final = output
+        except ClientDisconnected:
+            return Response(status_code=499)
+        assert final is not None and final.outputs, "the engine ended a request without output"
+        return finish(final)
+
 
 def prepare_chat(
     req: ChatCompletionRequest, state: ServerState, request_id: str | None = None
@@ -105,11 +138,9 @@ def prepare_chat(
     if max_tokens == 0:
         raise invalid_request(f"{param} must be at least 1 for chat completions", param)
     constraint = request_constraint(req)
-    plan = tool_plan(
-        req, tokenizer.chat_template, state.config.tool_call_parser, constraint is not None
-    )
-    if plan is not None and plan.constraint is not None:
-        constraint = plan.constraint
+    plan = tool_plan(req, tokenizer.chat_template, state.config.tool_call_parser, constraint)
+    if plan is not None:
+        constraint = plan.constraint  # tool calls, the requested answer, or both
     prompt_ids = apply_template(
         tokenizer, req.messages, req.add_generation_prompt is not False, plan
     )
@@ -141,37 +172,40 @@ async def create_chat_completion(
 ) -> Response:
     gen = prepare_chat(req, state)
     engine = state.require_engine()
-    tokenizer = engine.tokenizer
-    model, request_id, prompt_ids, num_top = gen.model, gen.request_id, gen.prompt_ids, gen.num_top
-    n, plan = gen.params.n, gen.plan
     created = int(time.time())
     with_metrics = wants_metrics(req.return_metrics, raw)
-    outputs = gen.open(engine, raw)
-    try:
-        first = await first_output(outputs, "messages")
-    except ClientDisconnected:
-        return Response(status_code=499)
+    stream = None
     if req.stream:
         stream = _ChatStream(
             req,
-            tokenizer,
-            model,
-            request_id,
+            engine.tokenizer,
+            gen.model,
+            gen.request_id,
             created,
-            len(prompt_ids),
-            n,
-            num_top,
-            plan,
+            len(gen.prompt_ids),
+            gen.params.n,
+            gen.num_top,
+            gen.plan,
             with_metrics,
-        )
-        return sse_response(stream.frames(first, outputs))
-    final = first[1] if first is not None else None
-    try:
-        async for _, output in outputs:
-            final = output
-    except ClientDisconnected:
-        return Response(status_code=499)
-    assert final is not None, "the engine ended a request without output"
+        ).frames
+
+    def finish(final: RequestOutput) -> Response:
+        body = _completion(req, gen, engine.tokenizer, final, created)
+        if with_metrics:
+            body["metrics"] = cost_sheet([final])
+        return JSONResponse(body)
+
+    return await gen.respond(engine, raw, stream, finish)
+
+
+def _completion(
+    req: ChatCompletionRequest,
+    gen: ChatGeneration,
+    tokenizer: Tokenizer,
+    final: RequestOutput,
+    created: int,
+) -> dict[str, Any]:
+    """The chat.completion object of a finished request."""
     choices = []
     completion_tokens = 0
     for out in sorted(final.outputs, key=lambda o: o.index):
@@ -179,10 +213,10 @@ async def create_chat_completion(
         logprobs = None
         if req.logprobs:
             logprobs = {
-                "content": chat_logprobs(tokenizer, out.logprobs or [], num_top),
+                "content": chat_logprobs(tokenizer, out.logprobs or [], gen.num_top),
                 "refusal": None,
             }
-        content, tool_calls = parse_tool_calls(out.text, plan, req.parallel_tool_calls)
+        content, tool_calls = parse_tool_calls(out.text, gen.plan, req.parallel_tool_calls)
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         reason = finish_reason(out.finish_reason) or "length"
         if tool_calls:
@@ -197,18 +231,15 @@ async def create_chat_completion(
                 "stop_reason": out.stop_reason,
             }
         )
-    body = {
-        "id": request_id,
+    return {
+        "id": gen.request_id,
         "object": "chat.completion",
         "created": created,
-        "model": model,
+        "model": gen.model,
         "choices": choices,
-        "usage": usage_block(len(prompt_ids), completion_tokens, final.num_cached_tokens),
+        "usage": usage_block(len(gen.prompt_ids), completion_tokens, final.num_cached_tokens),
         "system_fingerprint": None,
     }
-    if with_metrics:
-        body["metrics"] = cost_sheet([final])
-    return JSONResponse(body)
 
 
 class _ChatStream(ChunkStream):
@@ -238,7 +269,7 @@ class _ChatStream(ChunkStream):
         if plan is not None and plan.parse_calls:
             self.tool_deltas = {i: ToolCallDeltas(plan, req.parallel_tool_calls) for i in range(n)}
 
-    def _opening_frames(self) -> list[str]:
+    def _opening_frames(self, first: RequestOutput | None) -> list[str]:
         roles = [
             {
                 "index": index,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -19,13 +18,12 @@ from server.chat_translation import (
     TextDelta,
     ToolCall,
     ToolCallDelta,
-    TurnStream,
+    TurnEvents,
     chat_request,
     final_turn,
 )
 from server.cost_sheet import cost_sheet, wants_metrics
-from server.errors import invalid_request, to_api_error
-from server.generation import ClientDisconnected, first_output
+from server.errors import APIError, invalid_request
 from server.protocol_messages import (
     CountTokensRequest,
     MessagesInput,
@@ -35,7 +33,7 @@ from server.protocol_messages import (
     ToolUseBlock,
 )
 from server.serving_chat import ChatGeneration, prepare_chat
-from server.sse import sse_event, sse_response
+from server.sse import sse_event
 from server.state import ServerState
 
 CHAT_FIELD_NAMES = {
@@ -162,12 +160,14 @@ def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str,
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _prepare(req: MessagesInput, state: ServerState, request_id: str) -> ChatGeneration:
+def _prepare(
+    req: MessagesInput, state: ServerState, request_id: str
+) -> tuple[ChatGeneration, FieldNames]:
     messages, sources = chat_messages(req)
     names = FieldNames(CHAT_FIELD_NAMES, sources, "messages")
     chat = chat_request(chat_fields(req, messages), names)
     with names.renamed():
-        return prepare_chat(chat, state, request_id=request_id)
+        return prepare_chat(chat, state, request_id=request_id), names
 
 
 def stop_reason(turn: ChatTurn) -> str:
@@ -220,42 +220,33 @@ def _message(gen: ChatGeneration, content: list[dict[str, Any]], usage: dict[str
 
 async def create_message(req: MessagesRequest, raw: Request, state: ServerState) -> Response:
     engine = state.require_engine()
-    gen = _prepare(req, state, f"msg_{uuid.uuid4().hex}")
-    outputs = gen.open(engine, raw)
-    try:
-        first = await first_output(outputs, "messages")
-    except ClientDisconnected:
-        return Response(status_code=499)
-    if req.stream:
-        return sse_response(_MessageStream(gen).events(first, outputs))
-    final = first[1] if first is not None else None
-    try:
-        async for _, output in outputs:
-            final = output
-    except ClientDisconnected:
-        return Response(status_code=499)
-    assert final is not None and final.outputs, "the engine ended a request without output"
-    turn = final_turn(final.outputs[0], gen.plan, gen.parallel_tool_calls)
-    usage = _usage(gen, final.num_cached_tokens, turn.output_tokens)
-    body = _message(gen, content_blocks(turn), usage)
-    body |= {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
-    if wants_metrics(req.return_metrics, raw):
-        body["metrics"] = cost_sheet([final])
-    return JSONResponse(body)
+    gen, names = _prepare(req, state, f"msg_{uuid.uuid4().hex}")
+
+    def finish(final: RequestOutput) -> Response:
+        turn = final_turn(final.outputs[0], gen.plan, gen.parallel_tool_calls)
+        usage = _usage(gen, final.num_cached_tokens, turn.output_tokens)
+        body = _message(gen, content_blocks(turn), usage)
+        body |= {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
+        if wants_metrics(req.return_metrics, raw):
+            body["metrics"] = cost_sheet([final])
+        return JSONResponse(body)
+
+    stream = _MessageStream(gen).frames if req.stream else None
+    return await gen.respond(engine, raw, stream, finish, "messages", names)
 
 
 def count_tokens(req: CountTokensRequest, state: ServerState) -> dict[str, int]:
     """The prompt tokens a Messages request with these fields would have."""
-    gen = _prepare(req, state, f"count-{uuid.uuid4().hex}")
+    gen, _ = _prepare(req, state, f"count-{uuid.uuid4().hex}")
     return {"input_tokens": len(gen.prompt_ids)}
 
 
-class _MessageStream:
+class _MessageStream(TurnEvents):
     """Delta engine outputs -> message_start, content blocks (start, deltas, stop), message_delta, stop."""
 
     def __init__(self, gen: ChatGeneration) -> None:
+        super().__init__(gen.plan, gen.parallel_tool_calls)
         self.gen = gen
-        self.turns = TurnStream(gen.plan, gen.parallel_tool_calls)
         self.index = -1  # the last content block started, -1 before the first
         self.open = False  # whether that block is still open
         self.block_kind = "text"
@@ -312,35 +303,19 @@ class _MessageStream:
             )
         return frames
 
-    async def events(
-        self,
-        first: tuple[int, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    ) -> AsyncIterator[str]:
-        cached = first[1].num_cached_tokens if first is not None else 0
-        start = _message(self.gen, [], _usage(self.gen, cached, 0))
-        yield self._event("message_start", message=start)
-        yield self._event("ping")
-        try:
-            if first is not None:
-                for frame in self._frames_for(first[1]):
-                    yield frame
-            async for _, output in outputs:
-                for frame in self._frames_for(output):
-                    yield frame
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield sse_event("error", to_api_error(e, "messages").anthropic_body())
-            return
-        finally:
-            await outputs.aclose()
-        turn = self.turns.turn
-        assert turn is not None, "the engine ended a request without a finished output"
-        for frame in self._stop_block():
-            yield frame
+    def _opening_frames(self, first: RequestOutput | None) -> list[str]:
+        self.cached = first.num_cached_tokens if first is not None else 0
+        start = _message(self.gen, [], _usage(self.gen, self.cached, 0))
+        return [self._event("message_start", message=start), self._event("ping")]
+
+    def _error_frame(self, error: APIError) -> str:
+        return sse_event("error", error.anthropic_body())
+
+    def _turn_frames(self, turn: ChatTurn) -> list[str]:
         delta = {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
-        yield self._event(
-            "message_delta", delta=delta, usage=_usage(self.gen, cached, turn.output_tokens)
-        )
-        yield self._event("message_stop")
+        usage = _usage(self.gen, self.cached, turn.output_tokens)
+        return [
+            *self._stop_block(),
+            self._event("message_delta", delta=delta, usage=usage),
+            self._event("message_stop"),
+        ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -18,13 +17,12 @@ from server.chat_translation import (
     FieldNames,
     TextDelta,
     ToolCallDelta,
-    TurnStream,
+    TurnEvents,
     chat_request,
     final_turn,
 )
 from server.cost_sheet import cost_sheet, wants_metrics
-from server.errors import APIError, to_api_error
-from server.generation import ClientDisconnected, first_output
+from server.errors import APIError
 from server.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -35,7 +33,7 @@ from server.protocol_responses import (
 )
 from server.response_store import StoredResponse
 from server.serving_chat import ChatGeneration, prepare_chat
-from server.sse import sse_event, sse_response
+from server.sse import sse_event
 from server.state import ServerState
 
 CHAT_FIELD_NAMES = {
@@ -143,14 +141,14 @@ class _Context:
         new, sources = input_messages(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         self.conversation = [*history, *new]  # what a continuation starts from (no instructions)
-        names = FieldNames(
+        self.names = FieldNames(
             CHAT_FIELD_NAMES,
             ["instructions"] * len(system) + ["previous_response_id"] * len(history) + sources,
             "input",
         )
-        chat = chat_request(chat_fields(req, [*system, *self.conversation]), names)
+        chat = chat_request(chat_fields(req, [*system, *self.conversation]), self.names)
         self.id = f"resp_{uuid.uuid4().hex}"
-        with names.renamed():
+        with self.names.renamed():
             self.gen: ChatGeneration = prepare_chat(chat, state, request_id=self.id)
         self.created_at = int(time.time())
 
@@ -284,25 +282,16 @@ def output_items(turn: ChatTurn) -> list[dict[str, Any]]:
 async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Response:
     engine = state.require_engine()
     ctx = _Context(req, state)
-    outputs = ctx.gen.open(engine, raw)
-    try:
-        first = await first_output(outputs, "input")
-    except ClientDisconnected:
-        return Response(status_code=499)
-    if req.stream:
-        return sse_response(_ResponseStream(ctx).events(first, outputs))
-    final = first[1] if first is not None else None
-    try:
-        async for _, output in outputs:
-            final = output
-    except ClientDisconnected:
-        return Response(status_code=499)
-    assert final is not None and final.outputs, "the engine ended a request without output"
-    turn = final_turn(final.outputs[0], ctx.gen.plan, ctx.gen.parallel_tool_calls)
-    body = ctx.finish(turn, output_items(turn), final.num_cached_tokens)
-    if wants_metrics(req.return_metrics, raw):
-        body = {**body, "metrics": cost_sheet([final])}  # not kept in the response store
-    return JSONResponse(body)
+
+    def finish(final: RequestOutput) -> Response:
+        turn = final_turn(final.outputs[0], ctx.gen.plan, ctx.gen.parallel_tool_calls)
+        body = ctx.finish(turn, output_items(turn), final.num_cached_tokens)
+        if wants_metrics(req.return_metrics, raw):
+            body = {**body, "metrics": cost_sheet([final])}  # not kept in the response store
+        return JSONResponse(body)
+
+    stream = _ResponseStream(ctx).frames if req.stream else None
+    return await ctx.gen.respond(engine, raw, stream, finish, "input", ctx.names)
 
 
 def retrieve_response(response_id: str, state: ServerState) -> JSONResponse:
@@ -318,13 +307,15 @@ def delete_response(response_id: str, state: ServerState) -> JSONResponse:
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-class _ResponseStream:
+class _ResponseStream(TurnEvents):
     """Delta engine outputs -> the Responses API's typed events, numbered by `sequence_number`."""
 
+    error_param = "input"
+
     def __init__(self, ctx: _Context) -> None:
+        super().__init__(ctx.gen.plan, ctx.gen.parallel_tool_calls)
         self.ctx = ctx
         self.sequence = 0
-        self.turns = TurnStream(ctx.gen.plan, ctx.gen.parallel_tool_calls)
         self.items: list[dict[str, Any]] = []  # output items, finished or open (the last one)
         self.open_text: list[str] | None = None  # text of the open message item
         self.open_args: list[str] | None = None  # arguments of the open function_call item
@@ -431,37 +422,21 @@ class _ResponseStream:
             )
         return frames
 
-    async def events(
-        self,
-        first: tuple[int, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    ) -> AsyncIterator[str]:
-        ctx = self.ctx
-        started = ctx.response("in_progress", [])
-        yield self._event("response.created", response=started)
-        yield self._event("response.in_progress", response=started)
-        try:
-            if first is not None:
-                for frame in self._frames_for(first[1]):
-                    yield frame
-            async for _, output in outputs:
-                for frame in self._frames_for(output):
-                    yield frame
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            err = to_api_error(e, "input")
-            yield self._event("error", code=err.code, message=err.message, param=err.param)
-            return
-        finally:
-            await outputs.aclose()
-        turn = self.turns.turn
-        assert turn is not None, "the engine ended a request without a finished output"
+    def _opening_frames(self, first: RequestOutput | None) -> list[str]:
+        started = self.ctx.response("in_progress", [])
+        return [
+            self._event("response.created", response=started),
+            self._event("response.in_progress", response=started),
+        ]
+
+    def _error_frame(self, error: APIError) -> str:
+        return self._event("error", code=error.code, message=error.message, param=error.param)
+
+    def _turn_frames(self, turn: ChatTurn) -> list[str]:
         status = "incomplete" if turn.end == "length" else "completed"
+        frames = []
         if not self.items:  # no text and no calls: still one (empty) message, as when not streamed
-            for frame in self._open_message():
-                yield frame
-        for frame in self._close_open_item(status):
-            yield frame
-        body = ctx.finish(turn, self.items, self.cached)
-        yield self._event(f"response.{body['status']}", response=body)
+            frames += self._open_message()
+        frames += self._close_open_item(status)
+        body = self.ctx.finish(turn, self.items, self.cached)
+        return [*frames, self._event(f"response.{body['status']}", response=body)]

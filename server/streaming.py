@@ -1,6 +1,6 @@
-"""What chat and text completions share: the usage block, and the SSE chunk stream skeleton that turns
-delta RequestOutputs into chunk frames, reports errors in-band and ends with usage (and the opt-in cost
-sheet) and [DONE]."""
+"""The skeleton of every streamed response (opening frames, frames per engine output, an in-band error
+once the 200 is sent, closing frames), and what chat and text completions share over it: the usage
+block, and the chunk stream that ends with usage (and the opt-in cost sheet) and [DONE]."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine import CompletionOutput, RequestOutput
 from server.cost_sheet import cost_sheet
-from server.errors import to_api_error
+from server.errors import APIError, to_api_error
 from server.generation import ClientDisconnected
 from server.sse import DONE_FRAME, sse_frame
 
@@ -26,11 +26,54 @@ def usage_block(prompt_tokens: int, completion_tokens: int, cached: int) -> dict
     }
 
 
-class ChunkStream:
-    """Base of a streamed response: subclasses set `object_name` and turn one engine output into frames."""
+class FrameStream:
+    """Base of a streamed response: delta engine outputs (index of the engine request, output) -> SSE
+    frames; a failure after the 200 status is one in-band error frame, and ends the stream."""
+
+    error_param = "prompt"  # the request field a prompt error names
+
+    def _opening_frames(self, first: RequestOutput | None) -> Iterable[str]:
+        return ()
+
+    def _output_frames(self, index: int, output: RequestOutput) -> list[str]:
+        raise NotImplementedError
+
+    def _error_frame(self, error: APIError) -> str:
+        raise NotImplementedError
+
+    def _closing_frames(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    async def frames(
+        self,
+        first: tuple[int, RequestOutput] | None,
+        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncIterator[str]:
+        try:
+            for frame in self._opening_frames(first[1] if first is not None else None):
+                yield frame
+            if first is not None:
+                for frame in self._output_frames(*first):
+                    yield frame
+            async for index, output in outputs:
+                for frame in self._output_frames(index, output):
+                    yield frame
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            yield self._error_frame(to_api_error(e, self.error_param))
+            return
+        finally:
+            await outputs.aclose()
+        for frame in self._closing_frames():
+            yield frame
+
+
+class ChunkStream(FrameStream):
+    """Chat and text completion chunks: subclasses set `object_name` and turn one engine output into
+    frames."""
 
     object_name = ""
-    error_param = "prompt"  # the request field a prompt error names
 
     def __init__(
         self,
@@ -83,35 +126,18 @@ class ChunkStream:
         counted = self.output_tokens.get(index, 0) + len(out.token_ids)
         self.output_tokens[index] = out.num_output_tokens or counted
 
-    def _opening_frames(self) -> Iterable[str]:
-        return ()
-
     def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
         raise NotImplementedError
 
-    async def frames(
-        self,
-        first: tuple[int, RequestOutput] | None,
-        outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    ) -> AsyncIterator[str]:
-        try:
-            for frame in self._opening_frames():
-                yield frame
-            if first is not None:
-                self.finals[first[0]] = first[1]
-                for frame in self._frames_for(*first):
-                    yield frame
-            async for prompt_index, output in outputs:
-                self.finals[prompt_index] = output
-                for frame in self._frames_for(prompt_index, output):
-                    yield frame
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield sse_frame(to_api_error(e, self.error_param).body())
-            return
-        finally:
-            await outputs.aclose()
+    def _output_frames(self, index: int, output: RequestOutput) -> list[str]:
+        self.finals[index] = output
+        return self._frames_for(index, output)
+
+    def _error_frame(self, error: APIError) -> str:
+        return sse_frame(error.body())
+
+    def _closing_frames(self) -> list[str]:
+        frames = []
         metrics = None
         if self.with_metrics:
             metrics = cost_sheet([self.finals[i] for i in sorted(self.finals)])
@@ -119,5 +145,5 @@ class ChunkStream:
             usage = usage_block(
                 self.prompt_tokens, sum(self.output_tokens.values()), sum(self.cached.values())
             )
-            yield self._chunk([], usage, metrics)
-        yield DONE_FRAME
+            frames.append(self._chunk([], usage, metrics))
+        return [*frames, DONE_FRAME]

@@ -9,7 +9,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from engine import ToolCallStreamer, ToolPlan, plan_tool_use, render_messages
+from engine import (
+    StructuredOutputs,
+    ToolCallStreamer,
+    ToolPlan,
+    plan_tool_use,
+    render_messages,
+)
 from server.errors import invalid_request
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.structured_outputs import check_json_schema
@@ -34,10 +40,14 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
 
 
 def tool_plan(
-    req: ChatCompletionRequest, chat_template: str | None, parser_name: str, constrained: bool
+    req: ChatCompletionRequest,
+    chat_template: str | None,
+    parser_name: str,
+    answer: StructuredOutputs | None,
 ) -> ToolPlan | None:
-    """Validate tools/tool_choice and plan them; None when the request uses no tools.
-    `constrained`: the request also has a response_format/structured_outputs constraint."""
+    """Validate tools/tool_choice and plan them; None when the request uses no tools. `answer`: the
+    request's response_format/structured_outputs constraint, which a reply that calls no tool
+    follows (the plan's constraint then covers both)."""
     tools = req.tools or []
     choice = req.tool_choice
     if choice is not None and not tools and choice != "none":
@@ -59,19 +69,18 @@ def tool_plan(
             f"tool_choice names the function {choice.function.name!r}, which is not in tools",
             "tool_choice",
         )
-    if constrained and choice != "none":
-        raise invalid_request(
-            "response_format/structured_outputs cannot be combined with tools unless "
-            "tool_choice is 'none'",
-            "response_format",
-        )
     tool_dicts = [
         {"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools
     ]
     choice_value: Any = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     try:
         return plan_tool_use(
-            tool_dicts, choice_value, req.parallel_tool_calls, chat_template, parser_name
+            tool_dicts,
+            choice_value,
+            req.parallel_tool_calls,
+            chat_template,
+            parser_name,
+            answer=answer,
         )
     except ValueError as e:
         raise invalid_request(str(e), "tools") from None

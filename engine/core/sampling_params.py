@@ -17,6 +17,8 @@ MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The name by which a grammar refers to its `answer` constraint (Lark: `@answer`).
+ANSWER_GRAMMAR = "answer"
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,9 @@ class StructuredOutputs:
     """A constraint on the generated text: exactly one of a JSON schema (as JSON text), any JSON
     object, a regex, a choice of strings or a Lark/GBNF grammar. Hashable: it keys the compile cache.
 
-    `source` names the API field it came from, so that a compile error names it too.
+    `source` names the API field it came from, so that a compile error names it too. A grammar may
+    embed a second constraint, `answer`, which it reaches as `@answer`: tool calls or a reply in the
+    requested response format.
     """
 
     json: str | None = None
@@ -34,6 +38,7 @@ class StructuredOutputs:
     grammar: str | None = None
     # Regex of the whitespace allowed between JSON tokens; None -> none (compact JSON, ", " and ": ").
     whitespace_pattern: str | None = None
+    answer: StructuredOutputs | None = None  # only with `grammar`; itself without an answer
     source: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +66,10 @@ class StructuredOutputs:
         if self.whitespace_pattern is not None and self.json is None and not self.json_object:
             raise SamplingParamsError(
                 self.source, "whitespace_pattern applies only to json and json_object constraints"
+            )
+        if self.answer is not None and (self.grammar is None or self.answer.answer is not None):
+            raise SamplingParamsError(
+                self.source, "an answer constraint goes only in a grammar, and only one level deep"
             )
 
     @property

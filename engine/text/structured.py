@@ -1,8 +1,10 @@
-"""Structured outputs with llguidance: constraint -> grammar compile cache, a matcher per sequence,
-and the per-step token bitmask (one 32-bit word per 32 vocabulary ids, bit set = token allowed)."""
+"""Structured outputs with llguidance: constraint -> grammar compile cache (a grammar with an `answer`
+constraint becomes one llguidance grammar of two), a matcher per sequence, and the per-step token
+bitmask (one 32-bit word per 32 vocabulary ids, bit set = token allowed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -10,7 +12,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from engine.core.sampling_params import SamplingParamsError, StructuredOutputs
+from engine.core.sampling_params import ANSWER_GRAMMAR, SamplingParamsError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,9 @@ class GrammarCompiler:
 
     def compile(self, constraint: StructuredOutputs) -> Any:
         """The template matcher of `constraint`; a constraint that does not compile raises
-        SamplingParamsError naming `constraint.source` and saying why."""
+        SamplingParamsError naming `constraint.source` (or its answer's source) and saying why."""
+        if constraint.answer is not None:
+            self.compile(constraint.answer)  # a bad answer constraint names its own field
         with self._lock:
             cached = self._cache.get(constraint)
             if cached is not None:
@@ -103,6 +107,26 @@ class GrammarCompiler:
 
 def grammar_text(constraint: StructuredOutputs) -> str:
     """The llguidance grammar of a constraint."""
+    if constraint.answer is not None:
+        # One llguidance grammar of two: the first (a Lark grammar) reaches the second as @answer.
+        main = _grammar_entries(dataclasses.replace(constraint, answer=None))
+        answer = _grammar_entries(constraint.answer)
+        answer[0]["name"] = ANSWER_GRAMMAR
+        return json.dumps({"grammars": [*main, *answer]})
+    return _single_grammar_text(constraint)
+
+
+def _grammar_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
+    """The constraint's grammar as the entries of an llguidance grammar list (its start first)."""
+    text = _single_grammar_text(constraint)
+    if constraint.kind in ("json", "json_object", "regex"):
+        return list(
+            json.loads(text)["grammars"]
+        )  # the JSON grammar list llguidance builds for them
+    return [{"lark_grammar": text}]  # Lark text (choice, grammar)
+
+
+def _single_grammar_text(constraint: StructuredOutputs) -> str:
     from llguidance import LLMatcher, grammar_from
 
     if constraint.json is not None or constraint.json_object:

@@ -169,10 +169,19 @@ def _content(text: str, has_calls: bool) -> str | None:
 
 # -- formats -----------------------------------------------------------------------------------------
 class ToolParser:
-    """One tool-call format: `parse` for output, `grammar` to force calls in that format."""
+    """One tool-call format: `parse` for output, `grammar` to force calls in that format.
+
+    `tool_names`, when given, are the only function names a call may have: other JSON that merely
+    looks like a call is content (it matters where a call has no markup around it).
+    """
 
     name = ""
     args_key = "arguments"
+    free_text = ""  # Lark regex of a text reply that cannot start a call
+    many_calls = "call+"  # Lark of several calls in a row
+
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        self.tool_names = tool_names
 
     def parse(self, text: str, final: bool = True) -> ParsedToolOutput:
         raise NotImplementedError
@@ -181,10 +190,22 @@ class ToolParser:
         """JSON schema of one call object of `tool` ({"name", "description", "parameters"})."""
         return call_object_schema(tool, self.args_key)
 
-    def grammar(self, tools: list[dict[str, Any]], allow_text: bool, parallel: bool) -> str:
-        """Lark grammar (llguidance dialect) of replies: calls of `tools` (at most one unless
-        `parallel`), or, with `allow_text`, free text that does not start a call."""
+    def call_rule(self, tool: dict[str, Any]) -> str:
+        """Lark of one call of `tool`."""
         raise NotImplementedError
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, text: str | None) -> str:
+        """Lark grammar (llguidance dialect) of replies: calls of `tools` (at most one unless
+        `parallel`), or, when `text` (a Lark expression: `self.free_text`, a sub-grammar) is
+        given, a reply that matches it instead."""
+        rules = [f"call_{i}: {self.call_rule(t)}" for i, t in enumerate(tools)]
+        call = "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))
+        calls = "calls: " + (self.many_calls if parallel else "call")
+        start = "start: text | calls" if text is not None else "start: calls"
+        lines = [start, calls, call, *rules]
+        if text is not None:
+            lines.append(f"text: {text}")
+        return "\n".join(lines) + "\n"
 
 
 class HermesToolParser(ToolParser):
@@ -192,6 +213,7 @@ class HermesToolParser(ToolParser):
 
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
+    free_text = r"/[^<\s][\s\S]*/"
 
     def parse(self, text: str, final: bool = True) -> ParsedToolOutput:
         pos = text.find(self.start)
@@ -219,18 +241,8 @@ class HermesToolParser(ToolParser):
             return ParsedToolOutput(text or None)
         return ParsedToolOutput(_content(text[:pos], True), calls)
 
-    def grammar(self, tools: list[dict[str, Any]], allow_text: bool, parallel: bool) -> str:
-        rules = [
-            f'call_{i}: "<tool_call>\\n" %json {json.dumps(self.call_schema(t))} "\\n</tool_call>"'
-            for i, t in enumerate(tools)
-        ]
-        call = "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))
-        calls = "calls: call+" if parallel else "calls: call"
-        start = "start: text | calls" if allow_text else "start: calls"
-        lines = [start, calls, call, *rules]
-        if allow_text:
-            lines.append(r"text: /[^<\s][\s\S]*/")
-        return "\n".join(lines) + "\n"
+    def call_rule(self, tool: dict[str, Any]) -> str:
+        return f'"<tool_call>\\n" %json {json.dumps(self.call_schema(tool))} "\\n</tool_call>"'
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -240,6 +252,8 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     args_key = "parameters"
     tag = "<|python_tag|>"
+    free_text = r"/[^{<\s][\s\S]*/"
+    many_calls = 'call ("; " call)*'
 
     def parse(self, text: str, final: bool = True) -> ParsedToolOutput:
         i = _skip_ws(text, 0)
@@ -256,6 +270,8 @@ class Llama3JsonToolParser(ToolParser):
             draft, end, is_call = _draft_from_object(text, i, ("parameters", "arguments"), final)
             if not is_call or draft is None or draft.name is None:
                 break
+            if self.tool_names is not None and draft.name not in self.tool_names:
+                break  # JSON with a "name" that no tool has: an answer, not a call
             calls.append(draft)
             if end is None:
                 break
@@ -267,15 +283,8 @@ class Llama3JsonToolParser(ToolParser):
             return ParsedToolOutput(text if final and text else None)
         return ParsedToolOutput(None, calls)
 
-    def grammar(self, tools: list[dict[str, Any]], allow_text: bool, parallel: bool) -> str:
-        rules = [f"call_{i}: %json {json.dumps(self.call_schema(t))}" for i, t in enumerate(tools)]
-        call = "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))
-        calls = 'calls: call ("; " call)*' if parallel else "calls: call"
-        start = "start: text | calls" if allow_text else "start: calls"
-        lines = [start, calls, call, *rules]
-        if allow_text:
-            lines.append(r"text: /[^{<\s][\s\S]*/")
-        return "\n".join(lines) + "\n"
+    def call_rule(self, tool: dict[str, Any]) -> str:
+        return f"%json {json.dumps(self.call_schema(tool))}"
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -284,9 +293,9 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def get_tool_parser(name: str) -> ToolParser:
+def get_tool_parser(name: str, tool_names: frozenset[str] | None = None) -> ToolParser:
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](tool_names)
     except KeyError:
         raise ValueError(
             f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}"

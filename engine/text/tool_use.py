@@ -1,6 +1,7 @@
-"""Tool use over any chat template: tools + tool_choice -> a plan (tools for the template or a prompt
-description, the grammar that forces calls, the parser), and tool-call history rendered as the
-template (or the prompt format) expects. Plain dicts in OpenAI's shapes; no API types.
+"""Tool use over any chat template: tools + tool_choice (+ the answer format a reply without calls must
+follow) -> a plan (tools for the template or a prompt description, the grammar of calls or that answer,
+the parser), and tool-call history rendered as the template (or the prompt format) expects. Plain
+dicts in OpenAI's shapes; no API types.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.sampling_params import StructuredOutputs
+from engine.core.sampling_params import ANSWER_GRAMMAR, StructuredOutputs
 from engine.text.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
 
 ToolChoice = str | dict[str, Any]  # "none" | "auto" | "required" | {"type": "function", ...}
@@ -32,42 +33,62 @@ def plan_tool_use(
     chat_template: str | None,
     parser_name: str = "auto",
     source: str = "tools",
+    answer: StructuredOutputs | None = None,
 ) -> ToolPlan:
     """`tools` are OpenAI function tools ({"type": "function", "function": {...}}), already
-    validated. `parser_name` "auto" picks the format from the chat template."""
+    validated. `parser_name` "auto" picks the format from the chat template. `answer` constrains a
+    reply that is not a call (response_format): under "auto" the grammar allows calls or that
+    answer, under "none" only the answer; "required" and a named tool allow only calls."""
     detected, native = detect_tool_parser(chat_template)
-    parser = get_tool_parser(detected if parser_name == "auto" else parser_name)
     functions = [t["function"] for t in tools]
+    names = frozenset(f["name"] for f in functions)
+    parser = get_tool_parser(detected if parser_name == "auto" else parser_name, names)
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     parallel = parallel_tool_calls is not False
     if choice == "none" or not tools:
-        return ToolPlan(parser, native, None, None, None, False)
+        return ToolPlan(parser, native, None, None, answer, False)
     forced: list[dict[str, Any]] = functions
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         forced = [f for f in functions if f["name"] == name]
         assert forced, "tool_choice names a tool that is not in tools (validated by the caller)"
-    must_call = choice != "auto"
-    # Native formats are left free under "auto" (the model was trained on them); the prompt format
-    # is constrained so that a call, when the model makes one, always parses.
-    constrain = must_call or not native
-    constraint = None
-    if constrain:
-        grammar = parser.grammar(forced, allow_text=not must_call, parallel=parallel)
-        constraint = StructuredOutputs(grammar=grammar, source=source)
-    system_prompt = None if native else describe_tools(functions, choice, parallel)
-    return ToolPlan(parser, native, tools if native else None, system_prompt, constraint, True)
+    system_prompt = None if native else describe_tools(functions, choice, parallel, answer)
+    plan = ToolPlan(parser, native, tools if native else None, system_prompt, None, True)
+    if choice != "auto":
+        plan.constraint = StructuredOutputs(
+            grammar=parser.grammar(forced, parallel, None), source=source
+        )
+    elif answer is not None:
+        grammar = parser.grammar(forced, parallel, f"@{ANSWER_GRAMMAR}")
+        plan.constraint = StructuredOutputs(grammar=grammar, answer=answer, source=source)
+    elif not native:
+        # Native formats are left free under "auto" (the model was trained on them); the prompt
+        # format is constrained so that a call, when the model makes one, always parses.
+        grammar = parser.grammar(forced, parallel, parser.free_text)
+        plan.constraint = StructuredOutputs(grammar=grammar, source=source)
+    return plan
 
 
-def describe_tools(functions: list[dict[str, Any]], choice: ToolChoice, parallel: bool) -> str:
-    """A Hermes-style system prompt listing the functions, for templates without tool support."""
+def describe_tools(
+    functions: list[dict[str, Any]],
+    choice: ToolChoice,
+    parallel: bool,
+    answer: StructuredOutputs | None = None,
+) -> str:
+    """A Hermes-style system prompt listing the functions, for templates without tool support; under
+    "auto" it says what an answer that calls no function looks like."""
     listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
     if isinstance(choice, dict):
         rule = f"You must call the function {choice['function']['name']}."
     elif choice == "required":
         rule = "You must call one of these functions."
-    else:
+    elif answer is None:
         rule = "Call a function only when it helps; otherwise answer the user directly in text."
+    else:
+        rule = (
+            "Call a function only when you need its result; otherwise, or once the function results "
+            f"you need are in the conversation, answer the user directly {_answer_form(answer)}."
+        )
     many = "one <tool_call></tool_call> block per call" if parallel else "one block"
     return (
         "You may call functions. Their signatures, with JSON schemas of their parameters:\n"
@@ -76,6 +97,14 @@ def describe_tools(functions: list[dict[str, Any]], choice: ToolChoice, parallel
         'name and arguments:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n'
         f"</tool_call>\n{rule}"
     )
+
+
+def _answer_form(answer: StructuredOutputs) -> str:
+    if answer.json is not None:
+        return f"with a JSON value matching this JSON schema: {answer.json}"
+    if answer.json_object:
+        return "with a JSON object"
+    return "in the required format"
 
 
 def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:

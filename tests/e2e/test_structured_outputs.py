@@ -286,8 +286,14 @@ def test_multi_turn_with_a_tool_message(client: openai.OpenAI) -> None:
             "tools[0].function.parameters",
         ),
         (
-            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-            "response_format",
+            {
+                "tools": TOOLS,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)"}},
+                },
+            },
+            "response_format.json_schema.schema",
         ),
         (
             {

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from engine.core.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from engine.llm import LLM
+from engine.text.tool_use import plan_tool_use
 
 KEYS = ["name", "age", "city", "tags", "score", "id", "kind", "items", "active", "note"]
 
@@ -265,3 +266,42 @@ def test_bad_constraints_raise_naming_their_source(tiny: LLM) -> None:
         assert info.value.param == constraint.source and words in str(info.value)
     with pytest.raises(SamplingParamsError):
         StructuredOutputs(regex="a", choice=("a",))
+
+
+def test_random_weights_under_tools_with_a_format_call_or_answer_validly(tiny: LLM) -> None:
+    """tool_choice auto with a response format: whichever branch a random model takes, the finished
+    reply is tool calls with valid arguments or an answer that validates against the schema."""
+    params_schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    answer_schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["a", "b"]}},
+        "required": ["ok", "pick"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "count", "parameters": params_schema}}
+    plan = plan_tool_use(
+        [tool], "auto", None, None, answer=StructuredOutputs(json=json.dumps(answer_schema))
+    )
+    params = [
+        SamplingParams(
+            max_tokens=80, temperature=1.0, seed=seed, structured_outputs=plan.constraint
+        )
+        for seed in range(8)
+    ]
+    outs = [o.outputs[0] for o in tiny.generate(["q"] * len(params), params)]
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert len(finished) >= len(outs) // 2, [o.text for o in outs]
+    for out in finished:
+        parsed = plan.parser.parse(out.text)
+        if parsed.tool_calls:
+            assert parsed.content is None
+            for call in parsed.tool_calls:
+                assert call.name == "count"
+                jsonschema.validate(json.loads(call.arguments), params_schema)
+        else:
+            jsonschema.validate(json.loads(out.text), answer_schema)

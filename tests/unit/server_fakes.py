@@ -1,6 +1,7 @@
 """A byte-level fake tokenizer and scripted fake engines for fast server tests (no model, no torch).
 They implement engine.EngineClient, the one interface the server uses, and validate requests with the
-engine's own checks (engine.core.sampling_params), so the server never sees a fake rule."""
+engine's own checks (engine.core.sampling_params), so the server never sees a fake rule. `app_client`
+serves the app over one of them in process."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import asyncio
 import codecs
 import time
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import httpx
 
 from engine import (
     CompletionOutput,
     EmbeddingOutput,
+    EngineClient,
     EngineHealth,
     EngineSnapshot,
     InvalidRequestError,
@@ -23,6 +28,14 @@ from engine import (
     TokenLogprob,
 )
 from engine.core.sampling_params import check_input_length, check_token_ids, resolve_max_tokens
+from server.app import build_app
+from server.state import ServerConfig
+
+
+def app_client(engine: EngineClient | None, **config: Any) -> httpx.AsyncClient:
+    """An HTTP client of the app built with `config` over `engine` (in process, no socket)."""
+    app = build_app(ServerConfig(**config), engine)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 class FakeTokenizer:
@@ -98,6 +111,18 @@ class FakeClientBase:
         if listener not in self.step_listeners:
             self.step_listeners.append(listener)
 
+    # Requests of the other task are refused, as the real engine refuses them.
+    does = ""  # what this fake serves, for the refusal: "generates text", "embeds text"
+
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+        raise InvalidRequestError(f"this fake {self.does}")
+
+    async def embed(self, *args: Any, **kwargs: Any) -> EmbeddingOutput:
+        raise InvalidRequestError(f"this fake {self.does}")
+
+    async def score(self, *args: Any, **kwargs: Any) -> RequestOutput:
+        raise InvalidRequestError(f"this fake {self.does}")
+
     async def abort(self, request_id: str) -> None:
         self.active.discard(request_id)
 
@@ -115,6 +140,8 @@ class FakeEngine(FakeClientBase):
     (like the real detokenizer) a streamed delta's text stays empty while a character is incomplete.
     """
 
+    does = "generates text"
+
     def __init__(self) -> None:
         super().__init__()
         self.aborted: list[str] = []
@@ -131,9 +158,6 @@ class FakeEngine(FakeClientBase):
         check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
         params.validate_for_vocab(self.vocab_size)
         return resolve_max_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len)
-
-    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
-        raise InvalidRequestError("this fake generates text")
 
     async def score(
         self,
@@ -246,6 +270,7 @@ class FakeEmbeddingClient(FakeClientBase):
 
     model_name = "fake-embedder"
     task = "embed"
+    does = "embeds text"
     max_model_len = 32
     max_queued_requests = 16
 
@@ -259,22 +284,3 @@ class FakeEmbeddingClient(FakeClientBase):
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
         self.validate(prompt_token_ids, None)
         return EmbeddingOutput(request_id, [1.0, 0.0], len(prompt_token_ids))
-
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        raise InvalidRequestError("this fake embeds text")
-
-    async def score(
-        self,
-        request_id: str,
-        context_token_ids: list[int],
-        choices: list[list[int]],
-        num_top_logprobs: int = 0,
-        prompt: str | None = None,
-    ) -> RequestOutput:
-        raise InvalidRequestError("this fake embeds text")

@@ -12,27 +12,9 @@ import httpx
 import pytest
 
 from engine import ContextLengthError, InvalidRequestError, PromptError, RequestError
-from server.app import build_app
-from server.state import ServerConfig
-from tests.unit.server_fakes import FakeEngine
+from tests.unit.server_fakes import FakeEngine, app_client
 
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-def _client(engine: FakeEngine | None, **config: Any) -> httpx.AsyncClient:
-    app = build_app(ServerConfig(**config), engine)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-@pytest.fixture
-async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    async with _client(engine) as c:
-        yield c
 
 
 def _error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
@@ -130,7 +112,7 @@ async def test_a_body_over_the_cap_without_content_length_is_413(engine: FakeEng
             yield b"a" * 1000
         yield b'"}'
 
-    async with _client(engine, max_request_body_bytes=4096) as c:
+    async with app_client(engine, max_request_body_bytes=4096) as c:
         r = await c.post("/v1/completions", content=chunks(), headers=JSON)
         assert "content-length" not in r.request.headers
         _error(r, 413)
@@ -161,7 +143,7 @@ class _RaisingEngine(FakeEngine):
 async def test_engine_errors_become_envelopes(
     exc: BaseException, status: int, kind: str, stream: bool
 ) -> None:
-    async with _client(_RaisingEngine(exc)) as c:
+    async with app_client(_RaisingEngine(exc)) as c:
         r = await c.post("/v1/completions", json={"prompt": "a", "stream": stream})
         assert _error(r, status)["type"] == kind
         r = await c.post(
@@ -180,7 +162,7 @@ async def test_engine_errors_map_by_type_not_message(stream: bool) -> None:
         (PromptError("token 7 is not allowed here"), None),
     ]
     for exc, code in cases:
-        async with _client(_RaisingEngine(exc)) as c:
+        async with app_client(_RaisingEngine(exc)) as c:
             r = await c.post("/v1/completions", json={"prompt": "a", "stream": stream})
             assert _error(r, 400, "prompt")["code"] == code
             r = await c.post(
@@ -192,7 +174,7 @@ async def test_engine_errors_map_by_type_not_message(stream: bool) -> None:
 
 async def test_an_internal_value_error_is_a_logged_500(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="server")
-    async with _client(_RaisingEngine(ValueError("invalid literal for int()"))) as c:
+    async with app_client(_RaisingEngine(ValueError("invalid literal for int()"))) as c:
         r = await c.post("/v1/completions", json={"prompt": "a"})
     err = _error(r, 500)
     assert err["code"] == "internal_error" and "invalid literal" not in err["message"]
@@ -204,7 +186,7 @@ async def test_the_engine_validates_prompts_once_for_every_api(engine: FakeEngin
     """The server holds no prompt rules of its own: what the engine's check says is what each API
     answers, under its own field name."""
     engine.max_model_len = 8  # type: ignore[misc]
-    async with _client(engine) as c:
+    async with app_client(engine) as c:
         r = await c.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 3})
         assert _error(r, 400, "prompt")["code"] == "context_length_exceeded"
         r = await c.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 2})
@@ -219,7 +201,7 @@ async def test_the_engine_validates_prompts_once_for_every_api(engine: FakeEngin
 async def test_seeds_span_64_bits_for_every_sample(engine: FakeEngine) -> None:
     """Samples after the first get seeds mixed from (seed, index), so the largest seed is fine with
     n > 1; only a seed outside 64 bits is refused, by the engine's SamplingParams."""
-    async with _client(engine) as c:
+    async with app_client(engine) as c:
         body = {"prompt": "a", "n": 3, "max_tokens": 1, "seed": 2**64 - 1}
         assert (await c.post("/v1/completions", json=body)).status_code == 200
         assert engine.requests[-1][2].seed == 2**64 - 1
@@ -234,7 +216,7 @@ async def test_chat_template_failure_is_400(engine: FakeEngine) -> None:
         )
 
     engine.tokenizer.apply_chat_template = broken  # type: ignore[method-assign]
-    async with _client(engine) as c:
+    async with app_client(engine) as c:
         r = await c.post(
             "/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "x"}]}
         )
@@ -258,7 +240,7 @@ ROUTES = [
 
 
 async def test_api_key_guards_every_route_but_health(engine: FakeEngine) -> None:
-    async with _client(engine, api_key="k3y") as c:
+    async with app_client(engine, api_key="k3y") as c:
         assert (await c.get("/health")).status_code == 200
         for method, path in ROUTES:
             for headers in ({}, {"Authorization": "Bearer k3y-wrong"}, {"Authorization": "k3y"}):
@@ -275,12 +257,12 @@ async def test_cors_is_off_unless_origins_are_given(engine: FakeEngine) -> None:
         "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "content-type,authorization",
     }
-    async with _client(engine) as c:
+    async with app_client(engine) as c:
         r = await c.get("/v1/models", headers={"Origin": "https://app.example"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
         r = await c.options("/v1/completions", headers=preflight)
         assert "access-control-allow-origin" not in r.headers
-    async with _client(engine, allowed_origins=("https://app.example",)) as c:
+    async with app_client(engine, allowed_origins=("https://app.example",)) as c:
         r = await c.options("/v1/completions", headers=preflight)
         assert r.status_code == 200
         assert r.headers["access-control-allow-origin"] == "https://app.example"

@@ -4,7 +4,6 @@ sequences, the response store, the translation to chat messages, and errors in e
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic.types as anthropic_types
@@ -14,7 +13,6 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from engine import CompletionOutput
-from server.app import build_app
 from server.chat_translation import ChatTurn, ToolCall, final_turn
 from server.protocol_messages import MessagesRequest
 from server.protocol_responses import ResponsesRequest
@@ -22,27 +20,10 @@ from server.serving_messages import chat_fields as messages_chat_fields
 from server.serving_messages import chat_messages, content_blocks, stop_reason
 from server.serving_responses import chat_fields as responses_chat_fields
 from server.serving_responses import input_messages, output_items
-from server.state import ServerConfig
-from tests.unit.server_fakes import FakeEngine
+from tests.unit.server_fakes import FakeEngine, app_client
 
 OPENAI_EVENT = TypeAdapter(ResponseStreamEvent)
 ANTHROPIC_EVENT = TypeAdapter(anthropic_types.RawMessageStreamEvent)
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-def _client(engine: FakeEngine, **config: Any) -> httpx.AsyncClient:
-    app = build_app(ServerConfig(**config), engine)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-@pytest.fixture
-async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    async with _client(engine) as c:
-        yield c
 
 
 def _events(body: str) -> list[tuple[str, dict[str, Any]]]:
@@ -188,7 +169,7 @@ async def test_store_false_keeps_nothing(client: httpx.AsyncClient) -> None:
 
 
 async def test_the_store_evicts_the_least_recently_used(engine: FakeEngine) -> None:
-    async with _client(engine, responses_store_size=2) as client:
+    async with app_client(engine, responses_store_size=2) as client:
         ids = []
         for text in ("a", "b"):
             ids.append((await client.post("/v1/responses", json={"input": text})).json()["id"])
@@ -196,7 +177,7 @@ async def test_the_store_evicts_the_least_recently_used(engine: FakeEngine) -> N
         ids.append((await client.post("/v1/responses", json={"input": "c"})).json()["id"])
         status = [(await client.get(f"/v1/responses/{i}")).status_code for i in ids]
         assert status == [200, 404, 200]
-    async with _client(engine, responses_store_size=0) as client:
+    async with app_client(engine, responses_store_size=0) as client:
         created = (await client.post("/v1/responses", json={"input": "a"})).json()
         assert (await client.get(f"/v1/responses/{created['id']}")).status_code == 404
 
@@ -516,7 +497,7 @@ async def test_anthropic_envelope_for_other_statuses(
 
 async def test_x_api_key_is_accepted(engine: FakeEngine) -> None:
     body = {"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
-    async with _client(engine, api_key="sekret") as client:
+    async with app_client(engine, api_key="sekret") as client:
         ok = await client.post("/v1/messages", json=body, headers={"x-api-key": "sekret"})
         assert ok.status_code == 200, ok.text
         bad = await client.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})

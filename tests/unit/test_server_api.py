@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -12,23 +11,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from server.app import build_app
 from server.state import ServerConfig
-from tests.unit.server_fakes import FakeEngine
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-def _client(engine: FakeEngine, **config: object) -> httpx.AsyncClient:
-    app = build_app(ServerConfig(**config), engine)  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-@pytest.fixture
-async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    async with _client(engine) as c:
-        yield c
+from tests.unit.server_fakes import FakeEngine, app_client
 
 
 def _frames(body: str) -> list[str]:
@@ -292,7 +275,7 @@ async def test_error_after_stream_start_is_a_final_event(
 
 
 async def test_api_key_body_cap_and_request_id(engine: FakeEngine) -> None:
-    async with _client(engine, api_key="sekret", max_request_body_bytes=4096) as c:
+    async with app_client(engine, api_key="sekret", max_request_body_bytes=4096) as c:
         assert (await c.get("/health")).status_code == 200
         _assert_error(await c.get("/v1/models"), 401, code="invalid_api_key")
         _assert_error(await c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)

@@ -4,33 +4,14 @@ stream_options, one clear message per invalid field, HEAD /health, and no empty 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
 from engine import TokenLogprob
-from server.app import build_app
 from server.logprobs import CompletionLogprobsBuilder
-from server.state import ServerConfig
-from tests.unit.server_fakes import FakeEngine, FakeTokenizer
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-def _client(engine: FakeEngine, **config: Any) -> httpx.AsyncClient:
-    app = build_app(ServerConfig(**config), engine)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-@pytest.fixture
-async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    async with _client(engine) as c:
-        yield c
+from tests.unit.server_fakes import FakeEngine, FakeTokenizer, app_client
 
 
 def _chunks(body: str) -> list[dict[str, Any]]:
@@ -221,12 +202,12 @@ async def test_a_body_that_is_not_a_json_object_says_so(
 
 
 async def test_head_health_without_api_key(engine: FakeEngine) -> None:
-    async with _client(engine, api_key="sekret") as c:
+    async with app_client(engine, api_key="sekret") as c:
         r = await c.head("/health")
         assert r.status_code == 200 and r.content == b""
         assert (await c.get("/health")).json() == {"status": "ok"}
         assert (await c.head("/v1/models")).status_code == 401
-    async with _client(None) as c:  # type: ignore[arg-type]
+    async with app_client(None) as c:  # type: ignore[arg-type]
         assert (await c.head("/health")).status_code == 503
 
 
