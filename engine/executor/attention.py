@@ -74,6 +74,23 @@ class AttentionMetadata:
             cached = self._shared[seq_index] = (table, key_pos[None, :] <= query_pos[:, None])
         return cached
 
+    def token_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table [num_tokens, width] int32, context length [num_tokens] int32) of every new
+        token: each query's own causal context (its position + 1), computed once per step."""
+        cached = self._shared.get("tokens")
+        if cached is None:
+            device = self.block_tables.device
+            counts = torch.tensor(self.query_lens_cpu, device=device)
+            tables = self.block_tables.repeat_interleave(counts, dim=0)
+            lens = torch.cat(
+                [
+                    torch.arange(s - n + 1, s + 1, dtype=torch.int32, device=device)
+                    for n, s in zip(self.query_lens_cpu, self.seq_lens_cpu, strict=True)
+                ]
+            )
+            cached = self._shared["tokens"] = (tables, lens)
+        return cached
+
     @classmethod
     def from_lists(
         cls,
@@ -277,12 +294,14 @@ def _sdpa_attention(
         return cpu_kernels.paged_decode_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, scale
         )
+    if in_place_decode:
+        # Every query, prefill ones too, attends over its own causal context read in place by the
+        # decode kernel: a token's result is the same whether its prompt was prefilled whole, in
+        # chunks, after a prefix-cache hit or recomputed after preemption (batch-invariant).
+        tables, lens = meta.token_context()
+        return cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-    if num_decodes and in_place_decode:  # reads the paged cache in place, no gathered copy
-        out[:num_decodes] = cpu_kernels.paged_decode_attention(
-            q[:num_decodes], kv_cache, meta.block_tables, meta.seq_lens, scale
-        )
-    elif num_decodes:
+    if num_decodes:
         out[:num_decodes] = _sdpa_decode(q[:num_decodes], kv_cache, meta, scale)
     start = num_decodes  # decodes own one token each, so they fill the first rows
     for i in range(num_decodes, meta.num_seqs):
