@@ -146,40 +146,36 @@ def _fused_layer(
     return h + layer.mlp(cpu_kernels.rms_norm(h, norm2.weight, norm2.eps))
 
 
-def _decode_layer_args(layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], list[int]] | None:
-    """The tensors and kinds csrc/decode_layer.cpp takes for this layer (None if it cannot run
-    it), cached on the layer and rebuilt when a weight object changes (e.g. after quantization)."""
+DecodeLayerArgs = tuple[list[torch.Tensor], list[int], float, int, int, float]
+
+
+def _decode_layer_args(layer: LlamaDecoderLayer) -> DecodeLayerArgs | None:
+    """What csrc/decode_layer.cpp takes for this layer besides the step's tensors: its norms' and
+    matmuls' tensors, their kinds, eps, heads, KV heads and scale; None if it cannot run it."""
     attn, mlp = layer.self_attn, layer.mlp
-    mats = (
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    if norm1.eps != norm2.eps:
+        return None
+    tensors: list[torch.Tensor] = [norm1.weight, norm2.weight]
+    kinds: list[int] = []
+    for weight, bias in (
         (attn.qkv_weight, attn.qkv_bias),
         (attn.o_weight, attn.o_bias),
         (mlp.gate_up_weight, mlp.gate_up_bias),
         (mlp.down_weight, mlp.down_bias),
-    )
-    key = tuple(id(t) for pair in mats for t in pair)
-    cached = getattr(layer, "_decode_args", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    args: tuple[list[torch.Tensor], list[int]] | None = None
-    if norm1.eps == norm2.eps:
-        tensors: list[torch.Tensor] = [norm1.weight, norm2.weight]
-        kinds: list[int] = []
-        for weight, bias in mats:
-            if isinstance(weight, BlockQ4Weight):
-                tensors += [weight.qs, weight.d, weight.m]
-                kinds += [1, int(bias is not None), weight.out_features]
-            elif isinstance(weight, BlockQ8Weight):
-                tensors += [weight.qs, weight.d]
-                kinds += [2, int(bias is not None), weight.out_features]
-            else:
-                tensors.append(weight)
-                kinds += [0, int(bias is not None), weight.shape[0]]
-            if bias is not None:
-                tensors.append(bias)
-        args = (tensors, kinds)
-    layer._decode_args = (key, args)  # type: ignore[assignment]
-    return args
+    ):
+        if isinstance(weight, BlockQ4Weight):
+            tensors += [weight.qs, weight.d, weight.m]
+            kinds += [1, int(bias is not None), weight.out_features]
+        elif isinstance(weight, BlockQ8Weight):
+            tensors += [weight.qs, weight.d]
+            kinds += [2, int(bias is not None), weight.out_features]
+        else:
+            tensors.append(weight)
+            kinds += [0, int(bias is not None), weight.shape[0]]
+        if bias is not None:
+            tensors.append(bias)
+    return tensors, kinds, norm1.eps, attn.num_heads, attn.num_kv_heads, attn.scale
 
 
 def _pre_attention(
@@ -223,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.dense: DenseFns | None = None  # compiled dense halves of a layer (compile_dense)
+        self._decode_args: list[DecodeLayerArgs | None] | None = None  # see _decode_calls
         self.lm_head_weight: torch.Tensor | None = optional_param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
             enabled=not self.tie_word_embeddings,
@@ -241,24 +238,35 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.lookup(positions)
         fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
         if fused and uses_cpu_kernels(meta, h.device, h.dtype):
-            cos_sin = (rope[0].squeeze(1), rope[1].squeeze(1))  # [n, head_dim // 2]
-            decode_only = meta.num_decode_seqs == meta.num_seqs
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                layer = cast(LlamaDecoderLayer, layer)
-                args = _decode_layer_args(layer) if decode_only else None
+            cos, sin = rope[0].squeeze(1), rope[1].squeeze(1)  # [n, head_dim // 2]
+            calls = self._decode_calls() if meta.num_decode_seqs == meta.num_seqs else None
+            for i, kv_cache in enumerate(kv_caches):
+                args = calls[i] if calls is not None else None
                 if args is None:
-                    h = _fused_layer(layer, cos_sin, h, kv_cache, meta)
+                    fused_layer = cast(LlamaDecoderLayer, self.layers[i])
+                    h = _fused_layer(fused_layer, (cos, sin), h, kv_cache, meta)
                     continue
-                attn = layer.self_attn
+                w, kinds, eps, heads, kv_heads, scale = args
                 h = cpu_kernels.decode_layer(
-                    h, *args, layer.input_layernorm.eps, *cos_sin, kv_cache, meta.slot_mapping,
-                    meta.block_tables, meta.seq_lens, attn.num_heads, attn.num_kv_heads,
-                    attn.scale,
+                    h, w, kinds, eps, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables,
+                    meta.seq_lens, heads, kv_heads, scale,
                 )  # fmt: skip
             return cpu_kernels.rms_norm(h, self.norm.weight, self.norm.eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(rope, h, kv_cache, meta, self.dense)
         return self.norm(h)
+
+    def _decode_calls(self) -> list[DecodeLayerArgs | None]:
+        """Per layer, the one-call decode layer's arguments (built once: weights_changed resets)."""
+        if self._decode_args is None:
+            self._decode_args = [
+                _decode_layer_args(cast(LlamaDecoderLayer, layer)) for layer in self.layers
+            ]
+        return self._decode_args
+
+    def weights_changed(self) -> None:
+        """Called after matmul weights were replaced (quantization): forget what was derived."""
+        self._decode_args = None
 
     def compile_dense(self) -> None:
         """torch.compile the per-layer dense code (norms, projections, rotary, MLP, residuals) once,

@@ -92,6 +92,9 @@ def quantize_model(model: nn.Module, method: str | None, gguf_file: Path | None 
             del owner._parameters[attr]
         setattr(owner, attr, packed)
     _share_head_with_embedding(model)
+    changed = getattr(model, "weights_changed", None)
+    if changed is not None:
+        changed()
     after = weight_bytes(model)
     detail = f", {kept} weights as stored in {gguf_file.name}" if gguf_file and stored else ""
     logger.info(

@@ -40,6 +40,7 @@ def test_decode_layer_equals_the_python_layer(tiny_llama_dir, quantization, monk
     fused = _run(llm)
     assert calls, "pure decode steps should run the one-call layer"
     monkeypatch.setattr(llama, "_decode_layer_args", lambda layer: None)
+    llm.engine.model.weights_changed()
     calls.clear()
     python = _run(llm)
     assert not calls
