@@ -290,6 +290,7 @@ def _sdpa_attention(
     in_place_decode: bool = False,
 ) -> torch.Tensor:
     num_decodes = meta.num_decode_seqs
+    in_place_decode = in_place_decode and q.dtype == kv_cache.dtype  # the kernel reads one dtype
     if in_place_decode and num_decodes == meta.num_seqs:  # a pure decode step: one kernel call
         return cpu_kernels.paged_decode_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, scale
