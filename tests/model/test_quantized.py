@@ -1,9 +1,9 @@
 """Block-quantized SmolLM2 against the same model in float32. The CPU default for the bundled GGUF
 (`--quantization auto` -> gguf where the AVX2 block kernels run) serves the file's own Q4_1 / Q8_0
 blocks, bitwise the weights the float32 model dequantized; its greedy continuations stay close to
-float32 and are identical alone and inside any batch of whole prefills (not yet across different
-prefill chunkings: see the xfail below); int8 and int4 packed from the float weights stay close
-too; the served weights shrink."""
+float32 and are identical alone, inside any batch, with prefills chunked any way and after
+prefix-cache hits; int8 and int4 packed from the float weights stay close too; the served weights
+shrink."""
 
 from __future__ import annotations
 
@@ -131,13 +131,6 @@ def test_gguf_greedy_tokens_are_the_same_alone_and_in_any_batch(gguf_llm, refere
     assert _greedy(gguf_llm, pairs) == [alone[7], alone[0], alone[7]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefill attention is not bitwise the same for every chunking: SDPA per chunk (causal "
-    "over fresh K/V or masked over the cache) and a 1-token chunk on the decode kernel round "
-    "differently; float32 absorbs last-bit differences, int8 activations per block turn them "
-    "into different greedy tokens",
-)
 def test_gguf_greedy_tokens_are_the_same_with_chunked_prefills_and_prefix_cache_hits(
     smollm2_dir, gguf_llm, reference
 ):

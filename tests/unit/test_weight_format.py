@@ -28,6 +28,7 @@ ARM = _cpu("DEFAULT", "asimd", "asimddp")
 
 
 def _choose(quantization: str | None, dtype: str = "auto", cpu: CpuFeatures = AVX2, **kw):
+    kw.setdefault("kernels", True)  # kvserve's C++ kernels loaded (faked too)
     return choose_weight_format(quantization, dtype, CPU, kw.pop("checkpoint", None), cpu, **kw)
 
 
@@ -70,6 +71,17 @@ def test_explicit_block_formats_are_served_everywhere_but_warned_about_where_slo
     slow = _choose(quantization, cpu=ARM)
     assert slow.quantization == quantization
     assert len(slow.warnings) == 1 and "portable loops, slower than float32" in slow.warnings[0]
+
+
+def test_without_the_cpp_kernels_auto_keeps_float_weights_and_block_formats_are_refused() -> None:
+    for gguf_source in (False, True):
+        chosen = _choose("auto", kernels=False, gguf_source=gguf_source)
+        assert chosen.quantization is None and chosen.dtype == torch.float32
+        assert "did not build" in chosen.reason
+    for quantization in ("int8", "int4", "gguf"):
+        with pytest.raises(ValueError, match="needs kvserve's C\\+\\+ kernels"):
+            _choose(quantization, kernels=False, gguf_source=True)
+    assert _choose("none", kernels=False).quantization is None
 
 
 def test_gguf_is_refused_for_a_model_that_is_not_a_gguf_file() -> None:
