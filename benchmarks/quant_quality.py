@@ -1,9 +1,13 @@
 """Quality of each weight format against float32 on the same model: greedy continuations of the
 engine-parity prompt set (matching-prefix lengths), perplexity on a fixed public-domain text, and the
-weight error of re-quantizing the loaded weights. Prints the CPU it ran on.
+weight error of each block format against the loaded float32 weights. Prints the CPU it ran on.
 
-    PYTHONPATH=. python -m benchmarks.quant_quality                # bundled SmolLM2, int8 and int4
+    PYTHONPATH=. python -m benchmarks.quant_quality                # bundled SmolLM2: gguf, int8, int4
     PYTHONPATH=. python -m benchmarks.quant_quality --formats int8 --max-tokens 64
+
+Formats: float32 (the reference, always run first), gguf (a .gguf model's own blocks, as stored),
+int8 (Q8_0 blocks packed from the float weights), int4 (Q4_1 blocks, Q8_0 head). The block formats
+all run int8 activations per row and block of 32 on kvserve's C++ kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 DATA = Path(__file__).parent / "data" / "public_domain.txt"
+FORMATS = ("gguf", "int8", "int4")
 
 
 def perplexity(llm: Any, text: str, window: int) -> tuple[float, int]:
@@ -51,54 +56,54 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def weight_errors(model_dir: Path) -> dict[str, float]:
-    """Median relative Frobenius error of each format's weights against the loaded float32 weights
-    (for the bundled GGUF these are its Q4_1 values, dequantized exactly)."""
-    from engine.models.int8_linear import Int8Weight
+def weight_errors(model_dir: Path, formats: list[str]) -> dict[str, float]:
+    """Median relative Frobenius error of each block format's matmul weights against the loaded
+    float32 weights (for a .gguf model: its blocks dequantized exactly, so gguf is 0 by design)."""
+    from engine.models.block_quant import quantize_q4_1, quantize_q8_0
     from engine.models.loader import load_model
-    from engine.models.quantization import Int4Weight
 
     model = load_model(model_dir, "float32", "cpu").model
-    errors: dict[str, list[float]] = {"int8": [], "int4": []}
+    packers = {"int8": quantize_q8_0, "int4": quantize_q4_1}
+    errors: dict[str, list[float]] = {f: [] for f in formats if f in packers}
     for owner, attr in model.quantizable_weights():
         w = getattr(owner, attr).data
-        for fmt, packed in (("int8", Int8Weight(w)), ("int4", Int4Weight(w, 32))):
-            errors[fmt].append(((packed.dequantize().float() - w).norm() / w.norm()).item())
+        if w.shape[1] % 32:
+            continue  # stays float in every format
+        for fmt in errors:
+            head = attr == "lm_head_weight"
+            packed = (quantize_q8_0 if head else packers[fmt])(w).dequantize()
+            errors[fmt].append(((packed - w).norm() / w.norm()).item())
     return {fmt: statistics.median(e) for fmt, e in errors.items()}
 
 
 def build(model: str | None, fmt: str, options: dict[str, Any]) -> Any:
-    """An LLM serving `fmt`. int4 is torch's weight-only kernel (float activations), whose output is
-    the float matmul with the dequantized int4 weights; that matmul stands in for it here, since
-    the kernel itself is ~2 GFLOP/s on AVX2 CPUs (start-up refuses int4 there)."""
     from engine import LLM
-    from engine.models.quantization import Int4Weight
 
-    quantization = "none" if fmt in ("float32", "int4") else fmt
-    llm = LLM(model, dtype="float32", quantization=quantization, **options)
-    if fmt == "int4":
-        with torch.no_grad():
-            for owner, attr in llm.engine.model.quantizable_weights():
-                weight = getattr(owner, attr)
-                packed = Int4Weight(weight.data, 32).dequantize().float()
-                # a new tensor, not .data: a tied head's embedding lookups stay float, as served
-                setattr(owner, attr, torch.nn.Parameter(packed, requires_grad=False))
-    return llm
+    quantization = "none" if fmt == "float32" else fmt
+    return LLM(model, dtype="float32", quantization=quantization, **options)
 
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_utils import cpu_summary
+    from engine.models.loader import gguf_source, resolve_model
     from tests.model.test_engine_vs_transformers import make_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path; default: the bundled SmolLM2")
-    parser.add_argument("--formats", default="int8,int4", help="comma-separated formats")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated formats")
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--window", type=int, default=256, help="perplexity window in tokens")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(cpu_summary())
+    formats = [f for f in args.formats.split(",") if f and f != "float32"]
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    model_dir = resolve_model(args.model)
+    if "gguf" in formats and gguf_source(model_dir) is None:
+        print("skipping gguf: the model is not a .gguf file")
+        formats.remove("gguf")
+    print(cpu_summary(), f"threads {torch.get_num_threads()}")
     options = {"max_num_seqs": 32, "max_num_batched_tokens": 1024}
     text = DATA.read_text()
     results: dict[str, Any] = {}
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'format':<8} {'ppl':>8} {'vs fp32':>8} {'identical':>10} {'median prefix':>14}  prefixes"
     )
-    for fmt in ["float32", *args.formats.split(",")]:
+    for fmt in ["float32", *formats]:
         llm = build(args.model, fmt, options)
         prompts = make_prompts(llm.tokenizer)
         ppl, count = perplexity(llm, text, args.window)
@@ -132,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['median_prefix']:>10}/{args.max_tokens}  {r['matching_prefixes']}",
             flush=True,
         )
-    from engine.models.loader import resolve_model
-
-    model_dir = resolve_model(args.model)
-    errors = weight_errors(model_dir)
-    print(
-        "median relative weight error vs the loaded float32 weights: "
-        + ", ".join(f"{fmt} {100 * e:.2f}%" for fmt, e in errors.items())
-    )
+    print(f"perplexity over {results['float32']['tokens_scored']} tokens of {DATA.name}")
+    errors = weight_errors(model_dir, formats)
+    if errors:
+        print(
+            "median relative weight error vs the loaded float32 weights: "
+            + ", ".join(f"{fmt} {100 * e:.2f}%" for fmt, e in errors.items())
+            + ("; gguf 0 (its blocks are those weights)" if "gguf" in formats else "")
+        )
     results["weight_errors"] = errors
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

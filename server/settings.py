@@ -170,7 +170,8 @@ OPTIONS: tuple[Option, ...] = (
         "model.dtype",
         str,
         "activation (and float weight) dtype; auto = float32 on CPU (bfloat16 for a bf16 "
-        "checkpoint on a CPU with native bf16 when not int8), bfloat16 on CUDA",
+        "checkpoint on a CPU with native bf16 with --quantization none), bfloat16 on CUDA; the "
+        "block formats (gguf, int8, int4) take auto or float32",
         choices=DTYPES,
     ),
     Option("device", "model.device", str, "auto, cpu, cuda or cuda:N"),

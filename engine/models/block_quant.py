@@ -79,12 +79,19 @@ def _fp16(t: torch.Tensor) -> torch.Tensor:  # the scale GGUF would store, back 
     return t.to(torch.float16).float()
 
 
+def _roundf(t: torch.Tensor) -> torch.Tensor:
+    """C's roundf, halves away from zero, as ggml rounds (torch.round rounds halves to even)."""
+    a = t.abs()
+    whole = a.floor()
+    return torch.sign(t) * (whole + (2 * (a - whole)).floor())  # exact: no a + 0.5 rounding
+
+
 def quantize_q8_0(weight: torch.Tensor) -> BlockValues:
-    """As ggml's reference Q8_0 quantizer: d = max|w| / 127 per block, q = round(w / d)."""
+    """As ggml's reference Q8_0 quantizer: d = max|w| / 127 per block, q = roundf(w / d)."""
     w = _blocks(weight)
     d = w.abs().amax(dim=-1) / 127.0  # [N, K/32]
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    q = _roundf(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
     return BlockValues("q8_0", q.flatten(1), _fp16(d), torch.zeros_like(d))
 
 

@@ -65,7 +65,10 @@ def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
     found = {}
     for name, by_part in parts.items():
         want = expected.get(name.split(".", 2)[-1], 1)
-        if sorted(by_part) == list(range(want)):
+        kinds = {values.kind for values in by_part.values()}
+        if len(kinds) > 1:  # e.g. Q8_0 attn_v beside Q4_0 attn_q/k: one fused weight holds one
+            logger.info("%s: GGUF parts stored as %s; packing it from floats", name, sorted(kinds))
+        elif sorted(by_part) == list(range(want)):
             found[name] = BlockValues.cat([by_part[i] for i in range(want)])
     return found
 
