@@ -56,6 +56,7 @@ class AsyncLLMEngine:
         # The core steps on one dedicated thread (never the event loop's); _stopping ends its run.
         self._executor: ThreadPoolExecutor | None = None
         self._stopping = False
+        self._num_posted = self._num_delivered = 0  # steps' outputs sent to / taken by the loop
         self.dead_error: BaseException | None = None
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self._last_log = time.monotonic()
@@ -364,7 +365,8 @@ class AsyncLLMEngine:
         """In the step thread: step back to back while requests run and the loop has nothing to
         hand the core (adds, aborts, a detailed snapshot, shutdown); each step's outputs go to the
         loop as it ends. So a decode step follows the last without a round trip through the event
-        loop, and the loop streams one step's tokens while the next step runs."""
+        loop, and the loop streams one step's tokens while the next step runs. When the loop has
+        not taken the previous step's outputs yet, it is behind: return and let it catch up."""
         last = self.core.last_step
         while True:
             outputs = self.core.step()
@@ -375,16 +377,19 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(self._deliver, outputs, fresh)
             except RuntimeError:  # the loop closed under us (shutdown)
                 return
+            self._num_posted += 1
             if (
                 self._stopping
                 or self._pending
                 or self._detail_waiters
+                or self._num_posted - self._num_delivered > 1
                 or not self.core.has_unfinished_requests()
             ):
                 return
 
     def _deliver(self, outputs: Sequence[_Output], stats: StepStats | None) -> None:
         """On the loop: one step's outputs to their request queues, its stats to the listeners."""
+        self._num_delivered += 1
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
