@@ -1,5 +1,8 @@
-"""Per-step cost of kvserve's engine: batch-B decode step time, 128-token prefill time, and an optional
-torch.profiler / cProfile breakdown of one decode step. Prints medians; never asserts a timing."""
+"""Per-step cost of kvserve's engine: batch-B decode step time (and the CPU time outside the model
+forward and the lm_head: scheduling, input preparation, sampling, outputs, detokenizing), 128-token
+prefill time, and an optional torch.profiler / cProfile breakdown of one decode step. --stub-model
+replaces the forward and the lm_head with ready tensors, so the whole step is the engine's own
+overhead. Prints medians; never asserts a timing."""
 
 from __future__ import annotations
 
@@ -66,6 +69,63 @@ def _timed_runner(engine: Any) -> list[float]:
     return times
 
 
+class _ModelTimer:
+    """Record the CPU time of the model forward and the lm_head (compute_logits) in each step."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.forward = self.lm_head = 0.0
+        self._inner = (model.forward, model.compute_logits)
+
+    def _timed(self, fn: Any, field: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.process_time() - c0)
+
+        return call
+
+    def __enter__(self) -> _ModelTimer:
+        self.model.forward = self._timed(self._inner[0], "forward")
+        self.model.compute_logits = self._timed(self._inner[1], "lm_head")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.forward, self.model.compute_logits = self._inner
+
+    def take(self) -> tuple[float, float]:
+        times, self.forward, self.lm_head = (self.forward, self.lm_head), 0.0, 0.0
+        return times
+
+
+def stub_model(model: Any, dtype: torch.dtype) -> None:
+    """Replace the forward and the lm_head with fixed tensors of the right shapes (the logits are
+    the real lm_head's of random hidden states, made once per row count): what is left of a step
+    is the engine's own work."""
+    hidden_size = model.hidden_size
+    real_logits = model.compute_logits
+    hidden_cache: dict[int, torch.Tensor] = {}
+    logits_cache: dict[int, torch.Tensor] = {}
+    generator = torch.Generator().manual_seed(0)
+
+    def forward(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        n = input_ids.shape[0]
+        if n not in hidden_cache:
+            hidden_cache[n] = torch.randn(n, hidden_size, generator=generator).to(dtype)
+        return hidden_cache[n]
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        if n not in logits_cache:
+            logits_cache[n] = real_logits(hidden)
+        return logits_cache[n]
+
+    model.forward = forward
+    model.compute_logits = compute_logits
+
+
 def decode_steps(engine: Any, batch: int, context: int, steps: int, tag: str) -> dict[str, float]:
     """Median engine.step and runner.execute ms of decode steps at `batch`, context ~`context`."""
     ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
@@ -75,18 +135,25 @@ def decode_steps(engine: Any, batch: int, context: int, steps: int, tag: str) ->
     for _ in range(2):  # warm-up decodes
         engine.step()
     runner_times = _timed_runner(engine)
-    step_times, cpu_times = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        engine.step()
-        step_times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
+    step_times, cpu_times, outside, lm_head = [], [], [], []
+    with _ModelTimer(engine.model) as timer:
+        for _ in range(steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.step()
+            step_times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+            forward_cpu, lm_head_cpu = timer.take()
+            outside.append(cpu_times[-1] - forward_cpu - lm_head_cpu)
+            lm_head.append(lm_head_cpu)
     del engine.runner.execute
     _clear(engine, ids)
     return {
         "step_ms": 1e3 * statistics.median(step_times),
         # CPU time of this process: steadier than wall time on a shared, oversubscribed machine
         "cpu_ms": 1e3 * statistics.median(cpu_times),
+        # CPU time of the step outside the model forward and the lm_head (the engine's own work)
+        "outside_ms": 1e3 * statistics.median(outside),
+        "lm_head_ms": 1e3 * statistics.median(lm_head),
         "runner_ms": 1e3 * statistics.median(runner_times),
         "tok_s": batch / statistics.median(step_times),
     }
@@ -147,7 +214,8 @@ def measure(engine: Any, batches: list[int], args: argparse.Namespace, tag: str)
 
 def _summary(row: dict[str, Any], batches: list[int]) -> str:
     parts = [
-        f"b{b} step {d['step_ms']:.1f} ms cpu {d['cpu_ms']:.1f} ({d['tok_s']:.0f} tok/s)"
+        f"b{b} step {d['step_ms']:.1f} ms cpu {d['cpu_ms']:.1f} ({d['tok_s']:.0f} tok/s; "
+        f"outside forward+lm_head {d['outside_ms']:.2f}, lm_head {d['lm_head_ms']:.1f})"
         for b in batches
         for d in [row[f"decode_b{b}"]]
     ]
@@ -171,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         help='JSON engine options, e.g. {"quantization": "int8"}; a JSON list of them compares '
         "those engines in one process, round-robin",
     )
+    p.add_argument(
+        "--stub-model",
+        action="store_true",
+        help="replace the forward and the lm_head with ready tensors: time the engine's own work",
+    )
     p.add_argument("--profile", choices=("none", "torch", "cprofile"), default="none")
     p.add_argument("--profile-batch", type=int, default=1)
     p.add_argument("--profile-rows", type=int, default=25)
@@ -186,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     for options in variants:
         t0 = time.perf_counter()
         engines.append(build_engine(dict(options), max(batches)))
+        if args.stub_model:
+            stub_model(engines[-1].model, engines[-1].dtype)
         print(f"engine {options} built in {time.perf_counter() - t0:.1f} s; threads={threads}")
 
     results: list[dict[str, Any]] = []
@@ -199,9 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         for index, options in enumerate(variants):
             rows = [r for r in results if r["variant"] == index]
             med = {b: statistics.median(r[f"decode_b{b}"]["cpu_ms"] for r in rows) for b in batches}
+            out = {
+                b: statistics.median(r[f"decode_b{b}"]["outside_ms"] for r in rows) for b in batches
+            }
             pre = statistics.median(r["prefill_cpu_ms"] for r in rows)
             shown = " | ".join(
-                f"b{b} {ms:.1f} ms ({b / ms * 1e3:.0f} tok/s)" for b, ms in med.items()
+                f"b{b} {ms:.1f} ms ({b / ms * 1e3:.0f} tok/s; outside {out[b]:.2f} ms)"
+                for b, ms in med.items()
             )
             print(f"median CPU time {json.dumps(options)}: {shown} | prefill {pre:.1f} ms")
     engine = engines[0]

@@ -1,16 +1,17 @@
 """Async front of the engine, implementing engine.core.engine_client.EngineClient: one asyncio task owns
-the core and runs each step in a worker thread; adds and aborts wait as typed PendingWork between steps;
+the core and runs its steps on one dedicated thread, back to back while requests run (each step's
+outputs reach the loop as it ends); adds and aborts wait as typed PendingWork between steps;
 per-request output queues (generation, embeddings, scores); abort on cancel; admission control; health;
 the core's published snapshots."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.core.config import EngineConfig
@@ -52,14 +53,14 @@ class AsyncLLMEngine:
         self._detail_waiters: list[asyncio.Future[EngineSnapshot]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        # The core steps on one dedicated thread (never the event loop's); _stopping ends its run.
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping = False
+        self._num_posted = self._num_delivered = 0  # steps' outputs sent to / taken by the loop
         self.dead_error: BaseException | None = None
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self._last_log = time.monotonic()
         self._log_window: list[StepStats] = []
-        # Every step on one thread: each thread that runs torch's parallel ops gets its own OpenMP
-        # team, whose workers spin after each region; steps hopping between the default
-        # executor's threads left spinning teams competing with the running one (~30% slower).
-        self._step_thread = concurrent.futures.ThreadPoolExecutor(1, "kvserve-step")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -99,16 +100,22 @@ class AsyncLLMEngine:
     async def start(self) -> None:
         if self._task is None:
             self._wakeup = asyncio.Event()
+            self._stopping = False
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-step")
             self._task = asyncio.create_task(self._run(), name="kvserve-engine")
 
     async def shutdown(self) -> None:
         if self._task is not None:
+            self._stopping = True  # the step thread returns after its current step
             self._task.cancel()
             try:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     def health(self) -> EngineHealth:
         if self.dead_error is not None:
@@ -326,7 +333,8 @@ class AsyncLLMEngine:
             queue.put_nowait(RequestError(f"the request could not be started: {e}"))
 
     async def _run(self) -> None:
-        assert self._wakeup is not None
+        assert self._wakeup is not None and self._executor is not None
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 self._apply_pending()
@@ -339,16 +347,7 @@ class AsyncLLMEngine:
                         await self._wakeup.wait()
                         self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                     continue
-                loop = asyncio.get_running_loop()
-                outputs: Sequence[_Output] = await loop.run_in_executor(
-                    self._step_thread, self.core.step
-                )
-                for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-                self._after_step()
-                await asyncio.sleep(0)  # let request handlers run between steps
+                await loop.run_in_executor(self._executor, self._step_while_running, loop)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the loop itself died: fail everyone instead of hanging
@@ -362,10 +361,43 @@ class AsyncLLMEngine:
                 if not waiter.done():
                     waiter.set_exception(EngineDeadError(f"the engine stopped: {e}"))
 
-    def _after_step(self) -> None:
-        stats = self.core.last_step
-        if stats is None:
-            return
+    def _step_while_running(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In the step thread: step back to back while requests run and the loop has nothing to
+        hand the core (adds, aborts, a detailed snapshot, shutdown); each step's outputs go to the
+        loop as it ends. So a decode step follows the last without a round trip through the event
+        loop, and the loop streams one step's tokens while the next step runs. When the loop has
+        not taken the previous step's outputs yet, it is behind: return and let it catch up."""
+        last = self.core.last_step
+        while True:
+            outputs = self.core.step()
+            stats = self.core.last_step
+            fresh = stats if stats is not last else None  # an empty step leaves the old stats
+            last = stats
+            try:
+                loop.call_soon_threadsafe(self._deliver, outputs, fresh)
+            except RuntimeError:  # the loop closed under us (shutdown)
+                return
+            self._num_posted += 1
+            if (
+                self._stopping
+                or self._pending
+                or self._detail_waiters
+                or self._num_posted - self._num_delivered > 1
+                or not self.core.has_unfinished_requests()
+            ):
+                return
+
+    def _deliver(self, outputs: Sequence[_Output], stats: StepStats | None) -> None:
+        """On the loop: one step's outputs to their request queues, its stats to the listeners."""
+        self._num_delivered += 1
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        if stats is not None:
+            self._after_step(stats)
+
+    def _after_step(self, stats: StepStats) -> None:
         for listener in self.step_listeners:
             try:
                 listener(stats)

@@ -297,12 +297,13 @@ class LLMEngine:
             )
         self.scheduler.after_step(sched)
         touched = self.output_processor.update(sched, result, stats)
-        outputs = [
-            out for g in touched if (out := self.output_processor.make_output(g)) is not None
-        ]
+        outputs = []
         for g in touched:
-            if g.finished:
-                self.groups.pop(g.request_id, None)
+            out = self.output_processor.make_output(g)
+            if out is not None:
+                outputs.append(out)
+                if out.finished:  # a finished group always has its final output
+                    self.groups.pop(g.request_id, None)
 
         stats.duration = time.monotonic() - t0
         stats.num_running = len(self.scheduler.running)

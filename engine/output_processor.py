@@ -233,7 +233,7 @@ class OutputProcessor:
             text = detok.text
         else:
             text = detok.visible_text()
-        token_ids = seq.output_token_ids[start:]
+        token_ids = seq.token_ids[seq.num_prompt_tokens + start :]  # the new ones only, not all
         logprobs = seq.logprobs[start:] if want_logprobs else None
         seq.num_emitted_tokens = seq.num_output_tokens
         seq.final_emitted = finished

@@ -115,6 +115,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 _DONE = object()
+_DISCONNECTED = object()
 
 
 async def merge_outputs(
@@ -123,7 +124,9 @@ async def merge_outputs(
     """Yield (stream index, output) from all engine streams as they arrive.
 
     Each stream is driven by its own task, so closing this generator, an error in any stream, or the
-    client disconnecting cancels all of them, which makes the engine abort those requests.
+    client disconnecting cancels all of them, which makes the engine abort those requests. The
+    streams and the disconnect watcher all feed one queue, so an output costs one queue hand-off
+    (no task or wait set per output).
     """
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     log = _RequestLog(request, len(streams))
@@ -137,24 +140,22 @@ async def merge_outputs(
             return
         queue.put_nowait((index, _DONE))
 
+    async def watch(request: Request) -> None:
+        with contextlib.suppress(Exception):  # a failing receive() also means the client is gone
+            await wait_for_disconnect(request)
+        queue.put_nowait((-1, _DISCONNECTED))
+
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    watcher = asyncio.ensure_future(wait_for_disconnect(request)) if request is not None else None
+    watcher = asyncio.create_task(watch(request)) if request is not None else None
     remaining = len(tasks)
     try:
         while remaining:
-            getter = asyncio.ensure_future(queue.get())
-            waiting = {getter} if watcher is None else {getter, watcher}
-            try:
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if not getter.done() or getter.cancelled():
-                log.outcome = "client disconnected"
-                raise ClientDisconnected()
-            index, item = getter.result()
+            index, item = await queue.get()
             if item is _DONE:
                 remaining -= 1
+            elif item is _DISCONNECTED:
+                log.outcome = "client disconnected"
+                raise ClientDisconnected()
             elif isinstance(item, Exception):
                 log.outcome = item
                 raise item

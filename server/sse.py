@@ -13,13 +13,20 @@ DONE_FRAME = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON, non-ASCII kept as is: what every SSE frame's data is written in."""
+    return _encode(value)
+
+
 def sse_frame(payload: dict[str, Any]) -> str:
-    return "data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return "data: " + _encode(payload) + "\n\n"
 
 
 def sse_event(event: str, payload: dict[str, Any]) -> str:
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event}\ndata: {data}\n\n"
+    return f"event: {event}\ndata: {_encode(payload)}\n\n"
 
 
 def sse_response(frames: AsyncIterator[str]) -> StreamingResponse:

@@ -11,7 +11,7 @@ from engine import CompletionOutput, RequestOutput
 from server.cost_sheet import cost_sheet
 from server.errors import APIError, to_api_error
 from server.generation import ClientDisconnected
-from server.sse import DONE_FRAME, sse_frame
+from server.sse import DONE_FRAME, sse_frame, to_json
 
 if TYPE_CHECKING:
     from engine import Tokenizer
@@ -49,15 +49,19 @@ class FrameStream:
         first: tuple[int, RequestOutput] | None,
         outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     ) -> AsyncIterator[str]:
+        # The frames of one engine output go out in one write (one send, one syscall).
         try:
-            for frame in self._opening_frames(first[1] if first is not None else None):
-                yield frame
+            opening = "".join(self._opening_frames(first[1] if first is not None else None))
+            if opening:
+                yield opening
             if first is not None:
-                for frame in self._output_frames(*first):
-                    yield frame
+                frames = self._output_frames(*first)
+                if frames:
+                    yield "".join(frames)
             async for index, output in outputs:
-                for frame in self._output_frames(index, output):
-                    yield frame
+                frames = self._output_frames(index, output)
+                if frames:
+                    yield "".join(frames)
         except ClientDisconnected:
             return
         except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
@@ -100,6 +104,11 @@ class ChunkStream(FrameStream):
         self.finals: dict[
             int, RequestOutput
         ] = {}  # prompt index -> its engine request's last output
+        # Every chunk starts alike: serialise that head once, not per token.
+        self._head = (
+            f'data: {{"id":{to_json(request_id)},"object":{to_json(self.object_name)},'
+            f'"created":{to_json(created)},"model":{to_json(model)},"choices":'
+        )
 
     def _chunk(
         self,
@@ -107,19 +116,12 @@ class ChunkStream(FrameStream):
         usage: dict[str, Any] | None = None,
         metrics: dict[str, Any] | None = None,
     ) -> str:
-        payload: dict[str, Any] = {
-            "id": self.request_id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
+        frame = self._head + to_json(choices) + ',"system_fingerprint":null'
         if self.include_usage:
-            payload["usage"] = usage
+            frame += ',"usage":' + to_json(usage)
         if metrics is not None:
-            payload["metrics"] = metrics
-        return sse_frame(payload)
+            frame += ',"metrics":' + to_json(metrics)
+        return frame + "}\n\n"
 
     def _count(self, index: int, out: CompletionOutput) -> None:
         """Track choice `index`'s output tokens (the engine's count when it gives one)."""

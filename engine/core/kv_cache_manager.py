@@ -193,6 +193,13 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `seq` (after `cached_blocks`, when admitting).
         Returns False, changing nothing, when the pool cannot provide the blocks."""
+        table = self.block_tables.get(seq.seq_id)
+        if (
+            table is not None
+            and not cached_blocks
+            and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+        ):
+            return True  # most decode steps: the token fits in the last block
         table = self.block_tables.setdefault(seq.seq_id, [])
         cached_blocks = cached_blocks or []
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size

@@ -27,19 +27,22 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED_VALUES  # str hash: members hash in Python code
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
 
 
-_FINISHED = {
-    SequenceStatus.FINISHED_STOPPED,
-    SequenceStatus.FINISHED_LENGTH,
-    SequenceStatus.FINISHED_ABORTED,
-    SequenceStatus.FINISHED_ERROR,
-}
+_FINISHED_VALUES = frozenset(
+    s.value
+    for s in (
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_ERROR,
+    )
+)
 
 
 @dataclass(eq=False)

@@ -112,22 +112,28 @@ class InputBatch:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        # Two host tensors (and at most two copies to the device) instead of one per field.
+        num_tokens, num_seqs = len(input_ids), len(seq_lens)
+        longs = torch.tensor(input_ids + positions + slots, dtype=torch.int64)  # [3 * num_tokens]
+        ints = torch.tensor(starts + seq_lens, dtype=torch.int32)  # [2 * num_seqs + 1]
         dev = self.device
+        if dev.type != "cpu":
+            longs = longs.to(dev, non_blocking=True)
+            ints = ints.to(dev, non_blocking=True)
+            tables = tables.to(dev, non_blocking=True)
         meta = AttentionMetadata(
             num_decode_seqs=num_decodes,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=ints[: num_seqs + 1],
+            seq_lens=ints[num_seqs + 1 :],
+            block_tables=tables,
+            slot_mapping=longs[2 * num_tokens :],
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta
+        return longs[:num_tokens], longs[num_tokens : 2 * num_tokens], meta
 
     def sampling_row(self, seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
         """The sequence's sampling row, built once: it reads the live token list, never a copy."""

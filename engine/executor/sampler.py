@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 # top-p first looks for its cut-off among this many best tokens (one topk instead of a full
 # sort, which is slow on CPU); rows whose candidates hold less than top_p mass fall back to a sort.
 _TOP_P_CANDIDATES = 256
+# Greedy argmax on CPU reduces chunks of this many logits with the vectorised amax first (see
+# first_argmax); max(dim) with indices is scalar code there, about 10x slower per element.
+_ARGMAX_CHUNK = 128
 
 
 class RowError(ValueError):
@@ -101,7 +104,7 @@ class Sampler:
         return self._sample(logits, rows, raw)
 
     def _greedy_only(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        best_values, best_ids = logits.max(dim=-1)  # [num_rows] each
+        best_values, best_ids = first_argmax(logits)  # [num_rows] each
         # max() propagates NaN and yields +-inf for +inf / all -inf rows: one check covers all.
         values, token_ids = torch.stack([best_values, best_ids.float()]).tolist()
         _raise_on_bad_rows(values)
@@ -135,7 +138,9 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         if greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+            token_ids[greedy] = first_argmax(logits if len(greedy) == num_rows else logits[greedy])[
+                1
+            ]
         if random:
             subset = logits if len(random) == num_rows else logits[random]
             token_ids[random] = self._sample_random(subset, [rows[i] for i in random])
@@ -182,6 +187,39 @@ class Sampler:
                 uniform[unseeded] = shared.uniform_(generator=self.generator)
         gumbel_neg = uniform.log_().neg_().log_()  # = -G; U == 0 gives +inf (never picked)
         return logits.sub_(gumbel_neg).argmax(dim=-1)
+
+
+_CHUNK_OFFSETS: dict[torch.device, torch.Tensor] = {}
+
+
+def first_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max value, index of its first occurrence) of each row: exactly `logits.max(dim=-1)`,
+    NaN rows included (NaN counts as the maximum), but on CPU about 5x faster for large rows.
+
+    On CPU the vectorised amax finds each chunk's maximum, the first chunk holding the row's
+    maximum is the first whose maximum equals it, and one argmax over that chunk finishes."""
+    # logits: [n, vocab] -> values [n], indices [n] int64
+    n, vocab = logits.shape
+    chunk = _ARGMAX_CHUNK
+    if logits.device.type != "cpu" or vocab < 4 * chunk:
+        return logits.max(dim=-1)
+    num_full = vocab // chunk
+    covered = num_full * chunk
+    chunk_max = logits[:, :covered].unflatten(1, (num_full, chunk)).amax(dim=-1)  # [n, chunks]
+    if covered < vocab:  # the ragged tail is one more chunk
+        tail = logits[:, covered:].amax(dim=-1, keepdim=True)
+        chunk_max = torch.cat([chunk_max, tail], dim=1)
+    values, best_chunk = chunk_max.max(dim=-1)  # first chunk holding the maximum: [n] each
+    start = best_chunk * chunk
+    if n == 1:  # a narrow view instead of a gather
+        first = int(start)
+        return values, logits[0, first : first + chunk].argmax().add(first).view(1)
+    offsets = _CHUNK_OFFSETS.get(logits.device)
+    if offsets is None:
+        offsets = _CHUNK_OFFSETS[logits.device] = torch.arange(chunk, device=logits.device)
+    # A tail chunk's missing columns repeat the last one, after the real occurrence: harmless.
+    columns = (start.unsqueeze(1) + offsets).clamp_(max=vocab - 1)  # [n, chunk]
+    return values, start + logits.gather(1, columns).argmax(dim=-1)
 
 
 _BIT_INDEX: dict[torch.device, torch.Tensor] = {}

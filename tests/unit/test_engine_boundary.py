@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
+import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -132,6 +134,54 @@ async def test_detailed_snapshot_is_built_by_the_loop_on_request() -> None:
     finally:
         await engine.shutdown()
     assert isinstance(snap, EngineSnapshot) and snap.task == "generate"
+
+
+@pytest.mark.parametrize("forward_s", [0.0, 0.001])
+async def test_steps_run_back_to_back_off_the_loop_yet_adds_aborts_and_details_get_in(
+    forward_s: float,
+) -> None:
+    """The core steps on one thread of its own; a request added, a detailed snapshot asked for and
+    an abort made while another request decodes all take effect between two steps, whether the
+    step lets the loop run meanwhile (a model forward) or holds the GIL throughout."""
+    engine = _engine({"steps": 400, "max_running": 4})
+    core = engine.core
+    threads: set[str] = set()
+    step = core.step
+
+    def recording_step() -> Any:
+        threads.add(threading.current_thread().name)
+        if forward_s:
+            time.sleep(forward_s)  # native work that lets the event loop run meanwhile
+        return step()
+
+    core.step = recording_step  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        long = engine.generate("long", [1], SamplingParams(max_tokens=400))
+        await anext(long)
+        snap = await asyncio.wait_for(engine.detailed_snapshot(), timeout=10)
+        assert snap.num_requests_running == 1 and snap.num_steps < 400  # while "long" runs
+        engine.core.steps = 3  # type: ignore[attr-defined]
+        short = await asyncio.wait_for(_drain(engine, "short", [2]), timeout=10)
+        assert short[-1].finished and len(short) == 3
+        seen = 1
+        async for _ in long:
+            seen += 1
+            if seen == 20:
+                break
+        await long.aclose()  # aborts "long" mid-run
+        for _ in range(200):
+            if core.aborted:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.01)
+        assert core.aborted == ["long"]  # type: ignore[attr-defined]
+        steps_at_abort = core.num_steps  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
+        assert core.num_steps == steps_at_abort  # type: ignore[attr-defined]  # idle once aborted
+    finally:
+        await engine.shutdown()
+    assert threads and threading.current_thread().name not in threads
+    assert len(threads) == 1, threads  # one dedicated step thread
 
 
 def test_the_engine_and_the_fakes_expose_the_same_client_surface() -> None:

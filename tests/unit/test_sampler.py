@@ -11,6 +11,7 @@ from engine.executor.sampler import (
     Sampler,
     SamplingRow,
     compute_prompt_logprobs,
+    first_argmax,
     make_generator,
 )
 
@@ -51,6 +52,42 @@ def test_greedy_takes_argmax_lowest_id_on_ties_and_leaves_logits_untouched():
     assert out.token_ids == [1, 0, 1]
     assert out.logprobs == [None, None, None]
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("vocab", [49152, 50257, 600, 130])
+def test_fast_greedy_argmax_equals_torch_max_with_ties_and_a_ragged_tail(rows: int, vocab: int):
+    torch.manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab)
+    logits[0, [7, vocab // 2, vocab - 1]] = 9.0  # ties across chunks: the first wins
+    if rows > 1:
+        logits[1, [vocab - 2, vocab - 1]] = 9.0  # the maximum only in the ragged tail
+    if rows > 2:
+        logits[2] = logits[2].round()  # ties everywhere, and one row with the maximum twice
+        logits[-1, [vocab // 3, vocab // 3 + 1]] = 9.0
+    expected_values, expected_ids = logits.max(dim=-1)
+    values, ids = first_argmax(logits)
+    assert torch.equal(ids, expected_ids) and torch.equal(values, expected_values)
+    values, ids = first_argmax(logits[:, 1:])  # a non-contiguous view
+    assert torch.equal(ids, logits[:, 1:].argmax(dim=-1))
+    # the sampler's greedy rows, alone and beside a sampled row, pick the same tokens
+    out = Sampler()(logits, [row() for _ in range(rows)])
+    assert out.token_ids == expected_ids.tolist()
+    mixed = [row(SamplingParams(temperature=1.0)), *[row() for _ in range(rows - 1)]]
+    assert Sampler()(logits, mixed).token_ids[1:] == expected_ids.tolist()[1:]
+
+
+def test_fast_greedy_argmax_reports_nan_and_all_minus_inf_rows_like_max():
+    logits = torch.randn(4, 4096)
+    logits[1, 4000] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 5] = float("inf")
+    values, ids = first_argmax(logits)
+    assert values[1].isnan() and values[2] == float("-inf") and values[3] == float("inf")
+    assert ids[3] == 5
+    with pytest.raises(RowError) as info:
+        Sampler()(logits, [row() for _ in range(4)])
+    assert info.value.row_index == 1
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy():
