@@ -16,6 +16,7 @@ import random
 import statistics
 import sys
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -164,7 +165,8 @@ def prefill_ms(engine: Any, length: int, repeats: int, tag: str) -> tuple[float,
     times, cpu = [], []
     for r in range(repeats + 1):
         rid = f"{tag}-prefill-{r}"
-        prompt = _prompts(engine, 1, length, 1000 + r)[0]  # distinct: no prefix-cache hits
+        # distinct within and across calls (the tag names the round): no prefix-cache hits
+        prompt = _prompts(engine, 1, length, zlib.crc32(f"{tag}-{r}".encode()))[0]
         engine.add_request(rid, prompt, _params(1))
         t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
