@@ -54,7 +54,7 @@ def test_greedy_takes_argmax_lowest_id_on_ties_and_leaves_logits_untouched():
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 32])
 @pytest.mark.parametrize("vocab", [49152, 50257, 600, 130])
 def test_fast_greedy_argmax_equals_torch_max_with_ties_and_a_ragged_tail(rows: int, vocab: int):
     torch.manual_seed(rows * vocab)
