@@ -107,9 +107,13 @@ class Sampler:
     def _greedy_only(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         best_values, best_ids = first_argmax(logits)  # [num_rows] each
         # max() propagates NaN and yields +-inf for +inf / all -inf rows: one check covers all.
-        values, token_ids = torch.stack([best_values, best_ids.float()]).tolist()
+        if logits.device.type == "cpu":  # two reads, fewer ops than stacking them
+            values, token_ids = best_values.tolist(), best_ids.tolist()
+        else:  # one device-to-host copy
+            values, ids = torch.stack([best_values, best_ids.float()]).tolist()
+            token_ids = [int(t) for t in ids]
         _raise_on_bad_rows(values)
-        return SamplerOutput(token_ids=[int(t) for t in token_ids], logprobs=[None] * len(rows))
+        return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(rows))
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], raw: torch.Tensor
