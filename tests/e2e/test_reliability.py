@@ -181,12 +181,18 @@ def test_a_dead_engine_fails_waiting_clients_and_health(
 def test_100_clients_vanishing_mid_stream_leave_the_pool_free(tiny_server: ServerProcess) -> None:
     before = tiny_server.wait_idle()["num_generation_tokens"]
     max_tokens = 200
+    finished: list[int] = []  # completion tokens of non-streaming requests that beat their timeout
 
     async def vanish(client: httpx.AsyncClient, i: int) -> int:
         body = _greedy(f"Client {i} writes", max_tokens, stream=i % 4 != 0)
         if not body["stream"]:  # a non-streaming client that hangs up while waiting
-            with pytest.raises(httpx.TimeoutException):
-                await client.post("/v1/completions", json=body, timeout=0.3 + 0.01 * i)
+            # On a fast machine a request may finish before its client gives up: that is no leak,
+            # and its tokens are taken out of the run-on bound below.
+            try:
+                r = await client.post("/v1/completions", json=body, timeout=0.1 + 0.005 * i)
+                finished.append(r.json()["usage"]["completion_tokens"])
+            except httpx.TimeoutException:
+                pass
             return 0
         seen = 0
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -207,7 +213,8 @@ def test_100_clients_vanishing_mid_stream_leave_the_pool_free(tiny_server: Serve
     stats = tiny_server.wait_idle()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["num_running"] == stats["num_waiting"] == stats["num_unfinished_requests"] == 0
-    generated = stats["num_generation_tokens"] - before
+    generated = stats["num_generation_tokens"] - before - sum(finished)
+    assert len(finished) < 25, "no non-streaming client hung up: the test measured nothing"
     assert generated < 100 * max_tokens / 4, f"aborted requests ran on ({generated} tokens)"
     # The server is still fine.
     r = httpx.post(tiny_server.url + "/v1/completions", json=_greedy("after", 4), timeout=60)
