@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from engine.core.sampling_params import SamplingParamsError, StructuredOutputs
+from engine.text.schema_regex import ascii_patterns, ascii_regex
 from engine.text.structured import GrammarCompiler
 from engine.text.tool_parsers import ToolCallStreamer
 from engine.text.tool_use import ToolPlan, plan_tool_use
@@ -202,3 +203,64 @@ def test_llama3_answer_with_a_name_key_streams_as_content_not_a_call() -> None:
         content += step.content
     assert content == ANSWER_TEXT and not streamer.has_calls
     jsonschema.validate(json.loads(content), REPORT)
+
+
+# ----------------------------------------------------------------- patterns mean what ECMA-262 says
+
+
+@pytest.mark.parametrize(
+    ("pattern", "ascii"),
+    [
+        (r"^\d{3}-\d{4}$", r"^[0-9]{3}-[0-9]{4}$"),
+        (r"[\d.]+", r"[0-9.]+"),
+        (r"\w+@\W", r"[0-9A-Za-z_]+@[^0-9A-Za-z_]"),
+        (r"[^\D]", r"[^[:^digit:]]"),
+        (r"\\d", r"\\d"),  # an escaped backslash, then a letter d
+        (r"[]\d]", r"[]0-9]"),  # a leading ] is a literal one
+        (r"[[:alpha:]\d]\s\p{L}", r"[[:alpha:]0-9]\s\p{L}"),
+    ],
+)
+def test_ascii_regex_rewrites_only_the_four_classes(pattern: str, ascii: str) -> None:
+    assert ascii_regex(pattern) == ascii
+
+
+def test_ascii_patterns_leaves_data_and_property_names_alone() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"pattern": {"type": "string", "pattern": r"\d+"}},  # a property so named
+        "patternProperties": {r"^\w+$": {"type": "string"}},
+        "$defs": {"id": {"type": "string", "pattern": r"\w{2}"}},
+        "enum": [{"pattern": r"\d"}],
+    }
+    out = ascii_patterns(schema)
+    assert out["properties"]["pattern"]["pattern"] == "[0-9]+"
+    assert list(out["patternProperties"]) == ["^[0-9A-Za-z_]+$"]
+    assert out["$defs"]["id"]["pattern"] == "[0-9A-Za-z_]{2}"
+    assert out["enum"] == [{"pattern": r"\d"}]
+    assert schema["properties"]["pattern"]["pattern"] == r"\d+", "the input was modified"
+
+
+NON_ASCII_DIGITS = "\u0663\u0664\u0665"  # Arabic-Indic 345: Unicode \d, not ECMA's
+
+
+def test_json_schema_regex_and_tool_patterns_allow_only_ascii_digits(
+    compiler: GrammarCompiler,
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": r"^\d{3}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
+    as_json = StructuredOutputs(json=json.dumps(schema), source="response_format")
+    assert _accepts(compiler, as_json, '{"code": "345"}')
+    assert not _accepts(compiler, as_json, f'{{"code": "{NON_ASCII_DIGITS}"}}')
+    as_regex = StructuredOutputs(regex=r"\d{3}", source="structured_outputs.regex")
+    assert _accepts(compiler, as_regex, "345")
+    assert not _accepts(compiler, as_regex, NON_ASCII_DIGITS)
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    plan = plan_tool_use([tool], "required", None, None, "hermes")
+    assert plan.constraint is not None
+    for code, allowed in (("345", True), (NON_ASCII_DIGITS, False)):
+        call = f'<tool_call>\n{{"name": "f", "arguments": {{"code": "{code}"}}}}\n</tool_call>'
+        assert _accepts(compiler, plan.constraint, call) == allowed, code
