@@ -8,6 +8,7 @@ import json
 import uuid
 from typing import Any
 
+import pydantic_core
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -179,9 +180,11 @@ def stop_reason(turn: ChatTurn) -> str:
 
 
 def _tool_input(call: ToolCall) -> dict[str, Any]:
+    """The call's arguments as an object; arguments cut off by max_tokens give the fields they
+    have so far (an unfinished string as far as it got), as the Anthropic SDK's stream does."""
     try:
-        value = json.loads(call.arguments)
-    except json.JSONDecodeError:
+        value = pydantic_core.from_json(call.arguments, allow_partial="trailing-strings")
+    except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
 

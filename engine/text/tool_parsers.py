@@ -23,7 +23,9 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 @dataclass
 class ToolCallDraft:
     name: str | None  # None until the name string is complete
-    arguments: str  # raw JSON text of the arguments so far ("{}" once final if the model gave none)
+    # Raw JSON text of the arguments so far: "{}" once final if a whole call gave none, and a
+    # prefix (maybe "") if the output was cut off inside the call.
+    arguments: str
 
 
 @dataclass
@@ -149,8 +151,8 @@ def _draft_from_object(
             s, e = scan.fields[key]
             arguments = text[s : e if e is not None else len(text)]
             break
-    if final and not arguments:
-        arguments = "{}"
+    if final and not arguments and scan.end is not None:
+        arguments = "{}"  # a whole call that gave no arguments; a cut-off one keeps what it has
     return ToolCallDraft(name, arguments), scan.end, True
 
 

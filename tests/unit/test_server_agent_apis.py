@@ -333,6 +333,15 @@ def test_a_turn_with_tool_calls_is_function_call_items() -> None:
     assert stop_reason(turn) == "tool_use"
 
 
+def test_a_tool_call_cut_off_by_max_tokens_keeps_its_partial_arguments() -> None:
+    calls = [ToolCall("c1", "get", '{"city": "Par'), ToolCall("c2", "put", "")]
+    turn = ChatTurn("", calls, "length")
+    assert [i["arguments"] for i in output_items(turn)] == ['{"city": "Par', ""]
+    blocks = content_blocks(turn)
+    assert [b["input"] for b in blocks] == [{"city": "Par"}, {}]
+    assert stop_reason(turn) == "max_tokens"
+
+
 # ------------------------------------------------------------------------------------------ messages
 
 

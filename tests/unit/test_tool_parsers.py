@@ -59,6 +59,8 @@ HERMES_TEXTS = [
     '<tool_call>\n{"arguments": {"x": 1}, "name": "late_name"}\n</tool_call>',
     "<tool_call>not json at all",
     '<tool_call>\n{"name": "cut", "arguments": {"city": "Pa',  # cut off by max_tokens
+    '<tool_call>\n{"name": "cut", "argu',  # cut off after the name
+    '<tool_call>\n{"name": "no_args"}\n</tool_call>',
     "a < b and <tool but no call",
     "",
 ]
@@ -96,6 +98,18 @@ def test_hermes_parses_content_and_calls() -> None:
     assert only_call.content is None and len(only_call.tool_calls) == 1
     assert HERMES.parse("<tool_call>not json at all").content == "<tool_call>not json at all"
     assert HERMES.parse(HERMES_TEXTS[3]).tool_calls[0].arguments == '{"x": 1}'
+
+
+def test_a_call_cut_off_keeps_what_it_has_and_a_whole_one_without_arguments_gets_braces() -> None:
+    def calls(text: str) -> list[tuple[str | None, str]]:
+        return [(c.name, c.arguments) for c in HERMES.parse(text).tool_calls]
+
+    assert calls(HERMES_TEXTS[5]) == [("cut", '{"city": "Pa')]
+    assert calls(HERMES_TEXTS[6]) == [("cut", "")]  # no invented "{}" for a call cut off
+    assert calls(HERMES_TEXTS[7]) == [("no_args", "{}")]
+    assert [(c.name, c.arguments) for c in LLAMA.parse('{"name": "f", "param').tool_calls] == [
+        ("f", "")
+    ]
 
 
 def test_llama3_json_parses_calls_and_leaves_other_json_as_content() -> None:
