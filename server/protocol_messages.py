@@ -27,14 +27,23 @@ class TextBlock(StrictModel):
     citations: None = None
 
 
+class DirectCaller(StrictModel):
+    """Who made a tool call: the model itself (the only caller without server-side tools)."""
+
+    type: Literal["direct"]
+
+
 class ToolUseBlock(StrictModel):
-    """A tool call the assistant made earlier, replayed as history."""
+    """A tool call the assistant made earlier, replayed as history (also as the SDK's
+    `model_dump()` of a response block writes it: `caller` and `toolset_name` null)."""
 
     type: Literal["tool_use"]
     id: Annotated[str, Field(min_length=1)]
     name: Annotated[str, Field(min_length=1)]
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    caller: DirectCaller | None = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(StrictModel):

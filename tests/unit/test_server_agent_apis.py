@@ -372,6 +372,35 @@ async def test_message_shape_and_usage(client: httpx.AsyncClient, engine: FakeEn
     )
 
 
+async def test_response_blocks_dumped_by_the_sdk_replay_as_history(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    engine.script, engine.script_stop = "Done.", 0
+    engine.max_model_len = 1024  # one token a byte: tool history renders long
+    said = [  # a reply as the anthropic SDK parses it, dumped back into the conversation
+        anthropic_types.TextBlock(type="text", text="Checking."),
+        anthropic_types.ToolUseBlock(type="tool_use", id="t1", name="get", input={"c": "P"}),
+    ]
+    body = {
+        "max_tokens": 8,
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [b.model_dump() for b in said]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}],
+            },
+        ],
+    }
+    assert "caller" in body["messages"][1]["content"][1]  # type: ignore[index]
+    r = await client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    other = {"type": "code_execution_20250825", "tool_id": "srvtoolu_1"}  # a server tool's call
+    body["messages"][1]["content"][1]["caller"] = other  # type: ignore[index]
+    r = await client.post("/v1/messages", json=body)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
 async def test_max_tokens_and_stop_sequences(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     body = {"max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
     r = await client.post("/v1/messages", json=body | {"stop_sequences": ["END"], "top_k": 5})
