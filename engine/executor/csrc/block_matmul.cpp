@@ -96,47 +96,48 @@ void quantize_row_ref(const float* x, int64_t K, int8_t* q, float* d, float* s) 
 }
 
 // The interleaved layouts read lane by lane, for CPUs without AVX2 (the same values up to float
-// summation order; one CPU always runs one path).
-void q4_groups_ref(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1, int64_t g0,
-                   int64_t g1, int64_t N, float* out) {
+// summation order; one CPU always runs one path). `add(acc, g, b, c, xb, r)` adds block b's
+// contribution to column c of group g for row r (xb: that row's int8 block) to acc.
+template <typename Add>
+void groups_ref(const QuantRows& x, int64_t r0, int64_t r1, int64_t g0, int64_t g1, int64_t N,
+                float* out, Add&& add) {
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t r = r0; r < r1; ++r)
       for (int c = 0; c < 8; ++c) {
         float acc = 0.f;
-        for (int64_t b = 0; b < x.KB; ++b) {
-          const uint8_t* wb = w.q4 + (g * x.KB + b) * 128;
-          const int8_t* xb = x.q + r * x.K + b * kBlock;
-          int32_t isum = 0;
-          for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t byte = wb[32 * j + 4 * c + i];
-              isum += (byte & 0x0F) * xb[4 * j + i] + (byte >> 4) * xb[4 * j + 16 + i];
-            }
-          const int64_t at = (g * x.KB + b) * 8 + c;
-          acc += static_cast<float>(w.d[at]) * x.d[r * x.KB + b] * static_cast<float>(isum);
-          acc += static_cast<float>(w.m[at]) * x.s[r * x.KB + b];
-        }
+        for (int64_t b = 0; b < x.KB; ++b) add(acc, g, b, c, x.q + r * x.K + b * kBlock, r);
         out[r * N + 8 * g + c] = acc;
       }
 }
 
+void q4_groups_ref(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1, int64_t g0,
+                   int64_t g1, int64_t N, float* out) {
+  groups_ref(x, r0, r1, g0, g1, N, out, [&](float& acc, int64_t g, int64_t b, int c,
+                                          const int8_t* xb, int64_t r) {
+    const uint8_t* wb = w.q4 + (g * x.KB + b) * 128;
+    int32_t isum = 0;
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = wb[32 * j + 4 * c + i];
+        isum += (byte & 0x0F) * xb[4 * j + i] + (byte >> 4) * xb[4 * j + 16 + i];
+      }
+    const int64_t at = (g * x.KB + b) * 8 + c;
+    acc += static_cast<float>(w.d[at]) * x.d[r * x.KB + b] * static_cast<float>(isum);
+    acc += static_cast<float>(w.m[at]) * x.s[r * x.KB + b];
+  });
+}
+
 void q8_groups_ref(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1, int64_t g0,
                    int64_t g1, int64_t N, float* out) {
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t r = r0; r < r1; ++r)
-      for (int c = 0; c < 8; ++c) {
-        float acc = 0.f;
-        for (int64_t b = 0; b < x.KB; ++b) {
-          const int8_t* wb = w.q8 + (g * x.KB + b) * 256;
-          const int8_t* xb = x.q + r * x.K + b * kBlock;
-          int32_t isum = 0;
-          for (int j = 0; j < 8; ++j)
-            for (int i = 0; i < 4; ++i) isum += wb[32 * j + 4 * c + i] * xb[4 * j + i];
-          const float dw = static_cast<float>(w.d[(g * x.KB + b) * 8 + c]);
-          acc += dw * x.d[r * x.KB + b] * static_cast<float>(isum);
-        }
-        out[r * N + 8 * g + c] = acc;
-      }
+  groups_ref(x, r0, r1, g0, g1, N, out, [&](float& acc, int64_t g, int64_t b, int c,
+                                          const int8_t* xb, int64_t r) {
+    const int8_t* wb = w.q8 + (g * x.KB + b) * 256;
+    int32_t isum = 0;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) isum += wb[32 * j + 4 * c + i] * xb[4 * j + i];
+    const float dw = static_cast<float>(w.d[(g * x.KB + b) * 8 + c]);
+    acc += dw * x.d[r * x.KB + b] * static_cast<float>(isum);
+  });
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA + F16C
