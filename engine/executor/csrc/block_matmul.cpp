@@ -207,6 +207,12 @@ KV_AVX2 inline void prefetch_ahead(const void* block, int64_t bytes, const c10::
   if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + kPrefetch * 8), _MM_HINT_T0);
 }
 
+// Integer sums are associative, so GCC computes a block's products for all RM rows first and adds
+// them up last, spilling them to the stack (57 stack accesses per 4-row block); making each running
+// sum a register value after every add keeps the loop in registers: 1.2-1.3x at 8-128 rows, the
+// same integers, so the same outputs bit for bit.
+KV_AVX2 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 // RM rows x one group of 8 columns, q4. Per block: 8 vpmaddubsw (4-bit w x int8 x, pairs) summed in
 // int16 (16 products of at most 15 * 127 each: exact), one widening to int32, then per lane
 // acc = fma(d_w d_x, sum, acc) and acc = fma(m_w, s_x, acc). Same instructions for every lane and
@@ -239,6 +245,7 @@ KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict 
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xb + 4 * j)),
                                            _mm256_maddubs_epi16(hi, broadcast4(xb + 4 * j + 16)));
         isum[r] = j == 0 ? p : _mm256_add_epi16(isum[r], p);
+        keep_in_register(isum[r]);
       }
     }
     const __m256 dw = load_half8(wd + b * 8), mw = load_half8(wm + b * 8);
@@ -277,6 +284,7 @@ KV_AVX2 void q8_group(const int8_t* __restrict qs, const c10::Half* __restrict w
         const __m256i xs = _mm256_sign_epi8(broadcast4(xq[r] + b * kBlock + 4 * j), w);
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
         isum[r] = j == 0 ? p : _mm256_add_epi32(isum[r], p);
+        keep_in_register(isum[r]);
       }
     }
     const __m256 dw = load_half8(wd + b * 8);
