@@ -222,6 +222,8 @@ class AsyncLLMEngine:
                     raise got
                 if got.error is not None:
                     finished = True
+                    if got.error_param is not None:
+                        raise InvalidRequestError(got.error, got.error_param)
                     raise RequestError(got.error)
                 finished = got.finished
                 yield got

@@ -38,7 +38,10 @@ class OutputProcessor:
             if seq.seq_id in result.prompt_logprobs:
                 self._store_prompt_logprobs(seq, *result.prompt_logprobs[seq.seq_id])
             if seq.seq_id in result.errors:
-                self._fail_group(group, result.errors[seq.seq_id])
+                if seq.matcher is not None and seq.matcher.is_error():  # it masked every token
+                    self._fail_constraint(group, seq.matcher.get_error())
+                else:
+                    self._fail_group(group, result.errors[seq.seq_id])
                 continue
             if seq.index == 0 and seq.is_prefill_done:
                 self.scheduler.release_followers(group)
@@ -91,9 +94,12 @@ class OutputProcessor:
 
         status = None
         matcher = seq.matcher
-        if matcher is not None and not matcher.is_stopped() and not matcher.consume_token(token_id):
-            # The mask allowed only grammar tokens, so this is a matcher fault: this request alone fails.
-            self._fail_group(group, f"structured output failed: {matcher.get_error()}")
+        if matcher is not None and (
+            matcher.is_error() or (not matcher.is_stopped() and not matcher.consume_token(token_id))
+        ):
+            # The mask allowed only grammar tokens, so the matcher gave up (a limit of llguidance's,
+            # such as a regex that builds too many states): this request alone fails, blamed on it.
+            self._fail_constraint(group, matcher.get_error())
             return
         if token_id in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
@@ -118,10 +124,18 @@ class OutputProcessor:
         if status is not None:
             self.scheduler.finish(seq, status)
 
-    def _fail_group(self, group: RequestGroup, message: str) -> None:
-        group.error = message
+    def _fail_group(self, group: RequestGroup, message: str, param: str | None = None) -> None:
+        group.error, group.error_param = message, param
         for seq in group.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+
+    def _fail_constraint(self, group: RequestGroup, why: str) -> None:
+        constraint = group.requested.structured_outputs
+        source = constraint.source if constraint is not None else "structured_outputs"
+        why = why.strip().splitlines()[0] if why.strip() else "unknown error"
+        self._fail_group(
+            group, f"the constrained decoder cannot follow {source}: {why}", param=source
+        )
 
     def _finished_stats(self, group: RequestGroup, now: float) -> FinishedRequestStats:
         m = group.metrics
@@ -155,6 +169,7 @@ class OutputProcessor:
                 num_cached_tokens=group.num_cached_tokens,
                 metrics=group.metrics,
                 error=group.error,
+                error_param=group.error_param,
             )
         if group.kind == "score":
             return self._score_output(group) if finished else None

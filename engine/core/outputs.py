@@ -59,6 +59,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
+    error_param: str | None = None  # set when that failure is the request's fault (that field)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class EmbeddingOutput:
     embedding: list[float]
     num_prompt_tokens: int
     error: str | None = None  # set when the request failed inside the engine
+    error_param: str | None = None  # never set: an embedding has no constraint to blame
     finished: bool = True
 
 

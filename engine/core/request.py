@@ -141,6 +141,9 @@ class RequestGroup:
     prompt_logprobs_emitted: bool = False
     followers_released: bool = False
     error: str | None = None
+    # The request field the error blames (a constraint the decoder gave up on): then it is the
+    # request's fault, a 400, not the engine's.
+    error_param: str | None = None
     kind: RequestKind = "generate"
 
     @classmethod

@@ -131,15 +131,11 @@ class ModelRunner:
     def _token_bitmask(self, seqs: list[ScheduledSeq], out: RunnerOutput) -> torch.Tensor | None:
         """[rows, words] int32 allowed-token bits (-1 = all allowed) when any row is constrained.
 
-        A matcher in an error state fails its sequence alone (recorded in `out.errors`)."""
+        A matcher in an error state gets no mask: the output processor fails its request alone."""
         constrained = []
         for row, s in enumerate(seqs):
             matcher = s.seq.matcher
-            if matcher is None:
-                continue
-            if matcher.is_error():
-                out.errors[s.seq.seq_id] = f"structured output failed: {matcher.get_error()}"
-            else:
+            if matcher is not None and not matcher.is_error():
                 constrained.append((matcher, row))
         if not constrained:
             return None

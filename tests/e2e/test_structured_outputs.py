@@ -321,3 +321,38 @@ def test_bad_constraints_are_400s_naming_the_field(
     error = r.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
     assert smol_server.stats()["num_unfinished_requests"] == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_regex_past_the_decoders_limits_is_a_400_or_an_error_event(
+    smol_server: ServerProcess, path: str
+) -> None:
+    # It compiles, then llguidance's lexer gives up a few tokens in ("too many expressions"):
+    # a 400 naming the field, an error event once streaming, never a 500 or an empty "stop".
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "pattern": "^a{99999999}$"}},
+        "required": ["a"],
+    }
+    if path == "/v1/messages":
+        body: dict = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 20,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        }
+    else:
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 20,
+            "structured_outputs": {"regex": "a{99999999}"},
+        }
+    r = httpx.post(smol_server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "constrained decoder" in error["message"]
+    with httpx.stream(
+        "POST", smol_server.url + path, json=body | {"stream": True}, timeout=60
+    ) as s:
+        text = "".join(s.iter_text())
+    assert s.status_code in (200, 400) and "constrained decoder" in text, text
+    assert smol_server.stats()["num_unfinished_requests"] == 0

@@ -243,11 +243,36 @@ def test_stop_strings_and_a_failing_matcher_fail_only_their_request(tiny: LLM) -
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out
-    assert results["bad"].error is not None and "structured output" in results["bad"].error
+    assert results["bad"].error is not None and "constrained decoder" in results["bad"].error
+    assert results["bad"].error_param == so.source  # the request's fault: a 400, not a 500
     assert results["good"].error is None and re.fullmatch(
         "[a-z]{5,20}", results["good"].outputs[0].text
     )
     assert results["plain"].error is None
+
+
+def test_a_regex_past_the_decoders_limits_fails_its_request_alone_as_a_request_error(
+    tiny: LLM,
+) -> None:
+    # It compiles, but llguidance's lexer gives up after some tokens ("too many expressions"):
+    # before, that was an empty "stop" or a 500; now the request fails blaming the regex.
+    engine = tiny.engine
+    for regex in ("a{99999999}", "(a{1000}){1000}"):
+        so = StructuredOutputs(regex=regex, source="structured_outputs.regex")
+        engine.add_request(
+            "big", tiny.tokenizer.encode("x"), SamplingParams(max_tokens=30, structured_outputs=so)
+        )
+        engine.add_request(
+            "plain", tiny.tokenizer.encode("y"), SamplingParams(max_tokens=8, temperature=0)
+        )
+        results = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        assert results["big"].error_param == "structured_outputs.regex", results["big"]
+        assert "constrained decoder" in (results["big"].error or "")
+        assert results["plain"].error is None and len(results["plain"].outputs[0].token_ids) == 8
 
 
 def test_bad_constraints_raise_naming_their_source(tiny: LLM) -> None:
