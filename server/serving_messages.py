@@ -180,10 +180,11 @@ def stop_reason(turn: ChatTurn) -> str:
 
 
 def _tool_input(call: ToolCall) -> dict[str, Any]:
-    """The call's arguments as an object; arguments cut off by max_tokens give the fields they
-    have so far (an unfinished string as far as it got), as the Anthropic SDK's stream does."""
+    """The call's arguments as an object. Arguments cut off by max_tokens read as the anthropic
+    SDK reads a streamed tool_use (jiter's partial mode): an unfinished string is left out, open
+    arrays and objects keep what they hold, so `create` and `stream(...).get_final_message()` agree."""
     try:
-        value = pydantic_core.from_json(call.arguments, allow_partial="trailing-strings")
+        value = pydantic_core.from_json(call.arguments, allow_partial=True)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

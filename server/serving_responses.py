@@ -268,14 +268,15 @@ def _new_item_id(prefix: str) -> str:
 
 def output_items(turn: ChatTurn) -> list[dict[str, Any]]:
     """A turn as output items: a message (unless the turn is only tool calls), then its function calls."""
-    status = "incomplete" if turn.end == "length" else "completed"
+    # A turn cut off by max_output_tokens leaves its last item (text or a call) incomplete.
+    last = "incomplete" if turn.end == "length" else "completed"
     items = []
     if turn.text or not turn.tool_calls:
+        status = last if not turn.tool_calls else "completed"
         items.append(_message_item(_new_item_id("msg"), turn.text, status))
-    for call in turn.tool_calls:
-        items.append(
-            _call_item(_new_item_id("fc"), call.id, call.name, call.arguments, "completed")
-        )
+    for i, call in enumerate(turn.tool_calls):
+        status = last if i == len(turn.tool_calls) - 1 else "completed"
+        items.append(_call_item(_new_item_id("fc"), call.id, call.name, call.arguments, status))
     return items
 
 
@@ -360,7 +361,7 @@ class _ResponseStream(TurnEvents):
             ]
             self.open_text = None
         elif self.open_args is not None:
-            item = dict(self.items[-1], arguments="".join(self.open_args), status="completed")
+            item = dict(self.items[-1], arguments="".join(self.open_args), status=status)
             frames.append(
                 self._event(
                     "response.function_call_arguments.done",

@@ -334,11 +334,24 @@ def test_a_turn_with_tool_calls_is_function_call_items() -> None:
 
 
 def test_a_tool_call_cut_off_by_max_tokens_keeps_its_partial_arguments() -> None:
-    calls = [ToolCall("c1", "get", '{"city": "Par'), ToolCall("c2", "put", "")]
+    calls = [
+        ToolCall("c1", "get", '{"n": 2, "tags": ["a", "b'),
+        ToolCall("c2", "get", '{"city": "Par'),
+        ToolCall("c3", "put", ""),
+    ]
     turn = ChatTurn("", calls, "length")
-    assert [i["arguments"] for i in output_items(turn)] == ['{"city": "Par', ""]
+    items = output_items(turn)
+    assert [i["arguments"] for i in items] == [c.arguments for c in calls]
+    # Only the item the cut fell in is incomplete, as in the stream.
+    assert [i["status"] for i in items] == ["completed", "completed", "incomplete"]
     blocks = content_blocks(turn)
-    assert [b["input"] for b in blocks] == [{"city": "Par"}, {}]
+    # What the anthropic SDK's stream accumulator makes of the same deltas (jiter partial mode).
+    from jiter import from_json
+
+    assert [b["input"] for b in blocks] == [{"n": 2, "tags": ["a"]}, {}, {}]
+    assert [b["input"] for b in blocks[:2]] == [
+        from_json(c.arguments.encode(), partial_mode=True) for c in calls[:2]
+    ]
     assert stop_reason(turn) == "max_tokens"
 
 
