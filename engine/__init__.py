@@ -40,6 +40,7 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.text.schema_regex import ecma_pattern_error
 from engine.text.score_inputs import ScoreInputs, build_score_inputs
 from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser
 from engine.text.tool_use import ToolPlan, plan_tool_use, render_messages
@@ -115,6 +116,7 @@ __all__ = [
     "ScoreResult",
     "TokenLogprob",
     "build_score_inputs",
+    "ecma_pattern_error",
     "resolve_model",
     "ToolCallStreamer",
     "ToolParser",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine import StructuredOutputs
+from engine import StructuredOutputs, ecma_pattern_error
 from server.errors import invalid_request
 from server.protocol import (
     ResponseFormatJsonObject,
@@ -16,6 +16,25 @@ from server.protocol import (
 )
 
 
+def _format_checker() -> Any:
+    """The metaschema's format checks, with `regex` (a `pattern`, a `patternProperties` key) judged
+    as ECMA-262 rather than Python's `re`: `(?<y>..)` and `\\p{Lu}` are valid, `(?P<y>..)` is not."""
+    import jsonschema
+
+    checker = jsonschema.FormatChecker()
+    checker.checkers = {**checker.checkers, "regex": (_is_ecma_regex, ValueError)}
+    return checker
+
+
+def _is_ecma_regex(instance: object) -> bool:
+    if not isinstance(instance, str):
+        return True
+    why = ecma_pattern_error(instance)
+    if why is not None:
+        raise ValueError(why)
+    return True
+
+
 def check_json_schema(schema: Any, param: str) -> str:
     """The schema as canonical JSON text; an invalid JSON schema is a 400 naming `param`."""
     import jsonschema
@@ -23,10 +42,12 @@ def check_json_schema(schema: Any, param: str) -> str:
     if not isinstance(schema, (dict, bool)):
         raise invalid_request("a JSON schema must be a JSON object", param)
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        validator = jsonschema.validators.validator_for(schema)
+        validator.check_schema(schema, format_checker=_format_checker())
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise invalid_request(f"invalid JSON schema at {where}: {e.message}", param) from None
+        why = f"{e.message} ({e.cause})" if e.cause is not None else e.message
+        raise invalid_request(f"invalid JSON schema at {where}: {why}", param) from None
     return json.dumps(schema, sort_keys=True)
 
 
@@ -72,7 +93,10 @@ def _from_structured_outputs(so: StructuredOutputsRequest) -> StructuredOutputs 
             raise invalid_request(
                 "whitespace_pattern needs a json or json_object constraint", "structured_outputs"
             )
-        return None
+        raise invalid_request(
+            "structured_outputs takes one constraint: json, json_object, regex, choice or grammar",
+            "structured_outputs",
+        )
     if len(given) > 1:
         raise invalid_request(
             f"structured_outputs takes one constraint, got {' and '.join(given)}",

@@ -1,16 +1,32 @@
 """Regexes as JSON Schema and the OpenAI API mean them. JSON Schema's `pattern` is an ECMA-262
-regex, where `\\d` is [0-9] and `\\w` is [0-9A-Za-z_]; llguidance's regex engine reads them as
-Unicode classes, so a `\\d{3}` pattern could be met with Arabic-Indic or Devanagari digits. These
-rewrite the four classes to their ASCII meaning before a pattern reaches llguidance (`\\s` is
-left as written: ECMA's `\\s` is Unicode whitespace too)."""
+regex, where `\\d` is [0-9], `\\w` is [0-9A-Za-z_] and `\\s` is ECMA's own whitespace list;
+llguidance's (Rust) regex engine reads them as Unicode classes, so a `\\d{3}` pattern could be met
+with Arabic-Indic digits and `\\s` with U+0085. These rewrite the six classes to their ECMA meaning
+before a pattern reaches llguidance, and tell which escapes and groups ECMA-262 (with the `u` flag,
+as JSON Schema 2020-12 reads patterns) does not have, so that a schema using them is refused rather
+than read with another dialect's meaning."""
 
 from __future__ import annotations
 
 from typing import Any
 
 # Outside a bracket class, and inside one ([\\d.] -> [0-9.]; [^\\D] uses a POSIX class there).
-_OUTSIDE = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
-_INSIDE = {"d": "0-9", "D": "[:^digit:]", "w": "0-9A-Za-z_", "W": "[:^word:]"}
+# ECMA-262 WhiteSpace and LineTerminator (not U+0085, which Unicode's White_Space has; U+FEFF too).
+_WS = (
+    r"\t\n\x0B\x0C\r \xA0\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
+)
+_OUTSIDE = {
+    "d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]",
+    "s": f"[{_WS}]", "S": f"[^{_WS}]",
+}  # fmt: skip
+_INSIDE = {
+    "d": "0-9", "D": "[:^digit:]", "w": "0-9A-Za-z_", "W": "[:^word:]",
+    "s": _WS, "S": f"[^{_WS}]",  # a nested class: llguidance's syntax has them
+}  # fmt: skip
+# Escapes ECMA-262 has with the u flag: classes, controls, \cX, \xHH, \uHHHH / \u{..}, \p{..},
+# \k<name>, \0 and back-references, word boundaries, and escaped syntax characters.
+_ECMA_LETTERS = set("dDwWsSbBfnrtvcxupPk")
+_ECMA_SYNTAX = set("^$\\.*+?()[]{}|/-0123456789")
 
 # Keywords whose value maps names to subschemas (names are not patterns, except patternProperties').
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
@@ -76,3 +92,32 @@ def ascii_patterns(schema: Any) -> Any:
         else:
             out[key] = ascii_patterns(value)
     return out
+
+
+def ecma_pattern_error(pattern: str) -> str | None:
+    """Why `pattern` is not an ECMA-262 regex in `u` mode, for the escapes and group forms that
+    other dialects have (`\\A`, `\\z`, `\\a`, `(?P<n>..)`, `(?i)`); None if it has none of
+    those. (Whether the rest compiles is llguidance's to say, when the grammar is built.)"""
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 >= n:
+                return "it ends with a lone backslash"
+            e = pattern[i + 1]
+            if e.isalnum() and e not in _ECMA_LETTERS and not e.isdigit():
+                return f"\\{e} is not an ECMA-262 escape"
+            if not e.isalnum() and e not in _ECMA_SYNTAX:
+                return f"\\{e} is not an ECMA-262 escape (with the u flag)"
+            i += 2
+            continue
+        if c == "(" and pattern.startswith("(?", i):
+            rest = pattern[i + 2 : i + 4]
+            if not (rest[:1] in (":", "=", "!") or rest in ("<=", "<!") or _named_group(rest)):
+                return f"{pattern[i : i + 4]!r} is not an ECMA-262 group"
+        i += 1
+    return None
+
+
+def _named_group(rest: str) -> bool:
+    return len(rest) == 2 and rest[0] == "<" and (rest[1].isalpha() or rest[1] in "_$")

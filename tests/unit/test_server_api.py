@@ -194,6 +194,33 @@ async def test_completion_validation_is_400_naming_the_field(
             "response_format.json_schema.schema",
         ),
         ({"structured_outputs": {"regex": "a", "grammar": "start: x"}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        (  # Python's named group: not an ECMA-262 pattern, as JSON Schema's patterns are
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "y",
+                        "schema": {"type": "string", "pattern": "(?P<y>a)"},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "string", "pattern": "^\\A\\d"},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
         (

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from engine.core.sampling_params import SamplingParamsError, StructuredOutputs
-from engine.text.schema_regex import ascii_patterns, ascii_regex
+from engine.text.schema_regex import ascii_patterns, ascii_regex, ecma_pattern_error
 from engine.text.structured import GrammarCompiler
 from engine.text.tool_parsers import ToolCallStreamer
 from engine.text.tool_use import ToolPlan, plan_tool_use
@@ -217,11 +217,31 @@ def test_llama3_answer_with_a_name_key_streams_as_content_not_a_call() -> None:
         (r"[^\D]", r"[^[:^digit:]]"),
         (r"\\d", r"\\d"),  # an escaped backslash, then a letter d
         (r"[]\d]", r"[]0-9]"),  # a leading ] is a literal one
-        (r"[[:alpha:]\d]\s\p{L}", r"[[:alpha:]0-9]\s\p{L}"),
+        (r"[[:alpha:]\d]\p{L}\u{41}", r"[[:alpha:]0-9]\p{L}\u{41}"),
     ],
 )
-def test_ascii_regex_rewrites_only_the_four_classes(pattern: str, ascii: str) -> None:
+def test_ascii_regex_rewrites_only_the_class_escapes(pattern: str, ascii: str) -> None:
     assert ascii_regex(pattern) == ascii
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        (r"^\d{3}$", None),
+        (r"(?<year>\d{4})-\k<year>", None),  # ECMA named groups (Python spells them (?P<..>))
+        (r"\p{Lu}[\p{L}\d]\u{41}\x41\/\.", None),
+        (r"(?:a)(?=b)(?!c)(?<=d)(?<!e)\1", None),
+        (r"^\A\d$", r"\A"),
+        (r"abc\z", r"\z"),
+        (r"^\a$", r"\a"),
+        (r"(?P<n>\d)", "(?P<"),
+        (r"(?i)abc", "(?i)"),
+        ("abc\\", "lone backslash"),
+    ],
+)
+def test_ecma_pattern_error_names_other_dialects_syntax(pattern: str, why: str | None) -> None:
+    found = ecma_pattern_error(pattern)
+    assert (found is None) if why is None else (found is not None and why in found), found
 
 
 def test_ascii_patterns_leaves_data_and_property_names_alone() -> None:
@@ -258,6 +278,14 @@ def test_json_schema_regex_and_tool_patterns_allow_only_ascii_digits(
     as_regex = StructuredOutputs(regex=r"\d{3}", source="structured_outputs.regex")
     assert _accepts(compiler, as_regex, "345")
     assert not _accepts(compiler, as_regex, NON_ASCII_DIGITS)
+    # ECMA's \s has U+FEFF and not U+0085 (NEL); Unicode's White_Space is the other way round.
+    spaces = StructuredOutputs(regex=r"a\sb", source="structured_outputs.regex")
+    assert _accepts(compiler, spaces, "a\ufeffb") and _accepts(compiler, spaces, "a\u3000b")
+    assert not _accepts(compiler, spaces, "a\u0085b")
+    non_space = StructuredOutputs(regex=r"a[\Sx]b", source="structured_outputs.regex")
+    assert _accepts(compiler, non_space, "a\u0085b") and not _accepts(
+        compiler, non_space, "a\ufeffb"
+    )
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     plan = plan_tool_use([tool], "required", None, None, "hermes")
     assert plan.constraint is not None
