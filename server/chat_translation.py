@@ -165,10 +165,18 @@ def chat_request(fields: dict[str, Any], names: FieldNames) -> ChatCompletionReq
 class FieldNames:
     """Chat request field names -> the surface's (`messages[3]` -> `input[2]`), for error messages."""
 
-    def __init__(self, fields: dict[str, str], message_sources: list[str], messages: str) -> None:
+    def __init__(
+        self,
+        fields: dict[str, str],
+        message_sources: list[str],
+        messages: str,
+        tool_fields: dict[str, str] | None = None,
+    ) -> None:
         self.fields = fields
         self.message_sources = message_sources  # chat message index -> the surface's path
         self.messages = messages  # the surface's name for the whole conversation
+        # A chat tool's `function.<field>` -> the surface's flat tool field (None: chat's own).
+        self.tool_fields = tool_fields
 
     def rename(self, param: str) -> str:
         head, sep, rest = param.partition(".")
@@ -179,6 +187,14 @@ class FieldNames:
             return self.messages
         if head == "messages":
             return self.messages
+        if (
+            head.startswith("tools[")
+            and self.tool_fields is not None
+            and rest.startswith("function")
+        ):
+            field = rest.removeprefix("function").removeprefix(".")
+            name, dot, deeper = field.partition(".")
+            return head + ("." + self.tool_fields.get(name, name) + dot + deeper if name else "")
         return self.fields.get(head, head) + (sep + rest if head not in self.fields else "")
 
     @contextlib.contextmanager

@@ -165,7 +165,7 @@ def _prepare(
     req: MessagesInput, state: ServerState, request_id: str
 ) -> tuple[ChatGeneration, FieldNames]:
     messages, sources = chat_messages(req)
-    names = FieldNames(CHAT_FIELD_NAMES, sources, "messages")
+    names = FieldNames(CHAT_FIELD_NAMES, sources, "messages", {"parameters": "input_schema"})
     chat = chat_request(chat_fields(req, messages), names)
     with names.renamed():
         return prepare_chat(chat, state, request_id=request_id), names

@@ -145,6 +145,7 @@ class _Context:
             CHAT_FIELD_NAMES,
             ["instructions"] * len(system) + ["previous_response_id"] * len(history) + sources,
             "input",
+            {},  # function tools are flat: tools[i].parameters
         )
         chat = chat_request(chat_fields(req, [*system, *self.conversation]), self.names)
         self.id = f"resp_{uuid.uuid4().hex}"

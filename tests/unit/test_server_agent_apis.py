@@ -620,3 +620,35 @@ def test_stop_reasons_from_engine_finishes() -> None:
     assert stop_reason(turn("stop", 2)) == "end_turn"  # a stop token is the end of the turn
     assert stop_reason(turn("stop", "\n\n")) == "stop_sequence"
     assert stop_reason(turn("length", None)) == "max_tokens"
+
+
+def test_field_names_follow_each_surface_tool_shape() -> None:
+    from server.chat_translation import FieldNames
+
+    messages = FieldNames({}, ["messages[0]"], "messages", {"parameters": "input_schema"})
+    assert messages.rename("tools[1].function.parameters") == "tools[1].input_schema"
+    assert messages.rename("tools[0].function.parameters.properties") == (
+        "tools[0].input_schema.properties"
+    )
+    assert messages.rename("tools[0].function.name") == "tools[0].name"
+    assert messages.rename("tools[0].function") == "tools[0]"
+    responses = FieldNames({}, [], "input", {})
+    assert responses.rename("tools[2].function.parameters") == "tools[2].parameters"
+    chat = FieldNames({}, [], "messages")
+    assert chat.rename("tools[2].function.parameters") == "tools[2].function.parameters"
+
+
+async def test_a_bad_tool_schema_names_the_messages_field(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    body = {
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [
+            {"name": "get", "input_schema": {"type": "object", "properties": {"a": {"type": 7}}}}
+        ],
+    }
+    r = await client.post("/v1/messages", json=body)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "tools[0].input_schema" in r.json()["error"]["message"], r.text
+    assert "function" not in r.json()["error"]["message"], r.text
