@@ -201,6 +201,9 @@ class ChatMessage(StrictModel):
     function_call: None = None
     refusal: str | None = None
     audio: None = None
+    # An SDK's model_dump() of a reply carries these back: citations are kept by no template, so
+    # they are accepted and left out of the prompt.
+    annotations: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:

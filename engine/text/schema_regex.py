@@ -33,9 +33,14 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
 _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "description", "title")
 
 
+# ECMA's `.` (no `s` flag) matches anything but its four line terminators; Rust's only skips \n.
+_DOT = r"[^\n\r\x{2028}\x{2029}]"
+
+
 def ascii_regex(pattern: str) -> str:
-    """`pattern` with `\\d \\D \\w \\W` replaced by their ASCII classes; everything else (escaped
-    backslashes, `\\p{..}`, POSIX classes, other escapes) is kept as written."""
+    """`pattern` with the class escapes (`\\d \\D \\w \\W \\s \\S`), `.` and `\\cX` given their
+    ECMA-262 meaning in llguidance's syntax; everything else (escaped backslashes, `\\p{..}`, POSIX
+    classes, other escapes) is kept as written."""
     out: list[str] = []
     depth = 0  # bracket-class nesting (llguidance's syntax allows [a[b]])
     i, n = 0, len(pattern)
@@ -43,9 +48,17 @@ def ascii_regex(pattern: str) -> str:
         c = pattern[i]
         if c == "\\" and i + 1 < n:
             e = pattern[i + 1]
+            if e == "c" and i + 2 < n and pattern[i + 2].isascii() and pattern[i + 2].isalpha():
+                out.append(f"\\x{{{ord(pattern[i + 2]) % 32:02X}}}")  # \cJ: the control J, \n
+                i += 3
+                continue
             table = _INSIDE if depth else _OUTSIDE
             out.append(table.get(e, c + e))
             i += 2
+            continue
+        if c == "." and not depth:
+            out.append(_DOT)
+            i += 1
             continue
         if c == "[":
             if depth and pattern.startswith("[:", i):  # a POSIX class such as [:alpha:]
@@ -99,8 +112,17 @@ def ecma_pattern_error(pattern: str) -> str | None:
     other dialects have (`\\A`, `\\z`, `\\a`, `(?P<n>..)`, `(?i)`); None if it has none of
     those. (Whether the rest compiles is llguidance's to say, when the grammar is built.)"""
     i, n = 0, len(pattern)
+    depth = 0
     while i < n:
         c = pattern[i]
+        if c == "[":
+            if depth and pattern.startswith("[:", i):
+                return "POSIX classes such as [:alpha:] are not ECMA-262"
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+        elif not depth and c in "*+?}" and pattern.startswith("+", i + 1):
+            return f"{c}+ (a possessive quantifier) is not ECMA-262"
         if c == "\\":
             if i + 1 >= n:
                 return "it ends with a lone backslash"
@@ -111,7 +133,7 @@ def ecma_pattern_error(pattern: str) -> str | None:
                 return f"\\{e} is not an ECMA-262 escape (with the u flag)"
             i += 2
             continue
-        if c == "(" and pattern.startswith("(?", i):
+        if c == "(" and not depth and pattern.startswith("(?", i):
             rest = pattern[i + 2 : i + 4]
             if not (rest[:1] in (":", "=", "!") or rest in ("<=", "<!") or _named_group(rest)):
                 return f"{pattern[i : i + 4]!r} is not an ECMA-262 group"

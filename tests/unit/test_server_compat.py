@@ -127,6 +127,25 @@ async def test_chat_max_tokens_null_means_until_the_model_length(
     assert engine.requests[-1][2].max_tokens is None
 
 
+async def test_a_reply_dumped_by_the_openai_sdk_goes_back_as_history(
+    client: httpx.AsyncClient, engine: FakeEngine
+) -> None:
+    from openai.types.chat import ChatCompletion
+
+    first = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = ChatCompletion.model_validate(
+        (await client.post("/v1/chat/completions", json=first)).json()
+    )
+    dumped = reply.choices[0].message.model_dump()  # annotations, audio, function_call: None
+    assert {"annotations", "audio", "function_call", "refusal"} <= dumped.keys()
+    more = {**first, "messages": [*first["messages"], dumped, {"role": "user", "content": "more"}]}
+    r = await client.post("/v1/chat/completions", json=more)
+    assert r.status_code == 200, r.text
+    dumped["annotations"] = []  # as a reply with no citations has it
+    r = await client.post("/v1/chat/completions", json=more)
+    assert r.status_code == 200, r.text
+
+
 # ----------------------------------------------------------------------------------- stream_options
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -218,6 +218,8 @@ def test_llama3_answer_with_a_name_key_streams_as_content_not_a_call() -> None:
         (r"\\d", r"\\d"),  # an escaped backslash, then a letter d
         (r"[]\d]", r"[]0-9]"),  # a leading ] is a literal one
         (r"[[:alpha:]\d]\p{L}\u{41}", r"[[:alpha:]0-9]\p{L}\u{41}"),
+        (r"x.y[.]\.", r"x[^\n\r\x{2028}\x{2029}]y[.]\."),  # ECMA's dot skips 4 line ends
+        (r"\cJ?a", r"\x{0A}?a"),  # a control escape llguidance does not have
     ],
 )
 def test_ascii_regex_rewrites_only_the_class_escapes(pattern: str, ascii: str) -> None:
@@ -237,6 +239,9 @@ def test_ascii_regex_rewrites_only_the_class_escapes(pattern: str, ascii: str) -
         (r"(?P<n>\d)", "(?P<"),
         (r"(?i)abc", "(?i)"),
         ("abc\\", "lone backslash"),
+        (r"^[[:alpha:]]$", "POSIX"),
+        (r"^a++$", "possessive"),
+        (r"^a+?b\++[+]+$", None),  # lazy, an escaped plus repeated, a class of plus: all ECMA
     ],
 )
 def test_ecma_pattern_error_names_other_dialects_syntax(pattern: str, why: str | None) -> None:
@@ -282,6 +287,9 @@ def test_json_schema_regex_and_tool_patterns_allow_only_ascii_digits(
     spaces = StructuredOutputs(regex=r"a\sb", source="structured_outputs.regex")
     assert _accepts(compiler, spaces, "a\ufeffb") and _accepts(compiler, spaces, "a\u3000b")
     assert not _accepts(compiler, spaces, "a\u0085b")
+    dot = StructuredOutputs(regex=r"x.y", source="structured_outputs.regex")
+    assert _accepts(compiler, dot, "x y") and not _accepts(compiler, dot, "x\u2028y")
+    assert not _accepts(compiler, dot, "x\ry")
     non_space = StructuredOutputs(regex=r"a[\Sx]b", source="structured_outputs.regex")
     assert _accepts(compiler, non_space, "a\u0085b") and not _accepts(
         compiler, non_space, "a\ufeffb"
