@@ -1,20 +1,20 @@
 """Regexes as JSON Schema and the OpenAI API mean them. JSON Schema's `pattern` is an ECMA-262
 regex, where `\\d` is [0-9], `\\w` is [0-9A-Za-z_] and `\\s` is ECMA's own whitespace list;
 llguidance's (Rust) regex engine reads them as Unicode classes, so a `\\d{3}` pattern could be met
-with Arabic-Indic digits and `\\s` with U+0085. These rewrite the six classes to their ECMA meaning
-before a pattern reaches llguidance, and tell which escapes and groups ECMA-262 (with the `u` flag,
-as JSON Schema 2020-12 reads patterns) does not have, so that a schema using them is refused rather
-than read with another dialect's meaning."""
+with Arabic-Indic digits and `\\s` with U+0085. These rewrite the class escapes, `.` and `\\cX` to
+their ECMA meaning before a pattern reaches llguidance, and tell which escapes and groups ECMA-262
+(with the `u` flag, as JSON Schema 2020-12 reads patterns) does not have, so that a schema using
+them is refused rather than read with another dialect's meaning."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# Outside a bracket class, and inside one ([\\d.] -> [0-9.]; [^\\D] uses a POSIX class there).
-# ECMA-262 WhiteSpace and LineTerminator (not U+0085, which Unicode's White_Space has; U+FEFF too).
+# ECMA-262 WhiteSpace and LineTerminator: U+FEFF in, U+0085 out (Unicode's White_Space: the reverse).
 _WS = (
     r"\t\n\x0B\x0C\r \xA0\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
 )
+# Class escapes outside a bracket class, and inside one ([\\d.] -> [0-9.]; [^\\D] uses a POSIX class).
 _OUTSIDE = {
     "d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]",
     "s": f"[{_WS}]", "S": f"[^{_WS}]",
@@ -37,7 +37,7 @@ _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "description
 _DOT = r"[^\n\r\x{2028}\x{2029}]"
 
 
-def ascii_regex(pattern: str) -> str:
+def ecma_regex(pattern: str) -> str:
     """`pattern` with the class escapes (`\\d \\D \\w \\W \\s \\S`), `.` and `\\cX` given their
     ECMA-262 meaning in llguidance's syntax; everything else (escaped backslashes, `\\p{..}`, POSIX
     classes, other escapes) is kept as written."""
@@ -85,25 +85,25 @@ def ascii_regex(pattern: str) -> str:
     return "".join(out)
 
 
-def ascii_patterns(schema: Any) -> Any:
+def ecma_patterns(schema: Any) -> Any:
     """A copy of a JSON schema with every `pattern` and `patternProperties` key passed through
-    `ascii_regex` (the input is not modified; values that are data, such as `enum`, are kept)."""
+    `ecma_regex` (the input is not modified; values that are data, such as `enum`, are kept)."""
     if isinstance(schema, list):
-        return [ascii_patterns(s) for s in schema]
+        return [ecma_patterns(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "pattern" and isinstance(value, str):
-            out[key] = ascii_regex(value)
+            out[key] = ecma_regex(value)
         elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {ascii_regex(k): ascii_patterns(v) for k, v in value.items()}
+            out[key] = {ecma_regex(k): ecma_patterns(v) for k, v in value.items()}
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {k: ascii_patterns(v) for k, v in value.items()}
+            out[key] = {k: ecma_patterns(v) for k, v in value.items()}
         elif key in _NOT_SCHEMAS:
             out[key] = value
         else:
-            out[key] = ascii_patterns(value)
+            out[key] = ecma_patterns(value)
     return out
 
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import Any
 
 from engine.core.sampling_params import ANSWER_GRAMMAR, SamplingParamsError, StructuredOutputs
-from engine.text.schema_regex import ascii_patterns, ascii_regex
+from engine.text.schema_regex import ecma_patterns, ecma_regex
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +132,10 @@ def _single_grammar_text(constraint: StructuredOutputs) -> str:
 
     if constraint.json is not None or constraint.json_object:
         schema = constraint.json if constraint.json is not None else '{"type": "object"}'
-        schema = json.dumps(ascii_patterns(json.loads(schema)))
+        schema = json.dumps(ecma_patterns(json.loads(schema)))
         return LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(constraint))  # type: ignore[arg-type]
     if constraint.regex is not None:
-        return LLMatcher.grammar_from_regex(ascii_regex(constraint.regex))
+        return LLMatcher.grammar_from_regex(ecma_regex(constraint.regex))
     if constraint.choice is not None:
         return LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in constraint.choice)

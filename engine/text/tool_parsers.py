@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.text.schema_regex import ascii_patterns
+from engine.text.schema_regex import ecma_patterns
 
 _WS = " \t\r\n"
 # Compact JSON for forced calls, as json.dumps writes it (a small model given free whitespace pads).
@@ -320,7 +320,7 @@ def detect_tool_parser(chat_template: str | None) -> tuple[str, bool]:
 def call_object_schema(tool: dict[str, Any], args_key: str) -> dict[str, Any]:
     """{"name": <const>, args_key: <parameters>}: the parameters' own `$defs`/`definitions` move to
     the root and its other local `$ref`s are re-pointed, so references still resolve."""
-    params = ascii_patterns(tool.get("parameters") or {"type": "object", "properties": {}})
+    params = ecma_patterns(tool.get("parameters") or {"type": "object", "properties": {}})
     defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
     params.pop("$schema", None)
     params.pop("$id", None)

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from engine.core.sampling_params import SamplingParamsError, StructuredOutputs
-from engine.text.schema_regex import ascii_patterns, ascii_regex, ecma_pattern_error
+from engine.text.schema_regex import ecma_pattern_error, ecma_patterns, ecma_regex
 from engine.text.structured import GrammarCompiler
 from engine.text.tool_parsers import ToolCallStreamer
 from engine.text.tool_use import ToolPlan, plan_tool_use
@@ -209,7 +209,7 @@ def test_llama3_answer_with_a_name_key_streams_as_content_not_a_call() -> None:
 
 
 @pytest.mark.parametrize(
-    ("pattern", "ascii"),
+    ("pattern", "ecma"),
     [
         (r"^\d{3}-\d{4}$", r"^[0-9]{3}-[0-9]{4}$"),
         (r"[\d.]+", r"[0-9.]+"),
@@ -222,8 +222,8 @@ def test_llama3_answer_with_a_name_key_streams_as_content_not_a_call() -> None:
         (r"\cJ?a", r"\x{0A}?a"),  # a control escape llguidance does not have
     ],
 )
-def test_ascii_regex_rewrites_only_the_class_escapes(pattern: str, ascii: str) -> None:
-    assert ascii_regex(pattern) == ascii
+def test_ecma_regex_rewrites_only_the_class_escapes(pattern: str, ecma: str) -> None:
+    assert ecma_regex(pattern) == ecma
 
 
 @pytest.mark.parametrize(
@@ -249,7 +249,7 @@ def test_ecma_pattern_error_names_other_dialects_syntax(pattern: str, why: str |
     assert (found is None) if why is None else (found is not None and why in found), found
 
 
-def test_ascii_patterns_leaves_data_and_property_names_alone() -> None:
+def test_ecma_patterns_leaves_data_and_property_names_alone() -> None:
     schema = {
         "type": "object",
         "properties": {"pattern": {"type": "string", "pattern": r"\d+"}},  # a property so named
@@ -257,7 +257,7 @@ def test_ascii_patterns_leaves_data_and_property_names_alone() -> None:
         "$defs": {"id": {"type": "string", "pattern": r"\w{2}"}},
         "enum": [{"pattern": r"\d"}],
     }
-    out = ascii_patterns(schema)
+    out = ecma_patterns(schema)
     assert out["properties"]["pattern"]["pattern"] == "[0-9]+"
     assert list(out["patternProperties"]) == ["^[0-9A-Za-z_]+$"]
     assert out["$defs"]["id"]["pattern"] == "[0-9A-Za-z_]{2}"
