@@ -3,6 +3,7 @@ schemas are checked here so that a bad one is a 400 naming its field."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -16,9 +17,11 @@ from server.protocol import (
 )
 
 
+@functools.cache
 def _format_checker() -> Any:
     """The metaschema's format checks, with `regex` (a `pattern`, a `patternProperties` key) judged
-    as ECMA-262 rather than Python's `re`: `(?<y>..)` and `\\p{Lu}` are valid, `(?P<y>..)` is not."""
+    as ECMA-262 rather than Python's `re`: `(?<y>..)` and `\\p{Lu}` are valid, `(?P<y>..)` is not.
+    Built once: it only reads its table."""
     import jsonschema
 
     checker = jsonschema.FormatChecker()
