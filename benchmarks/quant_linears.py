@@ -52,7 +52,7 @@ def _step_fn(fmt: str, weights: list[tuple[torch.Tensor, bool]]) -> Callable[[di
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_utils import cpu_summary
-    from engine.executor import cpu_kernels
+    from engine.kernels import cpu_kernels
     from engine.models.loader import load_model, resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

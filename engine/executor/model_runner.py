@@ -12,14 +12,14 @@ import torch
 from engine.core.config import ModelConfig
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
-from engine.executor.attention import (
+from engine.executor.cuda_graphs import CudaGraphRunner
+from engine.executor.input_batch import InputBatch
+from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
+from engine.kernels.attention import (
     allocate_kv_cache,
     attention_backend,
     triton_importable,
 )
-from engine.executor.cuda_graphs import CudaGraphRunner
-from engine.executor.input_batch import InputBatch
-from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.models.quantization import quantize_model
 from engine.text.structured import GrammarCompiler, bitmask_words
 

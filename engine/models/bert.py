@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.executor.attention import attention_backend
+from engine.kernels.attention import attention_backend
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Block-quantized weights in GGUF's own number formats (blocks of 32 input values: Q8_0, int8 with a
 scale; Q4_1, 4-bit with a scale and a minimum; fp16 scales as GGUF stores them), interleaved by 8
-output columns for the C++ kernels of engine/executor/csrc/block_matmul.cpp, which quantize
+output columns for the C++ kernels of engine/kernels/csrc/block_matmul.cpp, which quantize
 activations per row and block (batch-invariant). Built from float weights, or from a GGUF file's
 stored blocks with no requantization error."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.executor import cpu_kernels
+from engine.kernels import cpu_kernels
 
 BLOCK = 32  # input values per block
 GROUP = 8  # output columns interleaved per SIMD group

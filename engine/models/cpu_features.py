@@ -1,6 +1,6 @@
 """What the CPU offers the weight formats: torch's vector capability, the relevant /proc/cpuinfo
 flags (AVX2, FMA, F16C, AVX-512, VNNI, native bf16, AMX), and whether kvserve's vectorized block
-kernels (engine/executor/csrc/block_matmul.cpp) run on it."""
+kernels (engine/kernels/csrc/block_matmul.cpp) run on it."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.executor import cpu_kernels
-from engine.executor.attention import (
+from engine.kernels import cpu_kernels
+from engine.kernels.attention import (
     AttentionMetadata,
     attend_cached,
     paged_attention,

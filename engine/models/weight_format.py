@@ -61,7 +61,7 @@ def choose_weight_format(
         return WeightFormat(None, torch_dtype, f"{device.type}: float weights")
     cpu = cpu or detect_cpu()
     if kernels is None and quantization is not None:
-        from engine.executor import cpu_kernels
+        from engine.kernels import cpu_kernels
 
         kernels = cpu_kernels.available()
     warnings: tuple[str, ...] = ()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.executor.attention import allocate_kv_cache
 from engine.executor.cuda_graphs import CudaGraphRunner
+from engine.kernels.attention import allocate_kv_cache
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize as gguf_quantize
 
 from engine import LLM, SamplingParams
-from engine.executor import cpu_kernels
+from engine.kernels import cpu_kernels
 from engine.models.block_quant import BlockQ8Weight, BlockValues, from_gguf_blocks
 from engine.models.gguf_blocks import read_gguf_index
 from engine.models.loader import find_bundled_model

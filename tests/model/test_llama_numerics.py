@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.executor.attention import AttentionMetadata, allocate_kv_cache
+from engine.kernels.attention import AttentionMetadata, allocate_kv_cache
 from engine.models.loader import load_model
 
 TOLERANCE = 1e-3  # max |log_softmax difference|

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.executor import cpu_kernels
+from engine.kernels import cpu_kernels
 from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.cpu_features import detect_cpu
 from engine.models.quantization import BlockEmbedding, weight_bytes

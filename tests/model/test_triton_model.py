@@ -15,7 +15,7 @@ if not ON_CUDA:  # before triton is first imported
 pytest.importorskip("triton")
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.executor.attention import attention_backend  # noqa: E402
+from engine.kernels.attention import attention_backend  # noqa: E402
 
 TEXTS = ("The capital of France is", "def fibonacci(n):", " ".join(["river"] * 70))
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from engine.executor import cpu_kernels
-from engine.executor.attention import AttentionMetadata, allocate_kv_cache, paged_attention
+from engine.kernels import cpu_kernels
+from engine.kernels.attention import AttentionMetadata, allocate_kv_cache, paged_attention
 
 # "cpu" is the C++ decode kernel reading the paged cache in place; "sdpa" the pure-torch fallback.
 CPU_BACKENDS = [
@@ -183,7 +183,7 @@ def test_metadata_from_lists_slots_and_decode_count():
 def test_packed_context_gather_for_flash_backend():
     """The flash backend's gather (used when block_size is not a multiple of 256) is plain torch,
     so its layout is checked here: contexts back to back, in position order."""
-    from engine.executor.attention import _gather_packed_context
+    from engine.kernels.attention import _gather_packed_context
 
     torch.manual_seed(0)
     rng = random.Random(4)
@@ -196,7 +196,7 @@ def test_packed_context_gather_for_flash_backend():
 
 
 def test_backend_choice_and_override(monkeypatch):
-    from engine.executor.attention import attention_backend
+    from engine.kernels.attention import attention_backend
 
     try:
         attention_backend.cache_clear()
@@ -221,7 +221,7 @@ def test_backend_choice_and_override(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rope_and_kv_write_equal_the_torch_ops(dtype):
     """Rotary inside the fused qkv and the cache write: bitwise what apply_rotary + write_kv give."""
-    from engine.executor.attention import write_kv
+    from engine.kernels.attention import write_kv
     from engine.models.layers import apply_rotary
 
     torch.manual_seed(7)

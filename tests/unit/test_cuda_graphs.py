@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.executor.attention import AttentionMetadata, allocate_kv_cache
 from engine.executor.cuda_graphs import CudaGraphRunner, batch_buckets, bucket_for
+from engine.kernels.attention import AttentionMetadata, allocate_kv_cache
 
 
 def test_buckets_cover_every_batch_up_to_max_num_seqs():

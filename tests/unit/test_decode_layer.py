@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.executor import cpu_kernels
-from engine.executor.attention import AttentionMetadata
+from engine.kernels import cpu_kernels
+from engine.kernels.attention import AttentionMetadata
 from engine.models import llama
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")

@@ -9,8 +9,8 @@ import torch
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledSeq
-from engine.executor.attention import AttentionMetadata
 from engine.executor.input_batch import InputBatch
+from engine.kernels.attention import AttentionMetadata
 
 BS = 4
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.executor.attention import AttentionMetadata, allocate_kv_cache
+from engine.kernels.attention import AttentionMetadata, allocate_kv_cache
 from engine.models.layers import rope_parameters
 from engine.models.loader import (
     find_bundled_embedding_model,

@@ -19,7 +19,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
-from engine.executor import cpu_kernels
+from engine.kernels import cpu_kernels
 from engine.models.block_quant import (
     BlockQ4Weight,
     BlockQ8Weight,
@@ -328,7 +328,7 @@ def test_quantize_model_refuses_what_it_cannot_serve() -> None:
 
 _PORTABLE_SCRIPT = """
 import sys, torch
-from engine.executor import cpu_kernels
+from engine.kernels import cpu_kernels
 from engine.models.block_quant import BlockValues
 assert cpu_kernels.available() and not torch.ops.kvserve.block_kernels_vectorized()
 data = torch.load(sys.argv[1])

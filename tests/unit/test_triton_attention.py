@@ -16,8 +16,8 @@ if not ON_CUDA:  # must be set before triton is first imported (it fixes how ker
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from engine.executor import cpu_kernels, triton_attention  # noqa: E402
-from engine.executor.attention import (  # noqa: E402
+from engine.kernels import cpu_kernels, triton_attention  # noqa: E402
+from engine.kernels.attention import (  # noqa: E402
     AttentionMetadata,
     _sdpa_decode,
     allocate_kv_cache,
@@ -185,7 +185,7 @@ _COMPILE_FOR_HOPPER = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.executor import triton_attention as ta
+from engine.kernels import triton_attention as ta
 
 def compile(fn, types, consts, num_warps):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}

@@ -171,7 +171,7 @@ def test_cpuinfo_flags_are_parsed() -> None:
 
 def test_the_detected_cpu_agrees_with_the_kernels_it_runs() -> None:
     """What start-up logs and chooses by is what the C++ kernels find themselves."""
-    from engine.executor import cpu_kernels
+    from engine.kernels import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("kvserve's C++ CPU kernels could not be built here")

@@ -1,7 +1,7 @@
 """Paged attention: write a step's K/V into the block pool by slot mapping, then attend over each
 sequence's cached context. Backends are chosen once: flash-attn on CUDA when installed and the block
-size lets it read the cache in place, else Triton kernels (engine.executor.triton_attention) on
-CUDA; on CPU a C++ decode kernel that reads the paged cache in place (engine.executor.cpu_kernels;
+size lets it read the cache in place, else Triton kernels (engine.kernels.triton_attention) on
+CUDA; on CPU a C++ decode kernel that reads the paged cache in place (engine.kernels.cpu_kernels;
 prefill chunks use SDPA); else the torch SDPA reference (CUDA without triton, CPU without the
 kernels)."""
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.executor import cpu_kernels
+from engine.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def attend_cached(
     """paged_attention after this step's K/V are already in the cache (see write_kv)."""
     backend = meta.backend or attention_backend(q.device.type, q.dtype, meta.block_size)
     if backend == "triton":
-        from engine.executor.triton_attention import paged_attention_triton
+        from engine.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, kv_cache, meta, scale)
     if backend == "flash":

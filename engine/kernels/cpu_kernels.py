@@ -1,5 +1,5 @@
 """Optional C++ CPU kernels (csrc/), compiled once per torch version into the kvserve cache by the
-installer (`python -m engine.executor.cpu_kernels`) or on first use; pure-torch code is the fallback
+installer (`python -m engine.kernels.cpu_kernels`) or on first use; pure-torch code is the fallback
 wherever the build is not possible (no compiler), so every code path still runs."""
 
 from __future__ import annotations

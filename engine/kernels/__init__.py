@@ -1,0 +1,3 @@
+"""Kernels: the attention backends (torch SDPA, C++ CPU, Triton, flash-attn) and the C++ CPU kernels
+(csrc/: paged decode attention, fused norms and rotary, block-quantized matmuls) with their loader.
+The executor calls them; they know nothing of scheduling or requests."""
