@@ -19,12 +19,12 @@ pytest.importorskip("triton")
 from engine.kernels import cpu_kernels, triton_attention  # noqa: E402
 from engine.kernels.attention import (  # noqa: E402
     AttentionMetadata,
-    _sdpa_decode,
     allocate_kv_cache,
     attention_backend,
     paged_attention,
     write_kv,
 )
+from engine.kernels.sdpa_attention import sdpa_decode  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 
@@ -159,7 +159,7 @@ def test_decode_reads_only_device_state():
     meta.seq_lens.copy_(other.seq_lens)
     meta.block_tables.copy_(other.block_tables[:, : meta.block_tables.shape[1]])
     got = triton_attention.paged_attention_triton(q, kv_cache, meta, scale, num_splits=2)
-    expected = _sdpa_decode(q, kv_cache, other, scale)  # the reference over the new lengths
+    expected = sdpa_decode(q, kv_cache, other, scale)  # the reference over the new lengths
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got, first)
 
