@@ -211,3 +211,21 @@ def test_layer_windows_follow_transformers():
     assert layer_windows(_tiny(LlamaConfig)) == [None] * 4
     # A window as long as the positions never drops a key: full attention.
     assert layer_windows(_tiny(MistralConfig, sliding_window=256)) == [None] * 4
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_window_and_softcap_match_float32(dtype):
+    """The portable kernel (any dtype) windows and caps like the float32 one."""
+    step = Step(4, [1, 1, 12], [9, 50, 40], 8, 6, 2, 64)
+    write_kv(step.k, step.v, step.kv_cache, step.meta.slot_mapping)
+    step.meta.backend = "cpu"
+    ref = attend_cached(
+        step.q, step.k, step.v, step.kv_cache, step.meta, 0.125, window=10, softcap=4.0
+    )
+    low = attend_cached(
+        step.q.to(dtype), step.k, step.v, step.kv_cache.to(dtype), step.meta, 0.125,
+        window=10, softcap=4.0,
+    )  # fmt: skip
+    assert low.dtype == dtype
+    torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)
