@@ -30,6 +30,7 @@ from engine.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from engine.core.spec_config import SpeculativeConfig
 from engine.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
 from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.core.snapshot import (
@@ -110,6 +111,7 @@ __all__ = [
     "SamplingParams",
     "SamplingParamsError",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "StructuredOutputs",
     "TOOL_PARSERS",
     "ScoreInputs",

@@ -26,6 +26,7 @@ from engine.core.sampling_params import (
     resolve_max_tokens,
 )
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.speculator import Speculator
 from engine.core.snapshot import (
     BlockHolders,
     EngineSnapshot,
@@ -84,7 +85,9 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks(block_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        spec = config.speculative_config
+        speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, speculator)
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
         )
@@ -295,7 +298,7 @@ class LLMEngine:
             result = RunnerOutput(
                 errors={s.seq.seq_id: f"model execution failed: {e}" for s in sched.scheduled}
             )
-        self.scheduler.after_step(sched)
+        self.scheduler.after_step(sched, result)
         touched = self.output_processor.update(sched, result, stats)
         outputs = []
         for g in touched:
@@ -416,6 +419,9 @@ class LLMEngine:
         t.prefix_cache_queries += stats.prefix_cache_queries
         t.prefix_cache_hits += stats.prefix_cache_hits
         t.num_finished += len(stats.finished)
+        t.spec_num_drafts += stats.spec_num_drafts
+        t.spec_num_draft_tokens += stats.spec_num_draft_tokens
+        t.spec_num_accepted_tokens += stats.spec_num_accepted_tokens
         self.last_step = stats
         self.recent_steps.append(
             StepRecord(

@@ -11,7 +11,7 @@ import time
 from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.core.stats import FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class OutputProcessor:
                         seq, SequenceStatus.FINISHED_LENGTH
                     )  # scoring only (echo)
                 continue
+            if s.draft_token_ids and self._append_accepted(s, result, now, stats):
+                continue  # a stop among the accepted tokens: nothing after it is emitted
             self._append_token(
                 seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats
             )
@@ -58,6 +60,31 @@ class OutputProcessor:
             if group.finished:
                 stats.finished.append(self._finished_stats(group, now))
         return list(touched.values())
+
+    def _append_accepted(
+        self, s: ScheduledSeq, result: RunnerOutput, now: float, stats: StepStats
+    ) -> bool:
+        """Append a verified sequence's accepted draft tokens, counting the verification; True
+        when one of them ended the sequence."""
+        seq = s.seq
+        accepted = result.num_accepted.get(seq.seq_id, 0)
+        proposed = len(s.draft_token_ids)
+        stats.spec_num_drafts += 1
+        stats.spec_num_draft_tokens += proposed
+        stats.spec_num_accepted_tokens += accepted
+        per_position = stats.spec_accepted_per_position
+        per_position.extend([0] * (proposed - len(per_position)))
+        for j in range(accepted):
+            per_position[j] += 1
+        seq.group.metrics.num_draft_tokens += proposed
+        seq.group.metrics.num_accepted_tokens += accepted
+        logprobs = result.draft_logprobs.get(seq.seq_id)
+        for j in range(accepted):
+            lp = logprobs[j] if logprobs is not None else None
+            self._append_token(seq, s.draft_token_ids[j], lp, now, stats)
+            if seq.status.finished:
+                return True
+        return False
 
     @staticmethod
     def _store_prompt_logprobs(seq: Sequence, first: int, rows: list[TokenLogprob]) -> None:

@@ -20,6 +20,7 @@ from engine import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
@@ -101,6 +102,17 @@ def _optional_int(text: str) -> int | None:
 
 def _optional_size(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else parse_size(text)
+
+
+class _OptionError(argparse.ArgumentTypeError, ValueError):
+    """A value error argparse shows with its message (it hides a plain ValueError's)."""
+
+
+def _speculative_config(text: str | dict[str, Any]) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise _OptionError(str(e)) from None
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -278,6 +290,14 @@ OPTIONS: tuple[Option, ...] = (
         "waiting prompt tokens beyond which new requests get 429; unset: 32 x max-num-batched-tokens",
     ),
     Option(
+        "speculative-config",
+        "engine.speculative_config",
+        _speculative_config,
+        "speculative decoding as vLLM's JSON, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+        metavar="JSON",
+    ),
+    Option(
         "log-stats-interval",
         "engine.log_stats_interval",
         float,
@@ -379,6 +399,8 @@ def _convert(opt: Option, value: Any, source: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             result = value
+        elif isinstance(value, dict):  # a YAML mapping (speculative-config)
+            result = opt.parse(value)
         elif isinstance(value, (list, tuple)):
             result = tuple(str(v) for v in value)
         elif isinstance(value, bool) or not isinstance(value, (int, float)):

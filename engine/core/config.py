@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.spec_config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TASKS = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
@@ -102,6 +104,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log_stats_interval: float = 5.0  # seconds between INFO stats lines while busy (0 disables)
+    # Speculative decoding (None: off). Given as vLLM's JSON text or a dict, parsed here.
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        parsed = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", parsed)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:

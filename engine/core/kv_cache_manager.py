@@ -233,6 +233,18 @@ class KVCacheManager:
             parent = nodes[-1] if nodes else ROOT_NODE
             nodes.append(self.pool.register(table[i], block_key(parent, blocks[i])))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s blocks past its first `num_tokens` tokens (rejected speculative tokens'
+        KV). Never registered in the prefix cache: registration covers computed, held tokens only.
+        The table is replaced, not shortened in place, so views of it see a new table."""
+        table = self.block_tables.get(seq.seq_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        for block_id in reversed(table[keep:]):
+            self.pool.release(block_id)
+        self.block_tables[seq.seq_id] = table[:keep]
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; its tail blocks become the first eviction candidates."""
         table = self.block_tables.pop(seq.seq_id, [])

@@ -46,6 +46,8 @@ class RequestMetrics:
     num_preemptions: int = 0  # times one of its samples lost its KV blocks
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption (minus cache hits)
     kv_block_seconds: float = 0.0  # sum over steps of the KV blocks its samples held x step time
+    num_draft_tokens: int = 0  # speculative tokens proposed for its samples
+    num_accepted_tokens: int = 0  # of those, accepted by verification
 
 
 @dataclass

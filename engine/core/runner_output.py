@@ -15,5 +15,9 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # seq_id -> (first prompt position, one row per position)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Speculative decoding, seq_id -> how many of its draft tokens were accepted (their logprobs,
+    # when asked for, in draft_logprobs); `sampled` then holds the token after them (the bonus).
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    draft_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # seq_id -> message: that sequence fails alone
     errors: dict[str, str] = field(default_factory=dict)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.runner_output import RunnerOutput
+from engine.core.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,9 @@ class ScheduledSeq:
     needs_sample: bool  # this chunk reaches the sequence's last token, so a token is sampled
     prompt_logprobs_rows: int  # new tokens whose next-prompt-token logprobs are wanted
     prompt_logprobs_offset: int = 0  # new tokens before the first of those rows
+    # Speculative decoding: proposed tokens after the sequence's last one, verified in this step
+    # (counted in num_new_tokens; their KV is written, then kept only as far as they are accepted).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -45,6 +50,7 @@ class SchedulerOutput:
     num_prefill_tokens: int
     num_decode_tokens: int
     preempted: list[Sequence] = field(default_factory=list)
+    num_draft_tokens: int = 0  # proposed tokens to verify (part of num_prefill_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -52,9 +58,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, speculator: Speculator | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.speculator = speculator  # None: no speculative decoding
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -91,6 +100,9 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
+        speculator = self.speculator
+        if speculator is not None and not speculator.enabled_for_batch(len(self.running)):
+            speculator = None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -98,6 +110,13 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if num_new == 1 and speculator is not None:
+                drafts = self._drafts(speculator, seq, budget - 1)
+                if drafts:  # verified as part of this step, like a prefill chunk of 1 + k
+                    scheduled.append(self._scheduled(seq, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(seq, num_new):
                 if self._drop_waiting_blocks(seq):
                     continue
@@ -119,7 +138,18 @@ class Scheduler:
         scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
         num_decode = sum(1 for s in scheduled if s.is_decode)
         total = sum(s.num_new_tokens for s in scheduled)
-        return SchedulerOutput(scheduled, total, total - num_decode, num_decode, preempted)
+        num_drafts = sum(len(s.draft_token_ids) for s in scheduled)
+        return SchedulerOutput(
+            scheduled, total, total - num_decode, num_decode, preempted, num_drafts
+        )
+
+    def _drafts(self, speculator: Speculator, seq: Sequence, budget: int) -> list[int]:
+        """Proposed tokens for a decoding sequence whose KV blocks can take them now; never
+        preempts for them (an empty list: decode plainly)."""
+        drafts = speculator.propose(seq, budget)
+        if drafts and not self.kv.allocate_slots(seq, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Start (or resume) waiting sequences in arrival order while the budget, the sequence limit
@@ -162,9 +192,11 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _scheduled(
+        self, seq: Sequence, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts or ())  # the drafts come after the sequence's tokens
         needs_sample = end == seq.num_tokens and seq.group.max_output_tokens > 0
         rows = offset = 0
         logprobs_from = seq.prompt_logprobs_from
@@ -174,7 +206,7 @@ class Scheduler:
             rows = max(0, min(end, seq.num_prompt_tokens - 1) - first)
             offset = first - start if rows else 0
         table = self.kv.get_block_table(seq)
-        return ScheduledSeq(seq, num_new, start, table, needs_sample, rows, offset)
+        return ScheduledSeq(seq, num_new, start, table, needs_sample, rows, offset, drafts or [])
 
     def _drop_waiting_blocks(self, needy: Sequence) -> bool:
         """Free the shared blocks a waiting follower holds (the newest first) so `needy` can run; the
@@ -198,11 +230,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
-    def after_step(self, out: SchedulerOutput) -> None:
-        """Account for the KV written this step and make the full blocks reusable."""
+    def after_step(self, out: SchedulerOutput, result: RunnerOutput | None = None) -> None:
+        """Account for the KV written this step and make the full blocks reusable. A verified
+        sequence keeps the KV of its accepted drafts only: the rest is rolled back (its positions
+        are computed again, their slots overwritten; blocks past them are freed)."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.seq)
+            seq = s.seq
+            if not s.draft_token_ids:
+                seq.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_full_blocks(seq)
+                continue
+            accepted = result.num_accepted.get(seq.seq_id, 0) if result is not None else 0
+            seq.num_computed_tokens += 1 + accepted
+            # The accepted drafts and the bonus token are appended next: keep blocks for them only.
+            self.kv.trim(seq, seq.num_computed_tokens + 1)
+            self.kv.cache_full_blocks(seq)  # registers only blocks of tokens the sequence holds
+            if self.speculator is not None and seq.seq_id not in (result.errors if result else {}):
+                self.speculator.record(seq, len(s.draft_token_ids), accepted)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End `seq` and release its blocks (idempotent)."""

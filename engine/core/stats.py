@@ -34,6 +34,11 @@ class StepStats:
     num_generation_tokens: int = 0  # tokens sampled in this step
     prefix_cache_queries: int = 0  # tokens looked up in this step
     prefix_cache_hits: int = 0
+    # Speculative decoding in this step (vLLM's spec_decode_* counters).
+    spec_num_drafts: int = 0  # sequences verified
+    spec_num_draft_tokens: int = 0  # tokens proposed
+    spec_num_accepted_tokens: int = 0  # of those accepted
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # [k]: accepted at draft j
     # Seconds since the previous token of sample 0, for every request that got a non-first token.
     inter_token_latencies: list[float] = field(default_factory=list)
     first_tokens: list[tuple[str, float]] = field(
@@ -53,3 +58,6 @@ class EngineTotals:
     prefix_cache_hits: int = 0
     num_finished: int = 0
     num_steps: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

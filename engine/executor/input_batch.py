@@ -100,8 +100,9 @@ class InputBatch:
                 input_ids.append(s.seq.token_ids[start])
                 positions.append(start)
                 slots.append(s.block_table[start // bs] * bs + start % bs)
-            else:
+            else:  # a prefill chunk, or the last token and the drafts to verify
                 input_ids.extend(s.seq.token_ids[start:end])
+                input_ids.extend(s.draft_token_ids)
                 positions.extend(range(start, end))
                 slots.extend(slots_of(s.block_table, start, end, bs))
         num_decodes = 0

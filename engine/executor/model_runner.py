@@ -15,6 +15,7 @@ from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.executor.cuda_graphs import CudaGraphRunner
 from engine.executor.input_batch import InputBatch
 from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
+from engine.executor.spec_verify import GeneratorRewind, num_accepted, verification_rows
 from engine.kernels.attention import (
     allocate_kv_cache,
     attention_backend,
@@ -106,17 +107,20 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         out = RunnerOutput()
 
-        # Rows whose logits we need: prompt-logprob rows of a chunk, then the chunk's last token to sample.
+        # Rows whose logits we need: prompt-logprob rows of a chunk, then the chunk's last token to
+        # sample (a verified sequence: its last token and each draft, 1 + k rows).
         sample_idx: list[int] = []
-        sample_seqs: list[ScheduledSeq] = []
+        sample_seqs: list[ScheduledSeq] = []  # per sampled row
         offset = 0
         for s in scheduled:
             if s.prompt_logprobs_rows:
                 first = offset + s.prompt_logprobs_offset
                 self._prompt_logprobs(s, hidden[first : first + s.prompt_logprobs_rows], out)
             if s.needs_sample:
-                sample_idx.append(offset + s.num_new_tokens - 1)
-                sample_seqs.append(s)
+                last = offset + s.num_new_tokens - 1
+                for j in range(len(s.draft_token_ids), -1, -1):
+                    sample_idx.append(last - j)
+                    sample_seqs.append(s)
             offset += s.num_new_tokens
         if not sample_seqs:
             return out
@@ -124,7 +128,12 @@ class ModelRunner:
         if len(sample_idx) < hidden.shape[0]:  # a pure decode step samples every row as it is
             hidden = hidden[torch.tensor(sample_idx, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [n, vocab]
-        rows = [self.input_batch.sampling_row(s.seq, eos_token_ids) for s in sample_seqs]
+        rows: list[SamplingRow] = []
+        for i, s in enumerate(sample_seqs):
+            if i and sample_seqs[i - 1] is s:
+                continue  # a verified sequence's rows are built together
+            base = self.input_batch.sampling_row(s.seq, eos_token_ids)
+            rows += verification_rows(base, s.draft_token_ids) if s.draft_token_ids else [base]
         self._sample(logits, rows, sample_seqs, out)
         return out
 
@@ -158,6 +167,10 @@ class ModelRunner:
         keep = [i for i in range(len(rows)) if seqs[i].seq.seq_id not in out.errors]
         if bitmask is not None:
             bitmask = bitmask.to(logits.device, non_blocking=True)
+        rewind = GeneratorRewind()
+        for i in keep:
+            if seqs[i].draft_token_ids and (i == 0 or seqs[i - 1] is not seqs[i]):
+                rewind.save(i, rows[i])
         while keep:
             subset = len(keep) < len(rows)
             try:
@@ -166,16 +179,28 @@ class ModelRunner:
                     [rows[i] for i in keep],
                     None if bitmask is None else (bitmask[keep] if subset else bitmask),
                 )
-            except RowError as e:
-                bad = keep.pop(e.row_index)
-                out.errors[seqs[bad].seq.seq_id] = str(e)
+            except RowError as e:  # the whole sequence fails, all its rows
+                bad = seqs[keep[e.row_index]]
+                out.errors[bad.seq.seq_id] = str(e)
+                keep = [i for i in keep if seqs[i] is not bad]
                 continue
-            for j, i in enumerate(keep):
-                seq_id = seqs[i].seq.seq_id
-                out.sampled[seq_id] = result.token_ids[j]
-                lp = result.logprobs[j]
+            j = 0
+            while j < len(keep):
+                s = seqs[keep[j]]
+                n = 1 + len(s.draft_token_ids)  # rows of this sequence
+                tokens, lps = result.token_ids[j : j + n], result.logprobs[j : j + n]
+                accepted = 0
+                if s.draft_token_ids:
+                    accepted = num_accepted(tokens, s.draft_token_ids)
+                    out.num_accepted[s.seq.seq_id] = accepted
+                    rewind.rewind(keep[j], accepted + 1, logits.shape[1], logits.device)
+                    if lps[0] is not None:
+                        out.draft_logprobs[s.seq.seq_id] = [lp for lp in lps[:accepted] if lp]
+                out.sampled[s.seq.seq_id] = tokens[accepted]
+                lp = lps[accepted]
                 if lp is not None:
-                    out.logprobs[seq_id] = lp
+                    out.logprobs[s.seq.seq_id] = lp
+                j += n
             return
 
     def _prompt_logprobs(self, s: ScheduledSeq, hidden: torch.Tensor, out: RunnerOutput) -> None:

@@ -1,0 +1,150 @@
+"""Speculative decoding configuration: vLLM's `--speculative-config` JSON (or dict) parsed into a
+frozen SpeculativeConfig, with clear errors for bad values, unknown keys and unsupported methods."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_METHODS = ("ngram",)
+# vLLM's other methods: named in the error so a user knows it is not a typo.
+VLLM_METHODS = (
+    "suffix",
+    "draft_model",
+    "eagle",
+    "eagle3",
+    "medusa",
+    "mlp_speculator",
+    "mtp",
+    "deepseek_mtp",
+    "ernie_mtp",
+    "qwen3_next_mtp",
+    "mimo_mtp",
+    "glm4_moe_mtp",
+    "longcat_flash_mtp",
+)
+KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+    "model",
+)
+# vLLM keys kvserve accepts only at the value that changes nothing.
+NEUTRAL_KEYS = {"draft_tensor_parallel_size": 1, "disable_log_stats": False}
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's ngram default for both bounds when neither is given
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # tokens proposed per verification step (at most)
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # shortest suffix n-gram matched (ngram)
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # longest suffix n-gram matched (ngram)
+    # No proposals in a step once this many sequences run (None: never disabled by load).
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SUPPORTED_METHODS:
+            raise ValueError(_method_error(self.method))
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"speculative config: {name} must be a positive integer, got {value!r}"
+                )
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative config: num_speculative_tokens must be at most "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        limit = self.disable_by_batch_size
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 2
+        ):
+            raise ValueError(
+                f"speculative config: disable_by_batch_size must be an integer of at least 2, got {limit!r}"
+            )
+
+    @classmethod
+    def parse(
+        cls, value: str | Mapping[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """From vLLM's JSON text or a dict (None, '' or 'null': speculation off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip() or value.strip().lower() in ("null", "none"):
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+            if value is None:
+                return None
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                "speculative config must be a JSON object such as "
+                '{"method": "ngram", "num_speculative_tokens": 3}'
+            )
+        return cls._from_mapping(value)
+
+    @classmethod
+    def _from_mapping(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
+        unknown = [k for k in data if k not in KEYS and k not in NEUTRAL_KEYS]
+        if unknown:
+            raise ValueError(
+                f"speculative config: unknown or unsupported key(s) {', '.join(map(repr, unknown))}; "
+                f"kvserve accepts {', '.join(KEYS)}"
+            )
+        for key, neutral in NEUTRAL_KEYS.items():
+            if key in data and data[key] != neutral:
+                raise ValueError(
+                    f"speculative config: {key} other than {neutral!r} is not supported"
+                )
+        method, model = data.get("method"), data.get("model")
+        if method is None and model is not None:
+            method = "ngram" if model in ("[ngram]", "ngram") else "draft_model"
+        if method is None:
+            raise ValueError('speculative config needs a "method" (kvserve supports: ngram)')
+        if method == "[ngram]":
+            method = "ngram"
+        if method != "ngram" or model not in (None, "[ngram]", "ngram"):
+            raise ValueError(_method_error(str(method)))
+        if "num_speculative_tokens" not in data:
+            raise ValueError("speculative config: ngram needs num_speculative_tokens")
+        low, high = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        elif low is None:
+            low = high
+        elif high is None:
+            high = low
+        return cls(
+            method=method,
+            num_speculative_tokens=data["num_speculative_tokens"],
+            prompt_lookup_min=low,
+            prompt_lookup_max=high,
+            disable_by_batch_size=data.get("disable_by_batch_size"),
+        )
+
+
+def _method_error(method: str) -> str:
+    if method in VLLM_METHODS:
+        return (
+            f"speculative method {method!r} is not supported by kvserve; supported: "
+            f"{', '.join(SUPPORTED_METHODS)}"
+        )
+    return (
+        f"unknown speculative method {method!r}; kvserve supports {', '.join(SUPPORTED_METHODS)} "
+        f"(vLLM's others, not supported here: {', '.join(VLLM_METHODS)})"
+    )
