@@ -30,7 +30,6 @@ from engine.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.spec_config import SpeculativeConfig
 from engine.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
 from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.core.snapshot import (
@@ -41,6 +40,7 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.core.spec_config import SpeculativeConfig
 from engine.text.schema_regex import ecma_pattern_error
 from engine.text.score_inputs import ScoreInputs, build_score_inputs
 from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser

@@ -26,7 +26,6 @@ from engine.core.sampling_params import (
     resolve_max_tokens,
 )
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.speculator import Speculator
 from engine.core.snapshot import (
     BlockHolders,
     EngineSnapshot,
@@ -35,6 +34,7 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
 from engine.executor.model_runner import ModelRunner, prepare_model
 from engine.executor.sampler import make_generator

@@ -72,7 +72,7 @@ def parse_optional_str(text: str) -> str | None:
 class Option:
     name: str  # the flag without dashes: "max-model-len"
     target: str  # "<group>.<field>": server, model, cache, scheduler or engine
-    parse: Callable[[str], Any]
+    parse: Callable[[Any], Any]  # given a str (a YAML mapping for speculative-config)
     help: str
     choices: tuple[str, ...] | None = None
     is_bool: bool = False

@@ -122,7 +122,8 @@ class SpeculativeConfig:
             raise ValueError(_method_error(str(method)))
         if "num_speculative_tokens" not in data:
             raise ValueError("speculative config: ngram needs num_speculative_tokens")
-        low, high = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+        low: Any = data.get("prompt_lookup_min")
+        high: Any = data.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
         elif low is None:
