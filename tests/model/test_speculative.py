@@ -1,0 +1,196 @@
+"""Speculative decoding (ngram) never changes the answer: greedy tokens and their logprobs are the same
+with and without it (alone, in mixed batches, with chunked prefill, preemption, prefix-cache hits, stop
+strings inside accepted runs, penalties, n > 1), seeded sampling gives the same text, and aborting
+mid-verification leaves every KV block free."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_kernels
+from engine.output_processor import OutputProcessor
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+COPY_PROMPTS = [
+    "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
+    "one two three four five six seven one two three four five six seven one two three",
+]
+PLAIN_PROMPTS = ["Hello, my name is", "The capital of France is"]
+
+
+def _greedy(max_tokens: int = 32, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2, **kw)  # type: ignore[arg-type]
+
+
+def _answers(outs):
+    return [
+        [
+            (list(c.token_ids), c.text, [(t.logprob, t.top) for t in c.logprobs or []])
+            for c in o.outputs
+        ]
+        for o in outs
+    ]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), max_num_seqs=8, speculative_config=SPEC)
+
+
+def _accepted(llm: LLM) -> int:
+    return llm.engine.totals.spec_num_accepted_tokens
+
+
+def test_greedy_identical_alone_and_in_a_mixed_batch(base, spec):
+    before = _accepted(spec)
+    drafted = spec.engine.totals.spec_num_draft_tokens
+    prompts = COPY_PROMPTS + PLAIN_PROMPTS
+    expected = _answers(base.generate(prompts, _greedy()))
+    assert _answers(spec.generate(prompts, _greedy())) == expected  # mixed batch
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert _answers(spec.generate([prompt], _greedy())) == [want]  # alone
+    assert _accepted(spec) > before, "the copy prompts should have had drafts accepted"
+    rejected = spec.engine.totals.spec_num_draft_tokens - drafted - (_accepted(spec) - before)
+    assert rejected > 0, "some drafts should have been rejected (their KV rolled back)"
+
+
+def test_greedy_identical_with_penalties_and_max_tokens(base, spec):
+    params = [
+        _greedy(max_tokens=n, repetition_penalty=1.3, min_tokens=min(n, 4)) for n in (1, 2, 5, 9)
+    ] + [_greedy(max_tokens=7, frequency_penalty=0.5, presence_penalty=0.3)]
+    prompts = [COPY_PROMPTS[i % 3] for i in range(len(params))]
+    assert _answers(spec.generate(prompts, params)) == _answers(base.generate(prompts, params))
+    for out, p in zip(spec.generate(prompts, params), params, strict=True):
+        assert len(out.outputs[0].token_ids) == p.max_tokens
+
+
+def test_chunked_prefill_preemption_and_prefix_hits(tiny_llama_dir, base):
+    long_prompt = " ".join(COPY_PROMPTS) * 3
+    prompts = [long_prompt, *COPY_PROMPTS]
+    expected = _answers(base.generate(prompts, _greedy(48)))
+    tiny = LLM(
+        str(tiny_llama_dir), max_num_seqs=4, max_num_batched_tokens=32, num_blocks=24,
+        block_size=16, speculative_config=SPEC,
+    )  # fmt: skip
+    assert _answers(tiny.generate(prompts, _greedy(48))) == expected
+    assert tiny.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
+    assert _accepted(tiny) > 0
+    again = tiny.generate(prompts[1:2], _greedy(48))  # its prompt blocks are cached now
+    assert again[0].num_cached_tokens > 0
+    assert _answers(again) == expected[1:2]
+    assert tiny.engine.kv.num_free_blocks == tiny.engine.kv.num_blocks
+
+
+def test_stop_strings_inside_accepted_runs(base, spec, monkeypatch):
+    stopped_in_run = []
+    real = OutputProcessor._append_accepted
+
+    def recording(self, *args):
+        ended = real(self, *args)
+        stopped_in_run.append(ended)
+        return ended
+
+    monkeypatch.setattr(OutputProcessor, "_append_accepted", recording)
+    full = base.generate(COPY_PROMPTS, _greedy(40))
+    for out in full:
+        text = out.outputs[0].text
+        for cut in range(6, len(text) - 2, 5):
+            stop = text[cut : cut + 2]
+            if not stop.strip():
+                continue
+            p = _greedy(40, stop=[stop])
+            want = _answers(base.generate([out.prompt], p))
+            got = _answers(spec.generate([out.prompt], p))
+            assert got == want, stop
+            assert stop not in got[0][0][1]
+    assert any(stopped_in_run), "no stop string fell inside an accepted run"
+
+
+def test_greedy_n_samples_identical(base, spec):
+    greedy_n = SamplingParams(temperature=0.0, max_tokens=20, n=2, ignore_eos=True, logprobs=1)
+    want = _answers(base.generate(COPY_PROMPTS, greedy_n))
+    assert _answers(spec.generate(COPY_PROMPTS, greedy_n)) == want
+
+
+def test_abort_mid_verification_frees_every_block(spec):
+    engine = spec.engine
+    for i, prompt in enumerate(COPY_PROMPTS):
+        engine.add_request(f"abort-{i}", engine.tokenizer.encode(prompt), _greedy(64))
+    verified = False
+    for _ in range(200):
+        sched_drafts = engine.totals.spec_num_drafts
+        engine.step()
+        if engine.totals.spec_num_drafts > sched_drafts:
+            verified = True
+            break
+    assert verified, "no verification step happened"
+    for i in range(len(COPY_PROMPTS)):
+        engine.abort_request(f"abort-{i}")
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.kv.block_tables
+
+
+COPY_REQUEST = (
+    "Repeat exactly the following text, word for word:\n"
+    "Speculative decoding proposes several tokens at once and verifies them in one forward "
+    "pass, so the answer never changes while the latency drops."
+)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    base_llm = LLM(max_num_seqs=4)
+    spec_llm = LLM(
+        max_num_seqs=4,
+        speculative_config={
+            "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        },
+    )  # fmt: skip
+    ids = base_llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": COPY_REQUEST}], add_generation_prompt=True
+    )
+    return base_llm, spec_llm, ids
+
+
+def test_bundled_model_copies_identically(smol):
+    base_llm, spec_llm, ids = smol
+    params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=1)
+    prompts = [ids, "The capital of France is"]
+    before = spec_llm.engine.totals
+    drafted, accepted = before.spec_num_draft_tokens, before.spec_num_accepted_tokens
+    assert _answers(spec_llm.generate(prompts, params)) == _answers(
+        base_llm.generate(prompts, params)
+    )
+    totals = spec_llm.engine.totals
+    assert (
+        totals.spec_num_accepted_tokens - accepted >= (totals.spec_num_draft_tokens - drafted) // 2
+    )
+
+
+def test_bundled_model_seeded_sampling_identical(smol):
+    """Sampling (top-p, n=2, seeded): the same text with and without speculation, and some drafts
+    rejected on the way (so the generator rewind is exercised)."""
+    base_llm, spec_llm, ids = smol
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, seed=11, n=2, logprobs=1)
+    before = spec_llm.engine.totals
+    drafted, accepted = before.spec_num_draft_tokens, before.spec_num_accepted_tokens
+    want = _answers(base_llm.generate([ids], params))
+    assert _answers(spec_llm.generate([ids], params)) == want
+    totals = spec_llm.engine.totals
+    assert 0 < totals.spec_num_accepted_tokens - accepted < totals.spec_num_draft_tokens - drafted

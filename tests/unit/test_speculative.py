@@ -1,0 +1,232 @@
+"""Speculative decoding without a model: vLLM-compatible config parsing and its errors, the n-gram
+proposer against a plain-scan reference, the acceptance-aware back-off and batch-size switch, the
+scheduler's budgeting and KV roll-back of drafts, and the verification rule's statistics (rejection
+sampling keeps the target distribution)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.ngram_proposer import NgramIndex, propose_ngram
+from engine.core.request import RequestGroup, Sequence
+from engine.core.runner_output import RunnerOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.spec_config import SpeculativeConfig
+from engine.core.speculator import FIRST_PAUSE, Speculator
+from engine.executor.sampler import Sampler, SamplingRow
+from engine.executor.spec_verify import num_accepted, verification_rows
+from server.settings import add_serve_arguments, build_configs, resolve
+
+
+# ---------------------------------------------------------------- config
+def test_vllm_json_parses_with_vllm_defaults():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert c == SpeculativeConfig("ngram", 4, 5, 5, None)
+    c = SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    )
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    c = SpeculativeConfig.parse(
+        {"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 4, "disable_by_batch_size": 8}
+    )  # fmt: skip
+    assert (c.method, c.prompt_lookup_min, c.disable_by_batch_size) == ("ngram", 1, 8)
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("null") is None
+    assert EngineConfig().speculative_config is None  # off unless configured
+    assert EngineConfig.from_options(
+        None, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    ).speculative_config == SpeculativeConfig("ngram", 3)
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ('{"method": "eagle3", "model": "x"}', "'eagle3' is not supported"),
+        ('{"method": "suffix", "num_speculative_tokens": 3}', "'suffix' is not supported"),
+        ('{"model": "HuggingFaceTB/SmolLM2-135M", "num_speculative_tokens": 3}', "'draft_model'"),
+        ('{"method": "magic", "num_speculative_tokens": 3}', "unknown speculative method 'magic'"),
+        ('{"method": "ngram"}', "needs num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
+        ('{"method": "ngram", "num_speculative_tokens": "3"}', "positive integer"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}', "positive"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, '
+         '"prompt_lookup_max": 2}', "must not exceed"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 1}', "at least 2"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "acceptance": 1}', "'acceptance'"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}', "not supported"),
+        ("{method: ngram}", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+    ],
+)  # fmt: skip
+def test_bad_configs_fail_clearly(value, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        SpeculativeConfig.parse(value)
+
+
+def test_cli_flag_and_its_errors(capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    engine_config, _ = build_configs(
+        resolve(vars(parser.parse_args(["--speculative-config", flag])), {})
+    )
+    assert engine_config.speculative_config == SpeculativeConfig("ngram", 3, 4, 4)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "eagle"}'])
+    assert "'eagle' is not supported by kvserve; supported: ngram" in capsys.readouterr().err
+    env = {"KVSERVE_SPECULATIVE_CONFIG": flag}
+    assert build_configs(resolve({}, env))[0].speculative_config == SpeculativeConfig(
+        "ngram", 3, 4, 4
+    )
+
+
+# ---------------------------------------------------------------- proposer
+def test_ngram_index_matches_the_reference_scan():
+    rng = random.Random(0)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 5, 20])
+        low = rng.randint(1, 3)
+        high = rng.randint(low, 5)
+        k = rng.randint(1, 6)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        index = NgramIndex(low, high)
+        for _ in range(40):  # the list grows as a sequence's does, one or a few tokens at a time
+            assert index.propose(tokens, k) == propose_ngram(tokens, k, low, high), (trial, tokens)
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 3)))
+
+
+def test_longest_match_and_most_recent_occurrence():
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3]
+    # suffix [1, 2, 3] occurs at 0 (then 9); [2, 3] most recently at 4 (then 8): longest wins
+    assert propose_ngram(tokens, 2, 1, 3) == [9, 2]
+    assert NgramIndex(1, 3).propose(tokens, 2) == [9, 2]
+    assert NgramIndex(1, 2).propose(tokens, 3) == [8, 7, 1]  # only 2-grams: the latest one
+    assert NgramIndex(4, 5).propose(tokens, 3) == []  # no 4-gram repeats
+    assert NgramIndex(1, 1).propose([5, 5], 4) == [5]  # continuation stops at the end
+
+
+# ---------------------------------------------------------------- speculator + scheduler
+def _group(prompt: list[int], max_tokens: int = 16, **params) -> RequestGroup:
+    group = RequestGroup(
+        "r", None, list(prompt), SamplingParams(max_tokens=max_tokens, **params), max_tokens
+    )
+    group.seqs.append(Sequence("r/0", group, 0, list(prompt), len(prompt)))
+    return group
+
+
+def test_speculator_limits_and_back_off():
+    config = SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=3)
+    spec = Speculator(config, max_model_len=100)
+    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=3).seqs[0]
+    assert spec.propose(seq, budget=10) == [3, 4]  # max_tokens 3: two drafts + the bonus token
+    assert spec.propose(seq, budget=1) == [3]
+    assert spec.enabled_for_batch(2) and not spec.enabled_for_batch(3)
+    seq.group.max_output_tokens = 50
+    seq.matcher = object()  # structured outputs: no proposals
+    assert spec.propose(seq, 10) == []
+    seq.matcher = None
+    for _ in range(3):  # nothing accepted: the average falls below the threshold, it pauses
+        spec.record(seq, 4, 0)
+    assert spec.propose(seq, 10) == []
+    seq.token_ids += [7] * FIRST_PAUSE + [1, 2]
+    assert spec.propose(seq, 10) == [7, 7, 7, 7]  # retried after the pause
+
+
+def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
+    kv = KVCacheManager(16, 4)
+    config = SpeculativeConfig("ngram", 4, 1, 3)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, Speculator(config, 100))
+    group = _group([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    seq = group.seqs[0]
+    sched.add_group(group)
+    out = sched.schedule()
+    sched.after_step(out, RunnerOutput())
+    seq.append_token(4)  # the prefill's sampled token; now [.. 1 2 3 4]: drafts 5 6 7 1
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.draft_token_ids == [5, 6, 7, 1] and s.num_new_tokens == 5 and s.needs_sample
+    assert (out.num_draft_tokens, out.num_decode_tokens, out.num_batched_tokens) == (4, 0, 5)
+    assert len(kv.get_block_table(seq)) == 4  # 15 positions of 4-token blocks
+    sched.after_step(out, RunnerOutput(sampled={"r/0": 9}, num_accepted={"r/0": 1}))
+    assert seq.num_computed_tokens == 12  # the last token and one accepted draft
+    assert len(kv.get_block_table(seq)) == 4  # 13 tokens held next: 4 blocks
+    seq.token_ids += [5, 9]
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == []  # [.., 5, 9]: 9 never seen before
+    sched.after_step(out, RunnerOutput())
+    assert kv.pool.block_keys[kv.get_block_table(seq)[2]] is not None  # full, accepted: cached
+    kv.trim(seq, 9)
+    assert len(kv.get_block_table(seq)) == 3 and kv.num_free_blocks == 13
+
+
+def test_a_full_pool_drops_drafts_rather_than_preempting():
+    kv = KVCacheManager(3, 4)
+    sched = Scheduler(SchedulerConfig(), kv, Speculator(SpeculativeConfig("ngram", 4, 1, 3), 100))
+    group = _group([1, 2, 3, 1, 2, 3, 1, 2, 3, 1])
+    sched.add_group(group)
+    sched.after_step(sched.schedule(), RunnerOutput())
+    group.seqs[0].append_token(2)  # 11 tokens in 3 blocks; the drafts 3 1 2 would need a 4th
+    out = sched.schedule()
+    assert [s.draft_token_ids for s in out.scheduled] == [[]] and not out.preempted
+
+
+# ---------------------------------------------------------------- verification statistics
+def _rows(n: int, temperature: float, **params) -> list[SamplingRow]:
+    p = SamplingParams(temperature=temperature, max_tokens=8, **params)
+    return [SamplingRow(p, [0], 1, None, frozenset()) for _ in range(n)]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A point-mass draft x at temperature 1: the emitted token is distributed as p_target (x
+    accepted with probability p(x)); on rejection as p with x removed and renormalised."""
+    torch.manual_seed(0)
+    vocab, trials, draft = 6, 40000, 2
+    logits = torch.tensor([[1.0, 0.2, 0.7, -0.5, 0.0, 1.3]])
+    target = torch.softmax(logits[0], -1)
+    base = _rows(1, 1.0)[0]
+    rows = verification_rows(base, [draft])  # the position's row and the bonus row
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    result = sampler(logits.repeat(2 * trials, 1), rows * trials)
+    first = []
+    rejected = []
+    for t in range(trials):
+        pair = result.token_ids[2 * t : 2 * t + 2]
+        a = num_accepted(pair, [draft])
+        first.append(pair[0] if a == 0 else draft)
+        if a == 0:
+            rejected.append(pair[0])
+    counts = torch.bincount(torch.tensor(first), minlength=vocab).double()
+    chi2 = ((counts - trials * target) ** 2 / (trials * target)).sum().item()
+    assert chi2 < 30.0, (chi2, counts / trials, target)  # 5 degrees of freedom: p < 1e-5
+    assert abs(1 - len(rejected) / trials - target[draft].item()) < 0.01
+    rest = target.clone()
+    rest[draft] = 0
+    rest /= rest.sum()
+    counts = torch.bincount(torch.tensor(rejected), minlength=vocab).double()
+    assert counts[draft] == 0
+    keep = rest > 0
+    expected = len(rejected) * rest[keep]
+    assert ((counts[keep] - expected) ** 2 / expected).sum().item() < 30.0
+
+
+def test_greedy_verification_is_the_argmax_prefix():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    rows = verification_rows(_rows(1, 0.0)[0], [1, 2])
+    tokens = Sampler()(logits, rows).token_ids
+    assert tokens == [1, 0, 2] and num_accepted(tokens, [1, 2]) == 1  # bonus: argmax of row 1
+
+
+def test_rows_see_the_drafts_before_them_for_penalties():
+    base = _rows(1, 0.0, repetition_penalty=2.0)[0]
+    rows = verification_rows(base, [4, 5])
+    assert [r.token_ids for r in rows] == [[0], [0, 4], [0, 4, 5]]
+    plain = _rows(1, 0.0)[0]
+    assert all(r is plain for r in verification_rows(plain, [4, 5]))
