@@ -11,6 +11,7 @@ import torch
 
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 # Mistral, Qwen2 and SmolLM are Llama configs; Qwen2 differs only by q/k/v bias (read from config).
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
@@ -44,6 +46,7 @@ __all__ = [
     "MODEL_REGISTRY",
     "DecoderForCausalLM",
     "LlamaForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen3ForCausalLM",
     "get_model_class",
     "supported_architectures",

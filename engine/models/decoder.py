@@ -248,7 +248,7 @@ class DecoderForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        ropes = [cast(RotaryEmbedding, r).lookup(positions, meta) for r in self.rotaries]
+        ropes = [cast(RotaryEmbedding, r).lookup(positions) for r in self.rotaries]
         fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
         if fused and uses_cpu_kernels(meta, h.device, h.dtype):
             return self._forward_cpu_kernels(ropes, h, kv_caches, meta)
@@ -281,6 +281,11 @@ class DecoderForCausalLM(nn.Module):
                 lmeta.seq_lens, heads, kv_heads, scale,
             )  # fmt: skip
         return decoder_cpu.norm(self.norm, h)
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The longest context the engine serves (LongRoPE picks its factors by it)."""
+        for rotary in self.rotaries:
+            cast(RotaryEmbedding, rotary).limit_context(max_model_len)
 
     def _decode_calls(self) -> list[decoder_cpu.DecodeLayerArgs | None]:
         """Per layer, the one-call decode layer's arguments (built once: weights_changed resets)."""
