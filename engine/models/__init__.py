@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.models.decoder import DecoderForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -18,6 +19,8 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 # A family class is built from (hf_config, dtype, device).
 ModelClass = Callable[[Any, torch.dtype, torch.device], DecoderForCausalLM]
 MODEL_REGISTRY: dict[str, ModelClass] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its text tower
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -45,6 +48,7 @@ def get_model_class(architectures: list[str]) -> ModelClass:
 __all__ = [
     "MODEL_REGISTRY",
     "DecoderForCausalLM",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "Phi3ForCausalLM",
     "Qwen3ForCausalLM",

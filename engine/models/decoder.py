@@ -356,7 +356,7 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_name(self, hf_name: str) -> str | None:
         """A checkpoint tensor's name as the decoder sees it (`layers.0...`, `embed_tokens.weight`),
-        or None to skip it quietly (a vision tower beside the text model)."""
+        `lm_head.weight`, or None to skip it quietly (a vision tower beside the text model)."""
         return hf_name.removeprefix("model.")
 
     @torch.no_grad()
@@ -395,11 +395,11 @@ class DecoderForCausalLM(nn.Module):
         """HF tensor name -> (our parameter name, first row inside it), or None to skip."""
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None
-        if hf_name == "lm_head.weight":
-            return None if self.tie_word_embeddings else ("lm_head_weight", 0)
         name = self.checkpoint_name(hf_name)
         if name is None:
             return None
+        if name == "lm_head.weight":
+            return None if self.tie_word_embeddings else ("lm_head_weight", 0)
         if name in ("embed_tokens.weight", "norm.weight"):
             return name, 0
         match = _LAYER_NAME.fullmatch(name)

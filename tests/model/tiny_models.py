@@ -32,7 +32,11 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 def save_tiny_checkpoint(
-    config: Any, out: Path, tokenizer_dir: Path | None = None, seed: int = 0
+    config: Any,
+    out: Path,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+    embed_std: float = 0.5,
 ) -> Path:
     """Save a random-weight model of `config` (float32) with decisive weights, a generation config
     and, from `tokenizer_dir`, a tokenizer; returns `out`."""
@@ -40,7 +44,7 @@ def save_tiny_checkpoint(
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
-    randomize_decisively(model, seed)
+    randomize_decisively(model, seed, embed_std)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         bos_token_id=getattr(config, "bos_token_id", None),
@@ -54,14 +58,14 @@ def save_tiny_checkpoint(
 
 
 @torch.no_grad()
-def randomize_decisively(model: torch.nn.Module, seed: int) -> None:
-    """Matrices ~ N(0, 1.5 / sqrt(fan_in)), embeddings ~ N(0, 0.5), norm weights around their
+def randomize_decisively(model: torch.nn.Module, seed: int, embed_std: float = 0.5) -> None:
+    """Matrices ~ N(0, 1.5 / sqrt(fan_in)), embeddings ~ N(0, embed_std), norm weights around their
     init (1, or 0 for Gemma's (1 + w) norms) with spread 0.2, biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=gen)
         if "embed" in name:
-            param.copy_(noise * 0.5)
+            param.copy_(noise * embed_std)
         elif param.dim() >= 2:
             param.copy_(noise * (1.5 / param.shape[-1] ** 0.5))
         elif "norm" in name:
@@ -130,7 +134,8 @@ class FamilyCase:
         cls, folder: Path, lengths: list[int], seed: int = 0, max_model_len: int | None = None
     ) -> FamilyCase:
         hf_model = hf_reference(folder)
-        prompts = random_prompts(hf_model.config.vocab_size, lengths, seed)
+        config = getattr(hf_model.config, "text_config", None) or hf_model.config
+        prompts = random_prompts(config.vocab_size, lengths, seed)
         return cls(folder, prompts, hf_model, hf_greedy(hf_model, prompts), max_model_len)
 
     def llm(self, **options: Any) -> LLM:
