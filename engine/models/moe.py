@@ -1,0 +1,207 @@
+"""Mixture-of-experts feed-forward: a top-k softmax router and SwiGLU experts that run only on the
+tokens routed to them (grouped by expert), plus an optional gated shared expert; weight names of the
+Qwen-MoE and Mixtral checkpoint layouts. Batch-invariant: a token's output never depends on its batch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import empty_param
+from engine.models.quantization import linear
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """What a sparse block needs from config.json, whatever the family names it."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False  # sigmoid(gate(x)) scales the shared expert (Qwen2-MoE)
+
+
+def moe_spec(cfg: Any) -> MoeSpec:
+    """The sparse block of a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral config."""
+    model_type = getattr(cfg, "model_type", "")
+    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported for experts; kvserve runs silu")
+    top_k = int(cfg.num_experts_per_tok)
+    if not 0 < top_k <= num_experts:
+        raise ValueError(
+            f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts "
+            f"({num_experts})"
+        )
+    # Mixtral always renormalizes the top-k probabilities; the Qwen and OLMoE configs say.
+    norm = True if model_type == "mixtral" else bool(getattr(cfg, "norm_topk_prob", False))
+    shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+    return MoeSpec(num_experts, top_k, inter, norm, shared, shared_expert_gated=shared > 0)
+
+
+def is_sparse_layer(cfg: Any, layer: int) -> bool:
+    """Whether decoder layer `layer` has the sparse block (else a dense MLP of `intermediate_size`):
+    Qwen-MoE's `decoder_sparse_step` and `mlp_only_layers`; every layer in Mixtral and OLMoE."""
+    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
+    if layer in (getattr(cfg, "mlp_only_layers", None) or []):
+        return False
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return num_experts > 0 and (layer + 1) % step == 0
+
+
+class ExpertMLP(nn.Module):
+    """One expert, SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.intermediate_size = inter
+        self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype, device=device)
+        self.down_weight = empty_param(hidden, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, hidden]
+        gate_up = linear(x, self.gate_up_weight)  # [m, 2 * inter]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight)
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T [n, out] with each row a problem of its own ([1, in] @ [in, out] in one batched
+    matmul): a row's value never depends on the batch, as a plain [n, in] matmul's may. For the
+    router, whose float logits pick the experts."""
+    n, k = x.shape
+    return torch.bmm(x.unsqueeze(1), weight.t().expand(n, k, weight.shape[0])).squeeze(1)
+
+
+class SparseMoeBlock(nn.Module):
+    """Routes each token to its top-k experts and sums their outputs weighted by the router."""
+
+    def __init__(self, spec: MoeSpec, hidden: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.spec = spec
+        self.hidden_size = hidden
+        # The router stays float under quantization (as llama.cpp keeps ffn_gate_inp): its logits
+        # choose the experts, and a small error there swaps whole experts.
+        self.router_weight = empty_param(spec.num_experts, hidden, dtype=dtype, device=device)
+        self.experts = nn.ModuleList(
+            ExpertMLP(hidden, spec.intermediate_size, dtype, device)
+            for _ in range(spec.num_experts)
+        )
+        self.shared_expert: ExpertMLP | None = None
+        self.shared_gate_weight: nn.Parameter | None = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = ExpertMLP(hidden, spec.shared_intermediate_size, dtype, device)
+            if spec.shared_expert_gated:
+                self.shared_gate_weight = empty_param(1, hidden, dtype=dtype, device=device)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [n, k] in x's dtype, expert ids [n, k] int64), best expert first."""
+        logits = rowwise_linear(x, self.router_weight)  # [n, num_experts]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)  # [n, k]
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        weights, ids = self.route(x)
+        out = self.combine(self.run_experts(x, ids), weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_gate_weight is not None:
+                shared = torch.sigmoid(rowwise_linear(x, self.shared_gate_weight)) * shared
+            out = out + shared
+        return out
+
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) pair's expert output [n, k, hidden]: the pairs sorted by expert, so
+        every expert runs once, on exactly the tokens routed to it."""
+        n, k = ids.shape
+        flat = ids.flatten()  # [n * k]
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        grouped = x[order // k]  # [n * k, hidden], the tokens in expert order
+        out_grouped = torch.empty_like(grouped)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                end = start + count
+                out_grouped[start:end] = expert(grouped[start:end])
+                start = end
+        pairs = torch.empty_like(out_grouped)
+        pairs[order] = out_grouped
+        return pairs.view(n, k, self.hidden_size)
+
+    @staticmethod
+    def combine(pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[:, j] * pairs[:, j], added slot by slot: the same order for a token
+        whatever else is in the batch."""
+        out = pairs[:, 0] * weights[:, :1]  # [n, hidden]
+        for j in range(1, pairs.shape[1]):
+            out = out + pairs[:, j] * weights[:, j : j + 1]
+        return out
+
+    def quantizable_weights(self) -> list[tuple[Any, str]]:
+        """(module, attribute) of every expert matrix (the router and shared gate stay float)."""
+        experts = list(self.experts)
+        if self.shared_expert is not None:
+            experts.append(self.shared_expert)
+        return [(e, attr) for e in experts for attr in ("gate_up_weight", "down_weight")]
+
+
+# ---------------------------------------------------------------- checkpoint names
+
+# Inside a decoder layer: Qwen-MoE / OLMoE `mlp.*`, Mixtral `block_sparse_moe.*` with w1/w3/w2.
+_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight")
+_EXPERT = re.compile(
+    r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+# transformers' own in-memory layout, which some checkpoints store: [E, 2 * inter, hidden] and
+# [E, hidden, inter].
+_FUSED_EXPERTS = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
+_SHARED = re.compile(r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight")
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down"}
+_PROJ["w2"] = "down"
+
+
+def moe_targets(
+    name: str, tensor: torch.Tensor, spec: MoeSpec
+) -> list[tuple[str, int, torch.Tensor]] | None:
+    """A checkpoint tensor of a sparse layer (`name` relative to the layer, e.g.
+    `mlp.experts.3.up_proj.weight`) as (our parameter relative to the layer, first row, tensor)
+    parts; None if it is not a sparse-block tensor."""
+    if _ROUTER.fullmatch(name):
+        return [("mlp.router_weight", 0, tensor)]
+    if name == "mlp.shared_expert_gate.weight":
+        return [("mlp.shared_gate_weight", 0, tensor)]
+    match = _EXPERT.fullmatch(name)
+    if match:
+        return [
+            _expert_part(f"mlp.experts.{match[1]}", _PROJ[match[2]], tensor, spec.intermediate_size)
+        ]
+    match = _SHARED.fullmatch(name)
+    if match:
+        inter = spec.shared_intermediate_size
+        return [_expert_part("mlp.shared_expert", _PROJ[match[1]], tensor, inter)]
+    match = _FUSED_EXPERTS.fullmatch(name)
+    if match:
+        ours = "gate_up_weight" if match[1] == "gate_up_proj" else "down_weight"
+        return [(f"mlp.experts.{e}.{ours}", 0, tensor[e]) for e in range(tensor.shape[0])]
+    return None
+
+
+def _expert_part(
+    expert: str, proj: str, tensor: torch.Tensor, inter: int
+) -> tuple[str, int, torch.Tensor]:
+    if proj == "down":
+        return f"{expert}.down_weight", 0, tensor
+    return f"{expert}.gate_up_weight", 0 if proj == "gate" else inter, tensor
