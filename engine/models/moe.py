@@ -6,6 +6,7 @@ Qwen-MoE and Mixtral checkpoint layouts. Batch-invariant: a token's output never
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,48 +161,50 @@ class SparseMoeBlock(nn.Module):
 
 # ---------------------------------------------------------------- checkpoint names
 
-# Inside a decoder layer: Qwen-MoE / OLMoE `mlp.*`, Mixtral `block_sparse_moe.*` with w1/w3/w2.
-_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight")
-_EXPERT = re.compile(
-    r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
-)
-# transformers' own in-memory layout, which some checkpoints store: [E, 2 * inter, hidden] and
-# [E, hidden, inter].
-_FUSED_EXPERTS = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
-_SHARED = re.compile(r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight")
-_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down"}
-_PROJ["w2"] = "down"
+
+def moe_tensor_names(spec: MoeSpec) -> dict[str, tuple[str, int]]:
+    """A sparse layer's checkpoint tensors (names after `layers.N.`) -> (our parameter in that
+    layer, first row inside it): Qwen-MoE / OLMoE `mlp.experts.{e}.gate_proj`, Mixtral
+    `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down); gate and up fill one matmul."""
+    inter = spec.intermediate_size
+    names: dict[str, tuple[str, int]] = {}
+    for prefix in ("mlp", "block_sparse_moe"):
+        names[f"{prefix}.gate.weight"] = ("mlp.router_weight", 0)
+        for e in range(spec.num_experts):
+            ours, theirs = f"mlp.experts.{e}", f"{prefix}.experts.{e}"
+            for gate, up, down in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+                names[f"{theirs}.{gate}.weight"] = (f"{ours}.gate_up_weight", 0)
+                names[f"{theirs}.{up}.weight"] = (f"{ours}.gate_up_weight", inter)
+                names[f"{theirs}.{down}.weight"] = (f"{ours}.down_weight", 0)
+    if spec.shared_intermediate_size:
+        shared = spec.shared_intermediate_size
+        names["mlp.shared_expert.gate_proj.weight"] = ("mlp.shared_expert.gate_up_weight", 0)
+        names["mlp.shared_expert.up_proj.weight"] = ("mlp.shared_expert.gate_up_weight", shared)
+        names["mlp.shared_expert.down_proj.weight"] = ("mlp.shared_expert.down_weight", 0)
+        names["mlp.shared_expert_gate.weight"] = ("mlp.shared_gate_weight", 0)
+    return names
 
 
-def moe_targets(
-    name: str, tensor: torch.Tensor, spec: MoeSpec
-) -> list[tuple[str, int, torch.Tensor]] | None:
-    """A checkpoint tensor of a sparse layer (`name` relative to the layer, e.g.
-    `mlp.experts.3.up_proj.weight`) as (our parameter relative to the layer, first row, tensor)
-    parts; None if it is not a sparse-block tensor."""
-    if _ROUTER.fullmatch(name):
-        return [("mlp.router_weight", 0, tensor)]
-    if name == "mlp.shared_expert_gate.weight":
-        return [("mlp.shared_gate_weight", 0, tensor)]
-    match = _EXPERT.fullmatch(name)
-    if match:
-        return [
-            _expert_part(f"mlp.experts.{match[1]}", _PROJ[match[2]], tensor, spec.intermediate_size)
-        ]
-    match = _SHARED.fullmatch(name)
-    if match:
-        inter = spec.shared_intermediate_size
-        return [_expert_part("mlp.shared_expert", _PROJ[match[1]], tensor, inter)]
-    match = _FUSED_EXPERTS.fullmatch(name)
-    if match:
-        ours = "gate_up_weight" if match[1] == "gate_up_proj" else "down_weight"
-        return [(f"mlp.experts.{e}.{ours}", 0, tensor[e]) for e in range(tensor.shape[0])]
-    return None
+# transformers' in-memory layout, which some checkpoints store: all experts in one 3-D tensor,
+# gate_up_proj [E, 2 * inter, hidden] (gate rows first) and down_proj [E, hidden, inter].
+_FUSED_EXPERTS = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(gate_up_proj|down_proj)")
 
 
-def _expert_part(
-    expert: str, proj: str, tensor: torch.Tensor, inter: int
-) -> tuple[str, int, torch.Tensor]:
-    if proj == "down":
-        return f"{expert}.down_weight", 0, tensor
-    return f"{expert}.gate_up_weight", 0 if proj == "gate" else inter, tensor
+def split_fused_experts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with 3-D expert tensors split into per-expert ones, named as
+    save_pretrained writes them (`...experts.{e}.gate_proj.weight`); others pass through."""
+    for name, tensor in weights:
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None or tensor.dim() != 3:
+            yield name, tensor
+            continue
+        experts, kind = match.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "down_proj":
+                yield f"{experts}.{e}.down_proj.weight", tensor[e]
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{experts}.{e}.gate_proj.weight", gate
+                yield f"{experts}.{e}.up_proj.weight", up

@@ -13,8 +13,9 @@ from engine.models.moe import (
     SparseMoeBlock,
     is_sparse_layer,
     moe_spec,
-    moe_targets,
+    moe_tensor_names,
     rowwise_linear,
+    split_fused_experts,
 )
 from engine.models.quantization import quantize_model
 
@@ -65,16 +66,24 @@ def _hf_block(family: str, norm_topk_prob: bool = True) -> tuple[torch.nn.Module
     return block.eval(), cfg
 
 
-def _ours(hf_block: torch.nn.Module, cfg: object) -> SparseMoeBlock:
-    """Our block with the HF block's weights, loaded through the checkpoint-name mapping."""
-    spec = moe_spec(cfg)
-    block = SparseMoeBlock(spec, HIDDEN, torch.float32, torch.device("cpu"))
+def _load(block: SparseMoeBlock, state: dict[str, torch.Tensor]) -> None:
+    """Fill our block from checkpoint tensors named inside layer 0 (`mlp.gate.weight`, ...)."""
     params = dict(block.named_parameters())
-    for name, tensor in hf_block.state_dict().items():
-        parts = moe_targets(f"mlp.{name}", tensor, spec)
-        assert parts is not None, name
-        for ours, row, part in parts:
-            params[ours.removeprefix("mlp.")].data[row : row + part.shape[0]].copy_(part)
+    names = moe_tensor_names(block.spec)
+    filled: dict[str, int] = {}
+    tensors = ((f"model.layers.0.{n}", t) for n, t in state.items())
+    for name, tensor in split_fused_experts(tensors):
+        ours, row = names[name.removeprefix("model.layers.0.")]
+        ours = ours.removeprefix("mlp.")
+        params[ours].data[row : row + tensor.shape[0]].copy_(tensor)
+        filled[ours] = filled.get(ours, 0) + tensor.shape[0]
+    assert filled == {n: p.shape[0] for n, p in params.items()}  # every row, once
+
+
+def _ours(hf_block: torch.nn.Module, cfg: object) -> SparseMoeBlock:
+    """Our block with the HF block's weights (transformers keeps experts as 3-D tensors)."""
+    block = SparseMoeBlock(moe_spec(cfg), HIDDEN, torch.float32, torch.device("cpu"))
+    _load(block, {f"mlp.{n}": t for n, t in hf_block.state_dict().items()})
     return block
 
 
@@ -95,20 +104,27 @@ def test_the_block_equals_transformers(family: str, norm: bool) -> None:
 
 
 def test_per_expert_checkpoint_names_load_like_the_fused_ones() -> None:
-    """save_pretrained writes `experts.{e}.gate_proj` etc.; in memory transformers keeps one 3-D
-    `gate_up_proj`: both fill the same weights."""
+    """save_pretrained writes `experts.{e}.gate_proj` etc. (Mixtral: w1/w3/w2); in memory
+    transformers keeps one 3-D `gate_up_proj`: each fills the same weights."""
     hf_block, cfg = _hf_block("qwen3_moe")
-    spec = moe_spec(cfg)
+    fused = _ours(hf_block, cfg)
     gate_up = hf_block.experts.gate_up_proj.detach()  # [E, 2 * inter, hidden]
-    parts = moe_targets("mlp.experts.5.up_proj.weight", gate_up[5, INTER:], spec)
-    assert parts is not None and [p[:2] for p in parts] == [("mlp.experts.5.gate_up_weight", INTER)]
-    fused = moe_targets("mlp.experts.gate_up_proj", gate_up, spec)
-    assert fused is not None and len(fused) == EXPERTS
-    assert fused[5][:2] == ("mlp.experts.5.gate_up_weight", 0)
-    assert torch.equal(fused[5][2], gate_up[5])
-    mixtral = moe_targets("block_sparse_moe.experts.2.w2.weight", gate_up[0], spec)
-    assert mixtral is not None and mixtral[0][:2] == ("mlp.experts.2.down_weight", 0)
-    assert moe_targets("self_attn.q_proj.weight", gate_up[0], spec) is None
+    down = hf_block.experts.down_proj.detach()  # [E, hidden, inter]
+    for prefix, names in (
+        ("mlp", ("gate_proj", "up_proj", "down_proj")),
+        ("block_sparse_moe", ("w1", "w3", "w2")),
+    ):
+        state = {f"{prefix}.gate.weight": hf_block.gate.weight.detach()}
+        for e in range(EXPERTS):
+            gate, up = gate_up[e].chunk(2)
+            for name, tensor in zip(names, (gate, up, down[e]), strict=True):
+                state[f"{prefix}.experts.{e}.{name}.weight"] = tensor
+        split = SparseMoeBlock(fused.spec, HIDDEN, torch.float32, torch.device("cpu"))
+        _load(split, state)
+        for (name, a), (_, b) in zip(
+            fused.named_parameters(), split.named_parameters(), strict=True
+        ):
+            assert torch.equal(a, b), (prefix, name)
 
 
 def test_experts_run_only_on_the_tokens_routed_to_them(monkeypatch: pytest.MonkeyPatch) -> None:
