@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import DecoderForCausalLM
     from engine.models.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ _CONVERTED_MARKER = ".kvserve-converted"
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     hf_config: Any  # transformers.PretrainedConfig
     dtype: torch.dtype
     device: torch.device
@@ -299,7 +299,7 @@ def load_model(
         logger.warning("%s", warning)
     torch_dtype = weight_format.dtype
     start = time.perf_counter()
-    model = model_cls(hf_config, dtype=torch_dtype, device=torch_device)
+    model = model_cls(hf_config, torch_dtype, torch_device)
     model.load_weights(iter_weights(model_dir))
     model.eval()
     logger.info(
