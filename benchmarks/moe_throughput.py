@@ -40,7 +40,7 @@ def save_checkpoint(out: Path, args: argparse.Namespace) -> Path:
 
     smol = resolve_model(None)
     hidden = args.hidden
-    config = Qwen3MoeConfig(
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a config kwarg transformers types omit
         vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
         moe_intermediate_size=args.expert_width or (3 * hidden) // 8,
         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens: dict[str, list] = {}
             for round_index in range(args.rounds + 1):  # round 0 warms up
                 for variant in VARIANTS:
-                    SparseMoeBlock.run_experts = runs[variant]  # type: ignore[method-assign]
+                    SparseMoeBlock.run_experts = runs[variant]  # type: ignore[method-assign, assignment]
                     try:
                         wall, cpu, out = decode_rounds(llm, prompts, args.steps)
                     finally:

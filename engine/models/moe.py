@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import empty_param
-from engine.models.quantization import linear
+from engine.models.layers import GatedMLP, empty_param
 
 
 @dataclass(frozen=True)
@@ -28,16 +26,14 @@ class MoeSpec:
     norm_topk_prob: bool  # renormalize the top-k probabilities to sum to 1
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gated: bool = False  # sigmoid(gate(x)) scales the shared expert (Qwen2-MoE)
+    activation: str = "silu"  # of every expert's gated MLP
 
 
 def moe_spec(cfg: Any) -> MoeSpec:
     """The sparse block of a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral config."""
     model_type = getattr(cfg, "model_type", "")
-    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
+    num_experts = _num_experts(cfg)
     inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported for experts; kvserve runs silu")
     top_k = int(cfg.num_experts_per_tok)
     if not 0 < top_k <= num_experts:
         raise ValueError(
@@ -47,32 +43,24 @@ def moe_spec(cfg: Any) -> MoeSpec:
     # Mixtral always renormalizes the top-k probabilities; the Qwen and OLMoE configs say.
     norm = True if model_type == "mixtral" else bool(getattr(cfg, "norm_topk_prob", False))
     shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
-    return MoeSpec(num_experts, top_k, inter, norm, shared, shared_expert_gated=shared > 0)
+    act = getattr(cfg, "hidden_act", "silu")
+    return MoeSpec(
+        num_experts, top_k, inter, norm, shared, shared_expert_gated=shared > 0, activation=act
+    )
+
+
+def _num_experts(cfg: Any) -> int:  # Qwen and OLMoE say num_experts, Mixtral num_local_experts
+    return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
 def is_sparse_layer(cfg: Any, layer: int) -> bool:
     """Whether decoder layer `layer` has the sparse block (else a dense MLP of `intermediate_size`):
     Qwen-MoE's `decoder_sparse_step` and `mlp_only_layers`; every layer in Mixtral and OLMoE."""
-    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
+    num_experts = _num_experts(cfg)
     if layer in (getattr(cfg, "mlp_only_layers", None) or []):
         return False
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     return num_experts > 0 and (layer + 1) % step == 0
-
-
-class ExpertMLP(nn.Module):
-    """One expert, SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
-
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.intermediate_size = inter
-        self.gate_up_weight = empty_param(2 * inter, hidden, dtype=dtype, device=device)
-        self.down_weight = empty_param(hidden, inter, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, hidden]
-        gate_up = linear(x, self.gate_up_weight)  # [m, 2 * inter]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -81,6 +69,13 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     router, whose float logits pick the experts."""
     n, k = x.shape
     return torch.bmm(x.unsqueeze(1), weight.t().expand(n, k, weight.shape[0])).squeeze(1)
+
+
+def _expert(
+    spec: MoeSpec, hidden: int, inter: int, dtype: torch.dtype, device: torch.device
+) -> GatedMLP:
+    """One expert: the dense layers' gated MLP (gate and up fused into one matmul), no biases."""
+    return GatedMLP(hidden, inter, spec.activation, False, dtype, device)
 
 
 class SparseMoeBlock(nn.Module):
@@ -94,13 +89,14 @@ class SparseMoeBlock(nn.Module):
         # choose the experts, and a small error there swaps whole experts.
         self.router_weight = empty_param(spec.num_experts, hidden, dtype=dtype, device=device)
         self.experts = nn.ModuleList(
-            ExpertMLP(hidden, spec.intermediate_size, dtype, device)
+            _expert(spec, hidden, spec.intermediate_size, dtype, device)
             for _ in range(spec.num_experts)
         )
-        self.shared_expert: ExpertMLP | None = None
+        self.shared_expert: GatedMLP | None = None
         self.shared_gate_weight: nn.Parameter | None = None
         if spec.shared_intermediate_size:
-            self.shared_expert = ExpertMLP(hidden, spec.shared_intermediate_size, dtype, device)
+            inter = spec.shared_intermediate_size
+            self.shared_expert = _expert(spec, hidden, inter, dtype, device)
             if spec.shared_expert_gated:
                 self.shared_gate_weight = empty_param(1, hidden, dtype=dtype, device=device)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.kernels import cpu_kernels
+from engine.models.layers import GatedMLP
 from engine.models.moe import (
-    ExpertMLP,
     SparseMoeBlock,
     is_sparse_layer,
     moe_spec,
@@ -134,13 +134,13 @@ def test_experts_run_only_on_the_tokens_routed_to_them(monkeypatch: pytest.Monke
     _, ids = block.route(x)
     seen: dict[int, int] = {}
     index = {id(e): i for i, e in enumerate(block.experts)}
-    original = ExpertMLP.forward
+    original = GatedMLP.forward
 
-    def counting(self: ExpertMLP, rows: torch.Tensor) -> torch.Tensor:
+    def counting(self: GatedMLP, rows: torch.Tensor) -> torch.Tensor:
         seen[index[id(self)]] = seen.get(index[id(self)], 0) + rows.shape[0]
         return original(self, rows)
 
-    monkeypatch.setattr(ExpertMLP, "forward", counting)
+    monkeypatch.setattr(GatedMLP, "forward", counting)
     block(x)
     expected = {
         e: c for e, c in enumerate(torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()) if c
