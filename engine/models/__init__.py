@@ -12,6 +12,7 @@ import torch
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -23,6 +24,7 @@ MODEL_REGISTRY: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     # Mixtures of experts: the decoder with sparse expert blocks (engine.models.moe_decoder).
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -51,6 +53,7 @@ __all__ = [
     "MODEL_REGISTRY",
     "DecoderForCausalLM",
     "LlamaForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen3ForCausalLM",
     "get_model_class",
     "supported_architectures",

@@ -73,15 +73,21 @@ def common_spec(cfg: Any) -> dict[str, Any]:
 
 
 def layer_windows_of(cfg: Any) -> list[int | None]:
-    """Per layer, its sliding window: `layer_types` where the config lists them, else the one
-    `sliding_window` for every layer (unless `use_sliding_window` is false)."""
-    window = getattr(cfg, "sliding_window", None) or None
+    """Each layer's sliding window as transformers applies it: configs with `layer_types` (Qwen2/3
+    build them from `use_sliding_window` and `max_window_layers`; Gemma 3 from its pattern) slide
+    where a type says "sliding_attention"; Mistral and any other config with `sliding_window`
+    slide everywhere. A window no shorter than max_position_embeddings never drops a key, so it
+    is reported as None."""
+    num_layers = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return [None] * num_layers
+    if window >= cfg.max_position_embeddings:
+        return [None] * num_layers
     types = getattr(cfg, "layer_types", None)
-    if types:
-        return [window if t == "sliding_attention" else None for t in types]
-    if window is None or not getattr(cfg, "use_sliding_window", True):
-        return [None] * cfg.num_hidden_layers
-    return [window] * cfg.num_hidden_layers
+    if getattr(cfg, "model_type", "") == "mistral" or not types:
+        return [int(window)] * num_layers
+    return [int(window) if t == "sliding_attention" else None for t in types[:num_layers]]
 
 
 class Attention(nn.Module):
@@ -163,7 +169,10 @@ class DecoderLayer(nn.Module):
         # The paged attention stays eager; the dense halves around it may be compiled (`dense`).
         pre, post = dense or (_pre_attention, _post_attention)
         q, k, v = pre(self, h, *rope)
-        out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)  # [n, heads, d]
+        attn = self.self_attn
+        out = paged_attention(
+            q, k, v, kv_cache, meta, attn.scale, window=attn.window, softcap=attn.softcap
+        )  # [n, heads, d]
         return post(self, h, out)
 
 
@@ -186,12 +195,6 @@ def _post_attention(layer: DecoderLayer, h: torch.Tensor, out: torch.Tensor) -> 
 DenseFns = tuple[Callable[..., Any], Callable[..., Any]]
 
 
-def layer_meta(meta: AttentionMetadata, index: int) -> AttentionMetadata:
-    """The attention metadata of layer `index` (its KV-cache group's block tables and slots)."""
-    for_layer = getattr(meta, "for_layer", None)
-    return meta if for_layer is None else for_layer(index)
-
-
 class DecoderForCausalLM(nn.Module):
     """A causal LM over the shared decoder; families subclass it with their spec and names."""
 
@@ -209,7 +212,6 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.max_position_embeddings = spec.max_position_embeddings
         self.layer_windows: list[int | None] = list(spec.layer_windows or [None] * spec.num_layers)
-        _warn_on_sliding_window(self.layer_windows, spec.max_position_embeddings)
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, params, dtype, device)
             for params in spec.rope
@@ -248,14 +250,14 @@ class DecoderForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        ropes = [cast(RotaryEmbedding, r).lookup(positions, meta) for r in self.rotaries]
+        ropes = [cast(RotaryEmbedding, r).lookup(positions) for r in self.rotaries]
         fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
         if fused and uses_cpu_kernels(meta, h.device, h.dtype):
             return self._forward_cpu_kernels(ropes, h, kv_caches, meta)
         for module, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer = cast(DecoderLayer, module)
             rope = ropes[layer.self_attn.rope_index]
-            h = layer(rope, h, kv_cache, layer_meta(meta, layer.index), self.dense)
+            h = layer(rope, h, kv_cache, meta.for_layer(layer.index), self.dense)
         return self.norm(h)
 
     def _forward_cpu_kernels(
@@ -270,17 +272,22 @@ class DecoderForCausalLM(nn.Module):
         for i, kv_cache in enumerate(kv_caches):
             layer = cast(DecoderLayer, self.layers[i])
             cos, sin = cos_sins[layer.self_attn.rope_index]
-            lmeta = layer_meta(meta, i)
+            lmeta = meta.for_layer(i)
             args = calls[i] if calls is not None else None
             if args is None:
                 h = decoder_cpu.fused_layer(layer, (cos, sin), h, kv_cache, lmeta)
                 continue
-            w, kinds, eps, heads, kv_heads, scale = args
+            w, kinds, eps, heads, kv_heads, scale, window, cap = args
             h = cpu_kernels.decode_layer(
                 h, w, kinds, eps, cos, sin, kv_cache, lmeta.slot_mapping, lmeta.block_tables,
-                lmeta.seq_lens, heads, kv_heads, scale,
+                lmeta.seq_lens, heads, kv_heads, scale, window, cap,
             )  # fmt: skip
         return decoder_cpu.norm(self.norm, h)
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The longest context the engine serves (LongRoPE picks its factors by it)."""
+        for rotary in self.rotaries:
+            cast(RotaryEmbedding, rotary).limit_context(max_model_len)
 
     def _decode_calls(self) -> list[decoder_cpu.DecodeLayerArgs | None]:
         """Per layer, the one-call decode layer's arguments (built once: weights_changed resets)."""
@@ -405,14 +412,3 @@ class DecoderForCausalLM(nn.Module):
 
 
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
-
-
-def _warn_on_sliding_window(windows: list[int | None], max_positions: int) -> None:
-    window = next((w for w in windows if w is not None), None)
-    if window is not None and window < max_positions:
-        logger.warning(
-            "this model uses a %d-token sliding window; kvserve attends over the full context, "
-            "so outputs past %d tokens may differ from the reference",
-            window,
-            window,
-        )

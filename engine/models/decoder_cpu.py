@@ -58,7 +58,10 @@ def fused_layer(
         cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(k, v, kv_cache, meta.slot_mapping)
-    attended = attn.project_out(attend_cached(q, k, v, kv_cache, meta, attn.scale))
+    out = attend_cached(
+        q, k, v, kv_cache, meta, attn.scale, window=attn.window, softcap=attn.softcap
+    )
+    attended = attn.project_out(out)
     if layer.sandwich:
         h = h + norm(layer.post_attention_layernorm, attended)
         mlp_out = layer.mlp(norm(layer.pre_feedforward_layernorm, h))
@@ -67,17 +70,20 @@ def fused_layer(
     return h + layer.mlp(norm(layer.post_attention_layernorm, h))
 
 
-DecodeLayerArgs = tuple[list[torch.Tensor], list[int], float, int, int, float]
+# (tensors, kinds, eps, heads, kv_heads, scale, window, softcap)
+DecodeLayerArgs = tuple[
+    list[torch.Tensor], list[int], float, int, int, float, int | None, float | None
+]
 
 
 def decode_layer_args(layer: DecoderLayer) -> DecodeLayerArgs | None:
     """What csrc/decode_layer.cpp takes for this layer besides the step's tensors: its norms' and
-    matmuls' tensors, their kinds, eps, heads, KV heads and scale; None if it cannot run it (it
-    runs the Llama block: no q/k norm, whole-head rotary, SiLU, no window or softcap)."""
+    matmuls' tensors, their kinds, eps, heads, KV heads, scale, window and softcap; None if it
+    cannot run it (it runs the Llama block: no q/k norm, whole-head rotary, SiLU)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     plain = not (layer.sandwich or mlp.gelu or attn.partial_rotary or attn.q_norm is not None)
-    if not plain or attn.window is not None or attn.softcap is not None:
+    if not plain:
         return None
     if norm1.eps != norm2.eps or norm1.unit_offset or norm2.unit_offset:
         return None
@@ -100,4 +106,5 @@ def decode_layer_args(layer: DecoderLayer) -> DecodeLayerArgs | None:
             kinds += [0, int(bias is not None), weight.shape[0]]
         if bias is not None:
             tensors.append(bias)
-    return tensors, kinds, norm1.eps, attn.num_heads, attn.num_kv_heads, attn.scale
+    heads, kv_heads = attn.num_heads, attn.num_kv_heads
+    return tensors, kinds, norm1.eps, heads, kv_heads, attn.scale, attn.window, attn.softcap

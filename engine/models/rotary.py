@@ -6,14 +6,14 @@ Each type's inverse frequencies and attention factor are those of transformers' 
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from engine.kernels.attention import AttentionMetadata
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -152,11 +152,16 @@ def _longrope(
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables computed once for every position (scaled by the type's attention factor),
-    indexed by the positions of each step. LongRoPE keeps a second table of its long factors, used
-    for every new token of a sequence whose context passes the original length (transformers
-    picks the set by the length of the sequence in its forward the same way)."""
+    indexed by the positions of each step.
 
-    cos: torch.Tensor  # [max_positions * tables, rotary_dim // 2]
+    LongRoPE has a second set, its long factors. transformers rotates a sequence with the short
+    set while it fits the original length and with the long set past it (recomputing its whole
+    cache once, when it first crosses). A paged cache shared between sequences by prefix caching
+    needs one rotation for every sequence, so, as vLLM, kvserve picks the set by the context it
+    serves: long when max_model_len passes the original length (`limit_context`), else short.
+    Either way, a sequence within that choice's range gets exactly transformers' rotation."""
+
+    cos: torch.Tensor  # [max_positions, rotary_dim // 2]
     sin: torch.Tensor
 
     def __init__(
@@ -171,37 +176,43 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.rotary_dim = rotary_dim(head_dim, params)
         self.partial = self.rotary_dim != head_dim
-        self.long_after: int | None = None  # LongRoPE: contexts longer than this use the long set
-        tables = [rope_inv_freq(head_dim, params, max_positions)]
+        self.long_after: int | None = None  # LongRoPE: served contexts past this use the long set
+        sets = [rope_inv_freq(head_dim, params, max_positions)]
         if params["rope_type"] == "longrope":
             self.long_after = int(_original_length(params, max_positions))
-            tables.append(rope_inv_freq(head_dim, params, max_positions, long=True))
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        cos, sin = [], []
-        for inv_freq, attention in tables:
-            freqs = torch.outer(positions, inv_freq)  # [max_positions, rotary_dim // 2]
-            cos.append(freqs.cos() * attention)
-            sin.append(freqs.sin() * attention)
+            sets.append(rope_inv_freq(head_dim, params, max_positions, long=True))
         # Kept in the model dtype, as the reference casts cos/sin before rotating.
-        cos_table, sin_table = torch.cat(cos), torch.cat(sin)
-        self.register_buffer("cos", cos_table.to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", sin_table.to(dtype=dtype, device=device), persistent=False)
+        self.tables = [
+            tuple(t.to(dtype=dtype, device=device) for t in _cos_sin(inv_freq, max_positions))
+            for inv_freq in sets
+        ]
+        self.register_buffer("cos", self.tables[0][0], persistent=False)
+        self.register_buffer("sin", self.tables[0][1], persistent=False)
+        self.uses_long_factors = False
+        self.limit_context(max_positions)
 
-    def lookup(
-        self, positions: torch.Tensor, meta: AttentionMetadata | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def limit_context(self, max_model_len: int) -> None:
+        """The longest context served: LongRoPE takes its long set past the original length."""
+        self.uses_long_factors = self.long_after is not None and max_model_len > self.long_after
+        self.cos, self.sin = self.tables[1 if self.uses_long_factors else 0]
+        if self.long_after is not None:
+            logger.info(
+                "LongRoPE: %s factors for contexts up to %d tokens (original length %d)",
+                "long" if self.uses_long_factors else "short", max_model_len, self.long_after,
+            )  # fmt: skip
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [n], each [n, 1, rotary_dim // 2]; looked up once per forward."""
-        if self.long_after is not None and meta is not None:
-            positions = positions + self._long_offsets(meta, positions.device)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def _long_offsets(self, meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
-        """[n] int64: max_positions for the new tokens of sequences past the original length."""
-        assert self.long_after is not None
-        offsets: list[int] = []
-        for query_len, seq_len in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True):
-            offsets += [self.max_positions if seq_len > self.long_after else 0] * query_len
-        return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+def _cos_sin(
+    inv_freq_and_factor: tuple[torch.Tensor, float], max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, rotary_dim // 2] float32, scaled by the attention factor."""
+    inv_freq, attention = inv_freq_and_factor
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return freqs.cos() * attention, freqs.sin() * attention
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -123,15 +123,20 @@ class FamilyCase:
     prompts: list[list[int]]
     hf_model: Any
     expected: list[list[int]] = field(default_factory=list)
+    max_model_len: int | None = None  # served context (None: the model's own maximum)
 
     @classmethod
-    def build(cls, folder: Path, lengths: list[int], seed: int = 0) -> FamilyCase:
+    def build(
+        cls, folder: Path, lengths: list[int], seed: int = 0, max_model_len: int | None = None
+    ) -> FamilyCase:
         hf_model = hf_reference(folder)
         prompts = random_prompts(hf_model.config.vocab_size, lengths, seed)
-        return cls(folder, prompts, hf_model, hf_greedy(hf_model, prompts))
+        return cls(folder, prompts, hf_model, hf_greedy(hf_model, prompts), max_model_len)
 
     def llm(self, **options: Any) -> LLM:
         base: dict[str, Any] = {"dtype": "float32", "quantization": "none", "block_size": BLOCK}
+        if self.max_model_len is not None:
+            base["max_model_len"] = self.max_model_len
         return LLM(str(self.folder), **(base | options))
 
 
@@ -155,10 +160,10 @@ def check_preemption(case: FamilyCase, num_blocks: int) -> None:
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # nothing leaked
 
 
-def check_prefix_cache_hits(case: FamilyCase, shared: int = 3 * BLOCK) -> None:
+def check_prefix_cache_hits(case: FamilyCase, shared: int = 3 * BLOCK, tail: int = 20) -> None:
     """Prompts sharing a long prefix: the later ones reuse the first one's blocks."""
     head = case.prompts[-1][:shared]
-    prompts = [head + p[:20] for p in case.prompts[:3]]
+    prompts = [head + p[:tail] for p in case.prompts[:3]]
     expected = hf_greedy(case.hf_model, prompts)
     llm = case.llm(max_num_batched_tokens=40)
     first = greedy(llm, prompts[:1])
@@ -182,8 +187,9 @@ def check_prompt_logprobs(case: FamilyCase, prompt: list[int]) -> None:
 def check_backends_match_transformers(case: FamilyCase, prompt: list[int]) -> None:
     """Whole-prompt logits through a paged cache (scattered blocks) on the C++ kernels and on the
     pure-torch SDPA path, both against transformers."""
-    loaded = load_model(case.folder, "float32", "cpu")
-    model = loaded.model
+    model = load_model(case.folder, "float32", "cpu").model
+    if case.max_model_len is not None:
+        model.limit_context(case.max_model_len)
     ref = hf_logprobs(case.hf_model, prompt)
     num_blocks = -(-len(prompt) // BLOCK)
     table = list(range(num_blocks, 0, -1))  # reversed: block order must not matter
