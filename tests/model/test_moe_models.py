@@ -1,7 +1,7 @@
-"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) against
-transformers: greedy tokens under chunked prefill mixed with decodes, preemption and prefix-cache
-hits, prompt logprobs, both attention backends; a prompt's output the same alone and in a batch,
-bitwise with int8 expert blocks."""
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral with a sliding
+window shorter than the prompts) against transformers: greedy tokens under chunked prefill mixed with
+decodes, preemption and prefix-cache hits, prompt logprobs, both attention backends; a prompt's
+output the same alone and in a batch, bitwise with int8 expert blocks."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _config(family: str, smollm2_dir: Path):
     from transformers import MixtralConfig
 
     return MixtralConfig(
-        **common, num_hidden_layers=3, intermediate_size=64, num_local_experts=8,
+        **common, num_hidden_layers=3, intermediate_size=64, num_local_experts=8, sliding_window=48,
         architectures=["MixtralForCausalLM"],
     )  # fmt: skip
 
@@ -79,6 +79,8 @@ def test_loads_with_sparse_blocks_where_the_config_says(case):
         sparse = hasattr(theirs.mlp, "experts")
         assert isinstance(ours.mlp, SparseMoeBlock) == sparse
     assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
+    window = 48 if case.hf_model.config.model_type == "mixtral" else None  # shorter than prompts
+    assert model.layer_windows == [window] * model.num_layers
 
 
 def test_greedy_equals_transformers_with_chunked_prefill(case):
