@@ -38,6 +38,10 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         for i in self.sparse_layers:
             layer = cast(DecoderLayer, self.layers[i])
             layer.mlp = SparseMoeBlock(self.moe, spec.hidden_size, dtype, device)  # type: ignore[assignment]
+        if device.type == "cuda" and self.sparse_layers:
+            # The dense MLPs just replaced were never filled; hand their memory back to the driver
+            # so that the KV cache sized from free memory can use it.
+            torch.cuda.empty_cache()
 
     def layer_tensor_names(self) -> dict[str, tuple[str, int]]:
         return super().layer_tensor_names() | moe_tensor_names(self.moe)
