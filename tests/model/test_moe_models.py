@@ -81,6 +81,7 @@ def test_loads_with_sparse_blocks_where_the_config_says(case):
     assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
     window = 48 if case.hf_model.config.model_type == "mixtral" else None  # shorter than prompts
     assert model.layer_windows == [window] * model.num_layers
+    assert model.supports_cuda_graphs is False  # experts are grouped on the host each step
 
 
 def test_greedy_equals_transformers_with_chunked_prefill(case):
