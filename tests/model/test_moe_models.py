@@ -48,10 +48,11 @@ def _config(family: str, smollm2_dir: Path):
     if family == "qwen2_moe":
         from transformers import Qwen2MoeConfig
 
+        # Layer 1 dense: pure decode steps run it as the one-call C++ layer, between sparse ones.
         return Qwen2MoeConfig(
             **common, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32,
             shared_expert_intermediate_size=96, num_experts=8, norm_topk_prob=False,
-            architectures=["Qwen2MoeForCausalLM"],
+            mlp_only_layers=[1], architectures=["Qwen2MoeForCausalLM"],
         )  # fmt: skip
     from transformers import MixtralConfig
 
@@ -82,6 +83,12 @@ def test_loads_with_sparse_blocks_where_the_config_says(case):
     window = 48 if case.hf_model.config.model_type == "mixtral" else None  # shorter than prompts
     assert model.layer_windows == [window] * model.num_layers
     assert model.supports_cuda_graphs is False  # experts are grouped on the host each step
+    # Pure decode steps run dense Llama-like layers as the one-call C++ layer, never sparse ones.
+    calls = model._decode_calls()
+    for call, layer in zip(calls, model.layers, strict=True):
+        assert call is None or not isinstance(layer.mlp, SparseMoeBlock)
+    if case.hf_model.config.model_type == "qwen2_moe":
+        assert calls[1] is not None
 
 
 def test_greedy_equals_transformers_with_chunked_prefill(case):
