@@ -35,7 +35,7 @@ def moe_spec(cfg: Any) -> MoeSpec:
     num_experts = _num_experts(cfg)
     inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     top_k = int(cfg.num_experts_per_tok)
-    if not 0 < top_k <= num_experts:
+    if num_experts and not 0 < top_k <= num_experts:  # no experts: every layer dense
         raise ValueError(
             f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts "
             f"({num_experts})"

@@ -205,3 +205,5 @@ def test_a_bad_top_k_is_a_clear_error() -> None:
     cfg.num_experts_per_tok = EXPERTS + 1
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         moe_spec(cfg)
+    cfg.num_experts = 0  # a Qwen-MoE config without experts is dense throughout, as in transformers
+    assert moe_spec(cfg).num_experts == 0 and not is_sparse_layer(cfg, 1)
