@@ -434,6 +434,19 @@ class AsyncLLMEngine:
             100 * hits / queries if queries else 0.0,
             sum(s.num_preemptions for s in w),
         )
+        drafts = sum(s.spec_num_drafts for s in w)
+        if drafts:  # vLLM's SpecDecoding metrics line
+            proposed = sum(s.spec_num_draft_tokens for s in w)
+            accepted = sum(s.spec_num_accepted_tokens for s in w)
+            logger.info(
+                "speculative decoding: drafts=%d draft_tokens=%d accepted_tokens=%d "
+                "acceptance_rate=%.1f%% mean_acceptance_length=%.2f",
+                drafts,
+                proposed,
+                accepted,
+                100 * accepted / proposed,
+                1 + accepted / drafts,  # the bonus token included, as vLLM counts it
+            )
 
     # -- snapshots -------------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:

@@ -372,6 +372,9 @@ class LLMEngine:
             prefix_cache_queries=t.prefix_cache_queries,
             prefix_cache_hits=t.prefix_cache_hits,
             num_finished=t.num_finished,
+            spec_num_drafts=t.spec_num_drafts,
+            spec_num_draft_tokens=t.spec_num_draft_tokens,
+            spec_num_accepted_tokens=t.spec_num_accepted_tokens,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
         )

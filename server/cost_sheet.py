@@ -55,6 +55,8 @@ def _sheet(out: RequestOutput) -> dict[str, Any]:
             "num_preemptions": m.num_preemptions,
             "num_recomputed_tokens": m.num_recomputed_tokens,
             "kv_block_seconds": m.kv_block_seconds,
+            "num_draft_tokens": m.num_draft_tokens,  # speculative decoding: proposed
+            "num_accepted_tokens": m.num_accepted_tokens,  # ... and accepted
         }
     )
     return sheet
@@ -68,6 +70,8 @@ _SUMMED = (
     "num_preemptions",
     "num_recomputed_tokens",
     "kv_block_seconds",
+    "num_draft_tokens",
+    "num_accepted_tokens",
 )
 
 

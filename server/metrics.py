@@ -115,6 +115,26 @@ class ServerMetrics:
             ["route", "status"],
             registry=r,
         )
+        # Speculative decoding, with vLLM's names (vllm:spec_decode_*).
+        self.spec_num_drafts = Counter(
+            "kvserve_spec_decode_num_drafts",
+            "Verification steps of sequences with speculative draft tokens.",
+            registry=r,
+        )
+        self.spec_num_draft_tokens = Counter(
+            "kvserve_spec_decode_num_draft_tokens", "Speculative tokens proposed.", registry=r
+        )
+        self.spec_num_accepted_tokens = Counter(
+            "kvserve_spec_decode_num_accepted_tokens",
+            "Speculative tokens accepted by verification.",
+            registry=r,
+        )
+        self.spec_accepted_per_pos = Counter(
+            "kvserve_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by their position in the draft (0 = first).",
+            ["position"],
+            registry=r,
+        )
         self.ttft = self._histogram(
             "kvserve_time_to_first_token_seconds", "From arrival to the first generated token."
         )
@@ -180,6 +200,12 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions)
         self.step_duration.labels(stats.kind).observe(stats.duration)
         self.step_batch_tokens.observe(stats.num_batched_tokens)
+        if stats.spec_num_drafts:
+            self.spec_num_drafts.inc(stats.spec_num_drafts)
+            self.spec_num_draft_tokens.inc(stats.spec_num_draft_tokens)
+            self.spec_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                self.spec_accepted_per_pos.labels(str(position)).inc(count)
         for _, ttft in stats.first_tokens:
             self.ttft.observe(ttft)
         for latency in stats.inter_token_latencies:

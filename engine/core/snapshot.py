@@ -85,6 +85,10 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_finished: int = 0
+    # Speculative decoding since start-up: verifications, tokens proposed, tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # Requests the async front holds (admitted, not yet ended), filled in when the snapshot is read.
     num_unfinished_requests: int = 0
     requests: tuple[RequestProgress, ...] = ()

@@ -138,6 +138,7 @@ def test_abort_mid_verification_frees_every_block(spec):
             verified = True
             break
     assert verified, "no verification step happened"
+    assert engine.snapshot.spec_num_drafts == engine.totals.spec_num_drafts > 0
     for i in range(len(COPY_PROMPTS)):
         engine.abort_request(f"abort-{i}")
     assert not engine.has_unfinished_requests()

@@ -30,6 +30,10 @@ COUNTERS_AND_GAUGES = {
     "kvserve_requests_rejected_total",
     "kvserve_num_preemptions_total",
     "kvserve_http_requests_total",
+    "kvserve_spec_decode_num_drafts_total",
+    "kvserve_spec_decode_num_draft_tokens_total",
+    "kvserve_spec_decode_num_accepted_tokens_total",
+    "kvserve_spec_decode_num_accepted_tokens_per_pos_total",
 }
 HISTOGRAMS = {
     "kvserve_time_to_first_token_seconds",

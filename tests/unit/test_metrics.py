@@ -255,3 +255,16 @@ def test_exported_families_are_the_ones_the_dashboard_test_knows(metrics: Server
         for family in metrics.registry.collect()
     }
     assert exposed == COUNTERS_AND_GAUGES | HISTOGRAMS
+
+
+def test_speculative_decoding_counters_use_vllm_names(metrics: ServerMetrics) -> None:
+    value = Reader(metrics)
+    metrics.on_step(_step())  # no verification in this step: the counters stay at 0
+    spec = dict(spec_num_drafts=2, spec_num_draft_tokens=7, spec_num_accepted_tokens=4)
+    metrics.on_step(_step(**spec, spec_accepted_per_position=[2, 1, 1, 0]))
+    metrics.on_step(_step(**spec, spec_accepted_per_position=[2, 2]))
+    assert value("kvserve_spec_decode_num_drafts_total") == 4
+    assert value("kvserve_spec_decode_num_draft_tokens_total") == 14
+    assert value("kvserve_spec_decode_num_accepted_tokens_total") == 8
+    per_pos = "kvserve_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(per_pos, position=str(p)) for p in range(4)] == [4, 3, 1, 0]

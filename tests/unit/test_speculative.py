@@ -230,3 +230,21 @@ def test_rows_see_the_drafts_before_them_for_penalties():
     assert [r.token_ids for r in rows] == [[0], [0, 4], [0, 4, 5]]
     plain = _rows(1, 0.0)[0]
     assert all(r is plain for r in verification_rows(plain, [4, 5]))
+
+
+def test_stats_log_line_reports_acceptance(caplog):
+    from types import SimpleNamespace
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.core.stats import StepStats
+
+    window = [
+        StepStats("decode", num_running=1, spec_num_drafts=2, spec_num_draft_tokens=8,
+                  spec_num_accepted_tokens=6),
+        StepStats("decode", num_running=1),
+    ]  # fmt: skip
+    with caplog.at_level("INFO", logger="engine.async_engine"):
+        AsyncLLMEngine._log_stats(SimpleNamespace(_log_window=window), 1.0)  # type: ignore[arg-type]
+    line = caplog.messages[-1]
+    assert "drafts=2 draft_tokens=8 accepted_tokens=6" in line
+    assert "acceptance_rate=75.0%" in line and "mean_acceptance_length=4.00" in line
