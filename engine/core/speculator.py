@@ -1,30 +1,50 @@
 """Which sequences speculate and with which draft tokens (no torch): the scheduler asks for drafts per
 decoding sequence and reports how many the verification accepted. Steps aside under load
-(`disable_by_batch_size`) and per sequence while its proposals are not paying off (acceptance-aware
-back-off: pause, then retry later)."""
+(`disable_by_batch_size`) and per sequence by its acceptance: the draft length is cut to the
+positions likely enough to be accepted to pay for their verification, and a sequence whose drafts do
+not pay at all pauses, then retries later (pauses doubling)."""
 
 from __future__ import annotations
 
+import math
 import weakref
 
 from engine.core.ngram_proposer import NgramIndex
 from engine.core.request import Sequence
 from engine.core.spec_config import SpeculativeConfig
 
-ACCEPTANCE_DECAY = 0.5  # weight of the older verifications in a sequence's acceptance average
-MIN_ACCEPTANCE = 0.25  # below this average acceptance rate a sequence pauses its proposals
-FIRST_PAUSE = 8  # decode tokens of the first pause; each further pause doubles it
+DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance estimate
+# A draft token costs about this fraction of a decode step to verify (the CPU block matmuls at batch
+# 1: +0.25-0.3 step per extra row, measured with benchmarks/spec_decode.py's engine). A position
+# is worth proposing while the chance of reaching and accepting it stays above this.
+DRAFT_TOKEN_COST = 0.25
+FIRST_PAUSE = 8  # decode tokens of the first pause when no draft pays off; each pause doubles
 MAX_PAUSE = 256
 
 
 class _SeqState:
-    __slots__ = ("index", "acceptance", "pause", "resume_at")
+    __slots__ = ("index", "accepted", "rejected", "pause", "resume_at")
 
     def __init__(self, index: NgramIndex) -> None:
         self.index = index
-        self.acceptance = 1.0  # decayed average of accepted / proposed (optimistic start)
+        # Decayed counts of accepted drafts and of rejections (a verification stopping early):
+        # accepted / (accepted + rejected) estimates the chance a draft token is accepted.
+        self.accepted, self.rejected = 2.0, 0.5  # optimistic start (0.8)
         self.pause = FIRST_PAUSE
         self.resume_at = 0  # no proposals before the sequence has this many tokens
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def draft_length(self, limit: int) -> int:
+        """Drafts worth verifying: position j pays while acceptance ** j > DRAFT_TOKEN_COST."""
+        alpha = self.acceptance
+        if alpha >= 1.0:
+            return limit
+        if alpha <= DRAFT_TOKEN_COST:
+            return 0
+        return min(limit, int(math.log(DRAFT_TOKEN_COST) / math.log(alpha)))
 
 
 class Speculator:
@@ -53,21 +73,21 @@ class Speculator:
         state = self._state(seq)
         if seq.num_tokens < state.resume_at:
             return []
-        return state.index.propose(seq.token_ids, room)
+        length = state.draft_length(room)
+        if length == 0:  # not paying off: decode plainly for a while, then try again
+            state.resume_at = seq.num_tokens + state.pause
+            state.pause = min(2 * state.pause, MAX_PAUSE)
+            state.accepted, state.rejected = 1.0, 1.0  # retry from a neutral estimate (0.5)
+            return []
+        return state.index.propose(seq.token_ids, length)
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` drafts accepted the first `num_accepted`."""
         state = self._state(seq)
-        rate = num_accepted / num_proposed
-        state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * rate
-        if state.acceptance >= MIN_ACCEPTANCE:
-            if rate >= MIN_ACCEPTANCE:
-                state.pause = FIRST_PAUSE
-            return
-        # Not paying off: decode plainly for a while, then try again from a neutral average.
-        state.resume_at = seq.num_tokens + state.pause
-        state.pause = min(2 * state.pause, MAX_PAUSE)
-        state.acceptance = 2 * MIN_ACCEPTANCE
+        state.accepted = DECAY * state.accepted + num_accepted
+        state.rejected = DECAY * state.rejected + (num_accepted < num_proposed)
+        if num_accepted:
+            state.pause = FIRST_PAUSE
 
     def _state(self, seq: Sequence) -> _SeqState:
         state = self._states.get(seq)

@@ -268,7 +268,12 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cos_sins = [(cos.squeeze(1), sin.squeeze(1)) for cos, sin in ropes]  # [n, r // 2] each
-        calls = self._decode_calls() if meta.num_decode_seqs == meta.num_seqs else None
+        # The one-call layer runs every query token over its own causal context, as the fused
+        # layer's attention does: pure decode steps, and steps of short queries (speculative
+        # verification, small chunks) given each token's own block table and context length.
+        pure_decode = meta.num_decode_seqs == meta.num_seqs
+        one_call = pure_decode or meta.max_query_len <= ONE_CALL_MAX_QUERY_LEN
+        calls = self._decode_calls() if one_call else None
         for i, kv_cache in enumerate(kv_caches):
             layer = cast(DecoderLayer, self.layers[i])
             cos, sin = cos_sins[layer.self_attn.rope_index]
@@ -278,9 +283,12 @@ class DecoderForCausalLM(nn.Module):
                 h = decoder_cpu.fused_layer(layer, (cos, sin), h, kv_cache, lmeta)
                 continue
             w, kinds, eps, heads, kv_heads, scale, window, cap = args
+            tables, lens = (
+                (lmeta.block_tables, lmeta.seq_lens) if pure_decode else lmeta.token_context()
+            )
             h = cpu_kernels.decode_layer(
-                h, w, kinds, eps, cos, sin, kv_cache, lmeta.slot_mapping, lmeta.block_tables,
-                lmeta.seq_lens, heads, kv_heads, scale, window, cap,
+                h, w, kinds, eps, cos, sin, kv_cache, lmeta.slot_mapping, tables, lens,
+                heads, kv_heads, scale, window, cap,
             )  # fmt: skip
         return decoder_cpu.norm(self.norm, h)
 
@@ -411,4 +419,7 @@ class DecoderForCausalLM(nn.Module):
         return f"layers.{match[1]}.{ours}", offset
 
 
+# Steps whose longest query is at most this many tokens run the one-call C++ layer (the Python fused
+# layer's dispatch costs about half a decode step at batch 1; long prefill chunks do not notice it).
+ONE_CALL_MAX_QUERY_LEN = 64
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")

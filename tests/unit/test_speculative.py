@@ -19,7 +19,7 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.spec_config import SpeculativeConfig
-from engine.core.speculator import FIRST_PAUSE, Speculator
+from engine.core.speculator import Speculator
 from engine.executor.sampler import Sampler, SamplingRow
 from engine.executor.spec_verify import num_accepted, verification_rows
 from server.settings import add_serve_arguments, build_configs, resolve
@@ -133,11 +133,21 @@ def test_speculator_limits_and_back_off():
     seq.matcher = object()  # structured outputs: no proposals
     assert spec.propose(seq, 10) == []
     seq.matcher = None
-    for _ in range(3):  # nothing accepted: the average falls below the threshold, it pauses
-        spec.record(seq, 4, 0)
-    assert spec.propose(seq, 10) == []
-    seq.token_ids += [7] * FIRST_PAUSE + [1, 2]
-    assert spec.propose(seq, 10) == [7, 7, 7, 7]  # retried after the pause
+    seq.token_ids += [3, 4, 5, 6, 1, 2]  # each growth keeps the suffix 1 2, then 3 4 5 6
+    assert spec.propose(seq, 10) == [3, 4, 5, 6]  # optimistic start: the full draft
+    spec.record(seq, 4, 0)
+    assert spec.propose(seq, 10) == [3, 4]  # acceptance about 0.5: positions 1-2 still pay
+    spec.record(seq, 2, 0)
+    assert spec.propose(seq, 10) == [3]
+    spec.record(seq, 1, 0)
+    assert spec.propose(seq, 10) == []  # no position pays: a pause starts
+    seq.token_ids += [3, 4, 5, 6, 1, 2]
+    assert spec.propose(seq, 10) == []  # paused for FIRST_PAUSE tokens
+    seq.token_ids += [3, 4, 5, 6, 1, 2]
+    assert spec.propose(seq, 10) == [3, 4]  # retried after the pause, from a neutral estimate
+    for _ in range(6):
+        spec.record(seq, 2, 2)
+    assert len(spec.propose(seq, 10)) == 4  # accepted again: the full draft is back
 
 
 def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
