@@ -17,6 +17,7 @@ from engine.text.schema_regex import ecma_patterns, ecma_regex
 
 logger = logging.getLogger(__name__)
 
+_AFTER_REASONING = "after_reasoning"  # the name by which a reasoning prefix reaches the constraint
 _CACHE_SIZE = 256  # compiled constraints kept (a template matcher each, a few hundred KiB at most)
 
 
@@ -108,13 +109,37 @@ class GrammarCompiler:
 
 def grammar_text(constraint: StructuredOutputs) -> str:
     """The llguidance grammar of a constraint."""
+    if constraint.reasoning is None and constraint.answer is None:
+        return _single_grammar_text(constraint)
+    return json.dumps({"grammars": _all_entries(constraint)})
+
+
+def _all_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
+    if constraint.reasoning is not None:
+        # Free reasoning first, up to the block's end (a lazy lexeme ends at the first closing
+        # tag), then blanks, then the constraint itself, reached as a second grammar.
+        fmt = constraint.reasoning
+        inner = _all_entries(dataclasses.replace(constraint, reasoning=None))
+        inner[0]["name"] = _AFTER_REASONING
+        after = f'think /[ \\t\\r\\n]*/ @{_AFTER_REASONING}'
+        if fmt.starts_inside:
+            start = f"start: {after}"
+        else:  # the output opens the block, or skips it and answers at once
+            start = f"start: {json.dumps(fmt.start)} {after} | @{_AFTER_REASONING}"
+        think = f"think[lazy]: /(?s:.*){_regex_literal(fmt.end)}/"
+        return [{"lark_grammar": f"{start}\n{think}\n"}, *inner]
     if constraint.answer is not None:
         # One llguidance grammar of two: the first (a Lark grammar) reaches the second as @answer.
         main = _grammar_entries(dataclasses.replace(constraint, answer=None))
         answer = _grammar_entries(constraint.answer)
         answer[0]["name"] = ANSWER_GRAMMAR
-        return json.dumps({"grammars": [*main, *answer]})
-    return _single_grammar_text(constraint)
+        return [*main, *answer]
+    return _grammar_entries(constraint)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/ (regex metacharacters and the slash escaped)."""
+    return "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in text)
 
 
 def _grammar_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
