@@ -121,7 +121,7 @@ def _all_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
         fmt = constraint.reasoning
         inner = _all_entries(dataclasses.replace(constraint, reasoning=None))
         inner[0]["name"] = _AFTER_REASONING
-        after = f'think /[ \\t\\r\\n]*/ @{_AFTER_REASONING}'
+        after = f"think /[ \\t\\r\\n]*/ @{_AFTER_REASONING}"
         if fmt.starts_inside:
             start = f"start: {after}"
         else:  # the output opens the block, or skips it and answers at once

@@ -91,7 +91,9 @@ def test_prompt_state_decides_the_format():
 def test_detection_and_names():
     assert detect_reasoning_parser(None) == "none"
     assert detect_reasoning_parser("{{ messages }}") == "none"
-    assert detect_reasoning_parser("{%- if enable_thinking is false %}<think>\n\n</think>") == "qwen3"
+    assert (
+        detect_reasoning_parser("{%- if enable_thinking is false %}<think>\n\n</think>") == "qwen3"
+    )
     assert detect_reasoning_parser("<｜Assistant｜><think>\n") == "deepseek_r1"
     assert get_reasoning_parser("none") is None
     assert get_reasoning_parser("auto", "plain") is None
