@@ -159,7 +159,13 @@ def prepare_chat(
     if max_tokens == 0:
         raise invalid_request(f"{param} must be at least 1 for chat completions", param)
     constraint = request_constraint(req)
-    plan = tool_plan(req, tokenizer.chat_template, state.config.tool_call_parser, constraint)
+    plan = tool_plan(
+        req,
+        tokenizer.chat_template,
+        state.config.tool_call_parser,
+        constraint,
+        tokenizer.added_tokens,
+    )
     if plan is not None:
         constraint = plan.constraint  # tool calls, the requested answer, or both
     prompt_ids, prompt_text = apply_template(

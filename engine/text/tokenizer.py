@@ -56,6 +56,8 @@ class Tokenizer:
             hf, "chat_template", None
         )
         self._added_ids = set(hf.added_tokens_decoder)
+        # Added tokens by text (Qwen3's <think>, <tool_call>): grammars name these by id.
+        self.added_tokens = {t.content: i for i, t in hf.added_tokens_decoder.items()}
         self._decoder_kind = _decoder_kind(hf)
         self._bytes_cache: dict[int, bytes] = {}
 

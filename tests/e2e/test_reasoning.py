@@ -25,8 +25,8 @@ THINKING_OFF = "<think>\n\n</think>\n\n"
 # A Qwen3-style template: native tools in Hermes format, `enable_thinking: false` closes the block.
 QWEN3_STYLE = (
     "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for tool in tools %}"
-    "{{- tool | tojson }}{%- endfor %}{{- '</tools>\\nCall a tool with <tool_call>{\"name\": ..., "
-    "\"arguments\": {...}}</tool_call><|im_end|>\\n' }}{%- endif %}"
+    '{{- tool | tojson }}{%- endfor %}{{- \'</tools>\\nCall a tool with <tool_call>{"name": ..., '
+    '"arguments": {...}}</tool_call><|im_end|>\\n\' }}{%- endif %}'
     "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
     "'<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -198,6 +198,7 @@ def test_a_forced_tool_call_follows_the_reasoning(client: openai.OpenAI):
                     "type": "object",
                     "properties": {"city": {"enum": ["Paris"]}},
                     "required": ["city"],
+                    "additionalProperties": False,
                 },
             },
         }
@@ -262,8 +263,10 @@ def test_responses_reasoning_item(client: openai.OpenAI):
     # The reasoning item passed back as input is accepted.
     follow = client.responses.create(
         model=response.model,
-        input=[*[item.model_dump(exclude_none=True) for item in response.output],
-               {"role": "user", "content": "And tomorrow?"}],  # fmt: skip
+        input=[
+            *[item.model_dump(exclude_none=True) for item in response.output],
+            {"role": "user", "content": "And tomorrow?"},
+        ],  # fmt: skip
         max_output_tokens=60,
     )
     assert follow.output_text == ANSWER

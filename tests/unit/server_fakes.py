@@ -44,6 +44,7 @@ class FakeTokenizer:
     vocab_size = 256
     eos_token_ids = {0}
     chat_template: str | None = None  # no tool support: tools are described in the prompt
+    added_tokens: dict[str, int] = {}  # noqa: RUF012 - never written
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
