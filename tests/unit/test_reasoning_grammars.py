@@ -15,9 +15,7 @@ from engine.core.sampling_params import ReasoningFormat, SamplingParams, Structu
 from engine.text.structured import GrammarCompiler
 from engine.text.tool_use import plan_tool_use
 
-SCHEMA = json.dumps(
-    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-)
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 MAYBE, INSIDE = ReasoningFormat(), ReasoningFormat(starts_inside=True)
 
 
