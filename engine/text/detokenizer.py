@@ -113,7 +113,8 @@ class IncrementalDetokenizer:
         final = finished or self.stop_matched is not None
         start = 0
         if self.reasoning is not None:
-            self.reasoning.advance(self.text, final)
+            if final:  # (_append_text advances it as text arrives)
+                self.reasoning.advance(self.text, final)
             content_start = self.reasoning.content_start(self.text, final)
             if content_start is None:
                 return len(self.text), len(self.text)

@@ -88,9 +88,12 @@ def get_reasoning_parser(name: str, chat_template: str | None = None) -> Reasoni
 
 def _held_back(text: str, end: int, marker: str) -> int:
     """Length of the longest suffix of text[:end] that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, end), 0, -1):
-        if text.startswith(marker[:n], end - n):
-            return n
+    tail = text[max(0, end - len(marker) + 1) : end]
+    at = tail.find(marker[0])
+    while at >= 0:  # only where the marker's first character is can a prefix start
+        if marker.startswith(tail[at:]):
+            return len(tail) - at
+        at = tail.find(marker[0], at + 1)
     return 0
 
 
@@ -107,6 +110,7 @@ class ReasoningTracker:
         self.answer_start: int | None = None  # raw index where the answer begins, once known
         self.opened = fmt.starts_inside  # whether there is a reasoning block at all
         self._scan = 0  # where the search for the closing tag resumes
+        self._shown_start: int | None = None  # first non-blank reasoning index, once seen
 
     def advance(self, text: str, final: bool = False) -> None:
         """Take in `text` (the whole output so far, grown since the last call)."""
@@ -142,9 +146,13 @@ class ReasoningTracker:
             limit = self.reasoning_end
         else:
             limit = len(text) if final else len(text) - _held_back(text, len(text), self.fmt.end)
-        start = self.reasoning_start
-        while start < limit and text[start] in _WS:
-            start += 1
+        start = self._shown_start
+        if start is None:
+            start = self.reasoning_start
+            while start < limit and text[start] in _WS:
+                start += 1
+            if start < limit:
+                self._shown_start = start
         end = limit
         while end > start and text[end - 1] in _WS:
             end -= 1
