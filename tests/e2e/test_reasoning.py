@@ -364,3 +364,23 @@ def test_unknown_reasoning_parser_is_a_startup_error(scripted_dir: Path, tmp_pat
     )
     assert result.returncode != 0
     assert "reasoning-parser" in result.stderr and "qwen3" in result.stderr
+
+
+def test_offline_llm_chat_splits_the_same_way(scripted_dir: Path):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(scripted_dir),
+        dtype="float32",
+        device="cpu",
+        quantization="none",
+        chat_template=str(scripted_dir / "qwen3_style.jinja"),
+        max_model_len=256,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=60, stop=["Halt"])
+    out = llm.chat(HELLO, greedy).outputs[0]
+    assert (out.reasoning, out.text) == (REASONING, ANSWER)  # "Halt" is in the reasoning only
+    off = llm.chat(HELLO, greedy, chat_template_kwargs={"enable_thinking": False}).outputs[0]
+    assert (off.reasoning, off.text) == (None, ANSWER)
+    raw = llm.chat(HELLO, greedy, reasoning_parser="none").outputs[0]
+    assert raw.reasoning is None and raw.text.startswith("<think>Maybe")
