@@ -146,7 +146,7 @@ class Scheduler:
     def _drafts(self, speculator: Speculator, seq: Sequence, budget: int) -> list[int]:
         """Proposed tokens for a decoding sequence whose KV blocks can take them now; never
         preempts for them (an empty list: decode plainly)."""
-        drafts = speculator.propose(seq, budget)
+        drafts = speculator.propose(seq, budget, len(self.running))
         if drafts and not self.kv.allocate_slots(seq, 1 + len(drafts)):
             return []
         return drafts

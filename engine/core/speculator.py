@@ -14,16 +14,18 @@ from engine.core.request import Sequence
 from engine.core.spec_config import SpeculativeConfig
 
 DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance estimate
-# A draft token costs about this fraction of a decode step to verify (the CPU block matmuls at batch
-# 1: +0.25-0.3 step per extra row, measured with benchmarks/spec_decode.py's engine). A position
-# is worth proposing while the chance of reaching and accepting it stays above this.
-DRAFT_TOKEN_COST = 0.25
+# A step costs about (STEP_OVERHEAD_ROWS + rows) x the time of one row: on CPU at batch 1 an extra
+# row adds about 0.25-0.3 of a decode step. An accepted draft saves its sequence one row and its
+# share of a step's fixed cost; a rejected one wastes its row. So draft position j pays while the
+# chance of reaching and accepting it exceeds 1 / (1 + STEP_OVERHEAD_ROWS / batch): about 0.25 for
+# one sequence, 0.9 for 32, where only near-certain drafts are worth their rows.
+STEP_OVERHEAD_ROWS = 3.0
 FIRST_PAUSE = 8  # decode tokens of the first pause when no draft pays off; each pause doubles
 MAX_PAUSE = 256
 
 
 class _SeqState:
-    __slots__ = ("index", "accepted", "rejected", "pause", "resume_at")
+    __slots__ = ("index", "accepted", "rejected", "pause", "resume_at", "probe")
 
     def __init__(self, index: NgramIndex) -> None:
         self.index = index
@@ -32,19 +34,22 @@ class _SeqState:
         self.accepted, self.rejected = 2.0, 0.5  # optimistic start (0.8)
         self.pause = FIRST_PAUSE
         self.resume_at = 0  # no proposals before the sequence has this many tokens
+        self.probe = False  # after a pause: one draft at least, to measure acceptance again
 
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def draft_length(self, limit: int) -> int:
-        """Drafts worth verifying: position j pays while acceptance ** j > DRAFT_TOKEN_COST."""
+    def draft_length(self, limit: int, threshold: float) -> int:
+        """Drafts worth verifying: position j pays while acceptance ** j > threshold."""
         alpha = self.acceptance
         if alpha >= 1.0:
             return limit
-        if alpha <= DRAFT_TOKEN_COST:
-            return 0
-        return min(limit, int(math.log(DRAFT_TOKEN_COST) / math.log(alpha)))
+        length = 0 if alpha <= threshold else int(math.log(threshold) / math.log(alpha))
+        if self.probe:
+            self.probe = False
+            length = max(length, 1)
+        return min(limit, length)
 
 
 class Speculator:
@@ -57,9 +62,10 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running < limit
 
-    def propose(self, seq: Sequence, budget: int) -> list[int]:
+    def propose(self, seq: Sequence, budget: int, batch_size: int = 1) -> list[int]:
         """Draft tokens for `seq`'s next verification step: at most `budget`, never past its
-        max_tokens or the model length (their bonus token included), none for constrained output."""
+        max_tokens or the model length (their bonus token included), none for constrained output;
+        as many as pay off among `batch_size` running sequences."""
         if seq.matcher is not None or seq.group.max_output_tokens <= 0:
             return []  # grammar-cut proposals are not built: constrained sequences decode plainly
         room = min(
@@ -73,11 +79,12 @@ class Speculator:
         state = self._state(seq)
         if seq.num_tokens < state.resume_at:
             return []
-        length = state.draft_length(room)
-        if length == 0:  # not paying off: decode plainly for a while, then try again
+        length = state.draft_length(room, 1.0 / (1.0 + STEP_OVERHEAD_ROWS / max(1, batch_size)))
+        if length == 0:  # not paying off: decode plainly for a while, then probe again
             state.resume_at = seq.num_tokens + state.pause
             state.pause = min(2 * state.pause, MAX_PAUSE)
             state.accepted, state.rejected = 1.0, 1.0  # retry from a neutral estimate (0.5)
+            state.probe = True
             return []
         return state.index.propose(seq.token_ids, length)
 

@@ -258,3 +258,15 @@ def test_stats_log_line_reports_acceptance(caplog):
     line = caplog.messages[-1]
     assert "drafts=2 draft_tokens=8 accepted_tokens=6" in line
     assert "acceptance_rate=75.0%" in line and "mean_acceptance_length=4.00" in line
+
+
+def test_under_load_only_near_certain_drafts_are_proposed():
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000)
+    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=200).seqs[0]
+    assert spec.propose(seq, 10, batch_size=32) == []  # 0.8 acceptance is not enough at 32
+    seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
+    assert spec.propose(seq, 10, batch_size=32) == [3]  # a one-draft probe after the pause
+    for _ in range(8):
+        spec.record(seq, 1, 1)
+    assert spec.propose(seq, 10, batch_size=32) == [3, 4, 5, 6]  # always accepted: full drafts
+    assert spec.propose(seq, 10, batch_size=1) == [3, 4, 5, 6]
