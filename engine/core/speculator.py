@@ -83,8 +83,7 @@ class Speculator:
         if length == 0:  # not paying off: decode plainly for a while, then probe again
             state.resume_at = seq.num_tokens + state.pause
             state.pause = min(2 * state.pause, MAX_PAUSE)
-            state.accepted, state.rejected = 1.0, 1.0  # retry from a neutral estimate (0.5)
-            state.probe = True
+            state.probe = True  # the estimate is kept: probes that succeed raise it again
             return []
         return state.index.propose(seq.token_ids, length)
 
