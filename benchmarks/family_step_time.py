@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.bench_utils import cpu_summary
 
-SHAPE = dict(
+SHAPE: dict[str, Any] = dict(
     hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
     head_dim=128, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
     rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
