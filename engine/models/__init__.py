@@ -12,8 +12,11 @@ import torch
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Mistral, Qwen2 and SmolLM are Llama configs; Qwen2 differs only by q/k/v bias (read from config).
 # A family class is built from (hf_config, dtype, device).
@@ -26,6 +29,10 @@ MODEL_REGISTRY: dict[str, ModelClass] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixtures of experts: the decoder with sparse expert blocks (engine.models.moe_decoder).
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
