@@ -53,6 +53,7 @@ inline void row_tiles(int64_t r0, int64_t r1, F&& f) {
 // ---------------------------------------------------------------- AVX-512 VNNI (zmm)
 
 constexpr int kRows512 = 8;  // rows per tile: 2 x 8 accumulators + weights fit in 32 zmm
+constexpr int64_t kFewRows = 4;  // calls of fewer rows run the ymm kernels (one weight stream)
 
 KV_VNNI512 inline void keep512(__m512i& v) { asm("" : "+v"(v)); }
 
@@ -197,96 +198,131 @@ KV_VNNI512 void groups_512(const BlockWeight& w, const QuantRows& x, int64_t r0,
   }
 }
 
-// ---------------------------------------------------------------- AVX-VNNI (ymm)
+// ---------------------------------------------------------------- ymm: AVX-VNNI and AVX-512 VNNI
 
+// One column group per ymm register, written once and compiled twice: with the VEX vpdpbusd of
+// AVX-VNNI, and with the EVEX one of AVX-512 VNNI + VL, which the zmm path uses for calls of few
+// rows (there two groups per zmm only add a second weight stream: slower at 1 row, measured).
 constexpr int kRows256 = 4;  // rows per tile: 2 x 4 accumulators + weights fit in 16 ymm
 
-KV_AVXVNNI inline void keep256(__m256i& v) { asm("" : "+x"(v)); }
+#define KV_YMM_KERNELS(ATTR, DP) \
+ATTR inline void keep256(__m256i& v) { asm("" : "+x"(v)); }                                         \
+                                                                                                    \
+ATTR inline __m256 load_half8(const c10::Half* p) {                                                 \
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));                     \
+}                                                                                                   \
+                                                                                                    \
+ATTR inline void prefetch256(const void* p, int64_t bytes) {                                        \
+  for (int64_t off = 0; off < bytes; off += 64)                                                     \
+    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);                                   \
+}                                                                                                   \
+                                                                                                    \
+template <int RM, bool PF>                                                                          \
+ATTR void q4_group(const uint8_t* qs, const c10::Half* wd, const c10::Half* wm,                     \
+                         const QuantRows& x, int64_t r0, float* out, int64_t N) {                   \
+  const __m256i low = _mm256_set1_epi8(0x0F);                                                       \
+  const int64_t KB = x.KB, K = x.K;                                                                 \
+  __m256 acc[RM];                                                                                   \
+  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();                                        \
+  for (int64_t b = 0; b < KB; ++b) {                                                                \
+    const uint8_t* wb = qs + b * 128;                                                               \
+    if constexpr (PF) {                                                                             \
+      prefetch256(wb + kPrefetch * 128, 128);                                                       \
+      prefetch256(wd + (b + kPrefetch) * 8, 16), prefetch256(wm + (b + kPrefetch) * 8, 16);         \
+    }                                                                                               \
+    __m256i isum[RM];                                                                               \
+    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                  \
+_Pragma("GCC unroll 4")                                                                             \
+    for (int j = 0; j < 4; ++j) {                                                                   \
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));          \
+      const __m256i lo = _mm256_and_si256(v, low);                                                  \
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                            \
+_Pragma("GCC unroll 4")                                                                             \
+      for (int r = 0; r < RM; ++r) {                                                                \
+        const int8_t* xb = x.q + (r0 + r) * K + b * kBlock;                                         \
+        isum[r] = DP(isum[r], lo, _mm256_set1_epi32(load4(xb + 4 * j)));                            \
+        isum[r] = DP(isum[r], hi, _mm256_set1_epi32(load4(xb + 4 * j + 16)));                       \
+        keep256(isum[r]);                                                                           \
+      }                                                                                             \
+    }                                                                                               \
+    const __m256 dw = load_half8(wd + b * 8), mw = load_half8(wm + b * 8);                          \
+_Pragma("GCC unroll 4")                                                                             \
+    for (int r = 0; r < RM; ++r) {                                                                  \
+      const __m256 dx = _mm256_set1_ps(x.d[(r0 + r) * KB + b]);                                     \
+      const __m256 sx = _mm256_set1_ps(x.s[(r0 + r) * KB + b]);                                     \
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);         \
+      acc[r] = _mm256_fmadd_ps(mw, sx, acc[r]);                                                     \
+    }                                                                                               \
+  }                                                                                                 \
+  for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);                        \
+}                                                                                                   \
+                                                                                                    \
+template <int RM, bool PF>                                                                          \
+ATTR void q8_group(const int8_t* qs, const c10::Half* wd, const QuantRows& x, int64_t r0,           \
+                         float* out, int64_t N) {                                                   \
+  const __m256i ones = _mm256_set1_epi8(1);                                                         \
+  const int64_t KB = x.KB, K = x.K;                                                                 \
+  __m256 acc[RM];                                                                                   \
+  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();                                        \
+  for (int64_t b = 0; b < KB; ++b) {                                                                \
+    const int8_t* wb = qs + b * 256;                                                                \
+    if constexpr (PF) prefetch256(wb + kPrefetch * 256, 256), prefetch256(wd + (b + kPrefetch) * 8, 16); \
+    __m256i isum[RM];                                                                               \
+    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                  \
+    __m256i wsum = _mm256_setzero_si256();                                                          \
+_Pragma("GCC unroll 8")                                                                             \
+    for (int j = 0; j < 8; ++j) {                                                                   \
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));          \
+      wsum = DP(wsum, ones, w);                                                                     \
+_Pragma("GCC unroll 4")                                                                             \
+      for (int r = 0; r < RM; ++r) {                                                                \
+        const uint8_t* xb = x.u + (r0 + r) * K + b * kBlock;                                        \
+        isum[r] = DP(isum[r], _mm256_set1_epi32(load4(xb + 4 * j)), w);                             \
+        keep256(isum[r]);                                                                           \
+      }                                                                                             \
+    }                                                                                               \
+    const __m256i offset = _mm256_slli_epi32(wsum, 7);                                              \
+    const __m256 dw = load_half8(wd + b * 8);                                                       \
+_Pragma("GCC unroll 4")                                                                             \
+    for (int r = 0; r < RM; ++r) {                                                                  \
+      const __m256 dx = _mm256_set1_ps(x.d[(r0 + r) * KB + b]);                                     \
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], offset));                     \
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), sum, acc[r]);                                 \
+    }                                                                                               \
+  }                                                                                                 \
+  for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);                        \
+}                                                                                                   \
+                                                                                                    \
+ATTR void q4_groups(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,               \
+                          int64_t g0, int64_t g1, int64_t N, float* out) {                          \
+  for (int64_t g = g0; g < g1; ++g) {                                                               \
+    const uint8_t* qs = w.q4 + g * x.KB * 128;                                                      \
+    const c10::Half *d = w.d + g * x.KB * 8, *m = w.m + g * x.KB * 8;                               \
+    row_tiles<kRows256>(r0, r1, [&](auto rm, auto pf, int64_t r) {                                  \
+      q4_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);           \
+    });                                                                                             \
+  }                                                                                                 \
+}                                                                                                   \
+                                                                                                    \
+ATTR void q8_groups(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,               \
+                          int64_t g0, int64_t g1, int64_t N, float* out) {                          \
+  for (int64_t g = g0; g < g1; ++g) {                                                               \
+    const int8_t* qs = w.q8 + g * x.KB * 256;                                                       \
+    const c10::Half* d = w.d + g * x.KB * 8;                                                        \
+    row_tiles<kRows256>(r0, r1, [&](auto rm, auto pf, int64_t r) {                                  \
+      q8_group<decltype(rm)::value, decltype(pf)::value>(qs, d, x, r, out + 8 * g, N);              \
+    });                                                                                             \
+  }                                                                                                 \
+}                                                                                                   \
+  static_assert(true)
 
-KV_AVXVNNI inline __m256 load_half8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+namespace vex {
+KV_YMM_KERNELS(KV_AVXVNNI, _mm256_dpbusd_avx_epi32);
+}  // namespace vex
 
-KV_AVXVNNI inline void prefetch256(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
-}
-
-template <int RM, bool PF>
-KV_AVXVNNI void q4_group(const uint8_t* qs, const c10::Half* wd, const c10::Half* wm,
-                         const QuantRows& x, int64_t r0, float* out, int64_t N) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const int64_t KB = x.KB, K = x.K;
-  __m256 acc[RM];
-  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* wb = qs + b * 128;
-    if constexpr (PF) {
-      prefetch256(wb + kPrefetch * 128, 128);
-      prefetch256(wd + (b + kPrefetch) * 8, 16), prefetch256(wm + (b + kPrefetch) * 8, 16);
-    }
-    __m256i isum[RM];
-    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-      const __m256i lo = _mm256_and_si256(v, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
-      for (int r = 0; r < RM; ++r) {
-        const int8_t* xb = x.q + (r0 + r) * K + b * kBlock;
-        isum[r] = _mm256_dpbusd_avx_epi32(isum[r], lo, _mm256_set1_epi32(load4(xb + 4 * j)));
-        isum[r] = _mm256_dpbusd_avx_epi32(isum[r], hi, _mm256_set1_epi32(load4(xb + 4 * j + 16)));
-        keep256(isum[r]);
-      }
-    }
-    const __m256 dw = load_half8(wd + b * 8), mw = load_half8(wm + b * 8);
-#pragma GCC unroll 4
-    for (int r = 0; r < RM; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.d[(r0 + r) * KB + b]);
-      const __m256 sx = _mm256_set1_ps(x.s[(r0 + r) * KB + b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mw, sx, acc[r]);
-    }
-  }
-  for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);
-}
-
-template <int RM, bool PF>
-KV_AVXVNNI void q8_group(const int8_t* qs, const c10::Half* wd, const QuantRows& x, int64_t r0,
-                         float* out, int64_t N) {
-  const __m256i ones = _mm256_set1_epi8(1);
-  const int64_t KB = x.KB, K = x.K;
-  __m256 acc[RM];
-  for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    const int8_t* wb = qs + b * 256;
-    if constexpr (PF) prefetch256(wb + kPrefetch * 256, 256), prefetch256(wd + (b + kPrefetch) * 8, 16);
-    __m256i isum[RM];
-    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();
-    __m256i wsum = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-      wsum = _mm256_dpbusd_avx_epi32(wsum, ones, w);
-#pragma GCC unroll 4
-      for (int r = 0; r < RM; ++r) {
-        const uint8_t* xb = x.u + (r0 + r) * K + b * kBlock;
-        isum[r] = _mm256_dpbusd_avx_epi32(isum[r], _mm256_set1_epi32(load4(xb + 4 * j)), w);
-        keep256(isum[r]);
-      }
-    }
-    const __m256i offset = _mm256_slli_epi32(wsum, 7);
-    const __m256 dw = load_half8(wd + b * 8);
-#pragma GCC unroll 4
-    for (int r = 0; r < RM; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.d[(r0 + r) * KB + b]);
-      const __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], offset));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), sum, acc[r]);
-    }
-  }
-  for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);
-}
+namespace evex {
+KV_YMM_KERNELS(KV_VNNI512, _mm256_dpbusd_epi32);
+}  // namespace evex
 
 }  // namespace
 
@@ -294,34 +330,24 @@ namespace kvblock {
 
 void q4_groups_avx512vnni(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                           int64_t g0, int64_t g1, int64_t N, float* out) {
+  if (r1 - r0 < kFewRows) return evex::q4_groups(w, x, r0, r1, g0, g1, N, out);
   groups_512<true>(w, x, r0, r1, g0, g1, N, out);
 }
 
 void q8_groups_avx512vnni(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                           int64_t g0, int64_t g1, int64_t N, float* out) {
+  if (r1 - r0 < kFewRows) return evex::q8_groups(w, x, r0, r1, g0, g1, N, out);
   groups_512<false>(w, x, r0, r1, g0, g1, N, out);
 }
 
 void q4_groups_avxvnni(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                        int64_t g0, int64_t g1, int64_t N, float* out) {
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* qs = w.q4 + g * x.KB * 128;
-    const c10::Half *d = w.d + g * x.KB * 8, *m = w.m + g * x.KB * 8;
-    row_tiles<kRows256>(r0, r1, [&](auto rm, auto pf, int64_t r) {
-      q4_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);
-    });
-  }
+  vex::q4_groups(w, x, r0, r1, g0, g1, N, out);
 }
 
 void q8_groups_avxvnni(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                        int64_t g0, int64_t g1, int64_t N, float* out) {
-  for (int64_t g = g0; g < g1; ++g) {
-    const int8_t* qs = w.q8 + g * x.KB * 256;
-    const c10::Half* d = w.d + g * x.KB * 8;
-    row_tiles<kRows256>(r0, r1, [&](auto rm, auto pf, int64_t r) {
-      q8_group<decltype(rm)::value, decltype(pf)::value>(qs, d, x, r, out + 8 * g, N);
-    });
-  }
+  vex::q8_groups(w, x, r0, r1, g0, g1, N, out);
 }
 
 }  // namespace kvblock
