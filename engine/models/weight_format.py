@@ -107,15 +107,21 @@ def _auto_quantization(dtype: str, cpu: CpuFeatures, gguf_source: bool) -> tuple
     if gguf_source:
         return "gguf", (
             "auto: the GGUF file's own Q4_0/Q4_1/Q8_0 blocks, served exactly as stored (others as "
-            "Q8_0), on the AVX2 block kernels with int8 activations per row and block of 32: batch-invariant "
+            f"Q8_0), on the {_kernels(cpu)} block kernels with int8 activations per row and block of "
+            "32: batch-invariant "
             "(--quantization none serves its dequantized float32 weights)"
         )
     return "int8", (
-        "auto: int8 Q8_0 blocks on the AVX2 block kernels, activations in int8 per row and block: "
-        "several "
+        f"auto: int8 Q8_0 blocks on the {_kernels(cpu)} block kernels, activations in int8 per row "
+        "and block: several "
         "times faster than float32 here, batch-invariant, perplexity within 1% of float32 "
         "(--quantization none keeps float32 exact)"
     )
+
+
+def _kernels(cpu: CpuFeatures) -> str:
+    """The block-kernel path that runs (the loaded kernels' choice), else what the flags allow."""
+    return cpu.kernel_path or "AVX2"
 
 
 def _slow_dtype_warnings(dtype: torch.dtype, cpu: CpuFeatures) -> tuple[str, ...]:

@@ -53,7 +53,7 @@ inline void row_tiles(int64_t r0, int64_t r1, F&& f) {
 // ---------------------------------------------------------------- AVX-512 VNNI (zmm)
 
 constexpr int kRows512 = 8;  // rows per tile: 2 x 8 accumulators + weights fit in 32 zmm
-constexpr int64_t kFewRows = 4;  // calls of fewer rows run the ymm kernels (one weight stream)
+constexpr int64_t kFewRows = 8;  // calls of fewer rows run the ymm kernels (one weight stream)
 
 KV_VNNI512 inline void keep512(__m512i& v) { asm("" : "+v"(v)); }
 
