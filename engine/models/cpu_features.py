@@ -85,7 +85,7 @@ def block_kernel_choice() -> tuple[str, str, frozenset[str]] | None:
 
 
 def block_kernel_probe(path: str) -> str:
-    """"" if the loaded kernels' `path` runs on this CPU (its probe, in a child process, gave the
+    """ "" if the loaded kernels' `path` runs on this CPU (its probe, in a child process, gave the
     portable loops' bits), else why not. Needs the C++ kernels loaded."""
     try:
         return str(torch.ops.kvserve.block_kernels_probe(path))

@@ -21,7 +21,6 @@ from engine.kernels import cpu_kernels
 from engine.models.block_quant import (
     BlockQ4Weight,
     BlockQ8Weight,
-    BlockValues,
     from_gguf_blocks,
     quantize_q4_1,
     quantize_q8_0,
@@ -145,7 +144,7 @@ print(torch.ops.kvserve.block_kernels_reason())
 """
 
 
-@pytest.mark.parametrize("value", ["avx2", "portable", "avx9"])
+@pytest.mark.parametrize("value", ["avx2", "avx9"])  # portable: test_quantization.py
 def test_kvserve_block_kernels_forces_a_path(value: str) -> None:
     """The env var (read once per process) forces a path that runs; an unusable value falls back
     to the automatic choice and says why."""
