@@ -183,7 +183,7 @@ def test_metadata_from_lists_slots_and_decode_count():
 def test_packed_context_gather_for_flash_backend():
     """The flash backend's gather (used when block_size is not a multiple of 256) is plain torch,
     so its layout is checked here: contexts back to back, in position order."""
-    from engine.kernels.attention import _gather_packed_context
+    from engine.kernels.flash_attention import _gather_packed_context
 
     torch.manual_seed(0)
     rng = random.Random(4)
@@ -222,7 +222,7 @@ def test_backend_choice_and_override(monkeypatch):
 def test_fused_rope_and_kv_write_equal_the_torch_ops(dtype):
     """Rotary inside the fused qkv and the cache write: bitwise what apply_rotary + write_kv give."""
     from engine.kernels.attention import write_kv
-    from engine.models.layers import apply_rotary
+    from engine.models.rotary import apply_rotary
 
     torch.manual_seed(7)
     n, heads, kv_heads, d = 5, 6, 2, 16
