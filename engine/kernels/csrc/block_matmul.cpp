@@ -117,28 +117,37 @@ constexpr int64_t kRowPanel = 64;  // rows whose int8 activations stay in cache 
 // matmul); the workers of one call only read it.
 struct Scratch {
   std::vector<int8_t> q;
-  std::vector<uint8_t> u;
-  std::vector<float> d, s;
+  std::vector<uint8_t> u, pk;
+  std::vector<float> d, s, pd, ps;
 };
 
 // Every path quantizes to the same bytes (the AVX2 quantizer rounds exactly as the portable one).
-QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path) {
+QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool q4) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
   thread_local Scratch scratch;
   scratch.q.resize(M * K), scratch.d.resize(M * KB), scratch.s.resize(M * KB);
   if (path.offset_u) scratch.u.resize(M * K);
+  if (path.packed) scratch.pk.resize(M * K), scratch.pd.resize(M * KB), scratch.ps.resize(M * KB);
   const float* xp = x.data_ptr<float>();
   int8_t* q = scratch.q.data();
   uint8_t* u = path.offset_u ? scratch.u.data() : nullptr;
   float *d = scratch.d.data(), *s = scratch.s.data();
+  // (pointers taken here: inside the workers, `scratch` names each worker's own thread_local)
+  uint8_t* pk = path.packed ? scratch.pk.data() : nullptr;
+  float* pd = path.packed ? scratch.pd.data() : nullptr;
+  float* ps = path.packed ? scratch.ps.data() : nullptr;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
       if (u != nullptr)  // q + 128 in 0..255, as two's complement bytes xor 0x80
         for (int64_t k = m * K; k < (m + 1) * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
+      if (path.packed) {
+        const uint8_t* bytes = q4 ? reinterpret_cast<const uint8_t*>(q) + m * K : u + m * K;
+        kvblock::pack_row(m, M, K, bytes, d + m * KB, s + m * KB, pk, pd, ps);
+      }
     }
   });
-  return {q, u, d, s, K, KB};
+  return {q, u, d, s, K, KB, pk, pd, ps};
 }
 
 // Column groups split across threads (each output element wholly on one thread); rows in panels so
@@ -147,7 +156,7 @@ at::Tensor run_groups(const at::Tensor& x, const BlockWeight& w, int64_t groups,
                       const std::optional<at::Tensor>& bias, bool q4) {
   const kvblock::PathFns& path = kvblock::current_path();
   const kvblock::GroupsFn run = q4 ? path.q4 : path.q8;
-  const QuantRows rows = quantize_rows(x, path);
+  const QuantRows rows = quantize_rows(x, path, q4);
   const int64_t M = x.size(0), N = 8 * groups;
   at::Tensor out = at::empty({M, N}, x.options());
   float* o = out.data_ptr<float>();

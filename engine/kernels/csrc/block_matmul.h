@@ -21,7 +21,28 @@ struct QuantRows {
   const float* d;
   const float* s;
   int64_t K, KB;
+  // For the zmm kernels only (else null): the bytes they read (q for q4, u for q8) and d, s again,
+  // rows in tiles of kPackRows from row 0, each tile block-major so that one pointer walks it:
+  // row r's block b at pk[t K + (b n + i) 32], pd/ps[t KB + b n + i], t = r - i the tile's first
+  // row, i = r % kPackRows, n = the tile's rows.
+  const uint8_t* pk = nullptr;
+  const float* pd = nullptr;
+  const float* ps = nullptr;
 };
+
+constexpr int64_t kPackRows = 8;
+
+// Writes row m's blocks (bytes src [K], scales d, s [KB]) into the tile-packed arrays of M rows.
+inline void pack_row(int64_t m, int64_t M, int64_t K, const uint8_t* src, const float* d,
+                     const float* s, uint8_t* pk, float* pd, float* ps) {
+  const int64_t KB = K / kBlock, i = m % kPackRows, t = m - i;
+  const int64_t n = M - t < kPackRows ? M - t : kPackRows;
+  for (int64_t b = 0; b < KB; ++b) {
+    for (int64_t k = 0; k < kBlock; ++k) pk[t * K + (b * n + i) * kBlock + k] = src[b * kBlock + k];
+    pd[t * KB + b * n + i] = d[b];
+    ps[t * KB + b * n + i] = s[b];
+  }
+}
 
 // A weight's interleaved blocks (one of q4 / q8 set) and fp16 scales (and minimums for q4).
 struct BlockWeight {
@@ -46,13 +67,14 @@ void q4_groups_ref(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64
 void q8_groups_ref(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
                    int64_t, float*);
 
-// One kernel path: its name (KVSERVE_BLOCK_KERNELS), its functions, and whether its q8 kernel
-// reads QuantRows::u.
+// One kernel path: its name (KVSERVE_BLOCK_KERNELS), its functions, whether its q8 kernel reads
+// QuantRows::u, and whether its kernels read the tile-packed arrays.
 struct PathFns {
   const char* name;
   QuantizeRowFn quantize_row;
   GroupsFn q4, q8;
   bool offset_u;
+  bool packed;
 };
 
 // The path matmuls run on now (block_paths.cpp): chosen once from KVSERVE_BLOCK_KERNELS and what

@@ -52,7 +52,7 @@ inline void row_tiles(int64_t r0, int64_t r1, F&& f) {
 
 // ---------------------------------------------------------------- AVX-512 VNNI (zmm)
 
-constexpr int kRows512 = 8;  // rows per tile: 2 x 8 accumulators + weights fit in 32 zmm
+constexpr int kRows512 = kvblock::kPackRows;  // rows per tile: 2 x 8 accumulators fit in 32 zmm
 constexpr int64_t kFewRows = 8;  // calls of fewer rows run the ymm kernels (one weight stream)
 
 KV_VNNI512 inline void keep512(__m512i& v) { asm("" : "+v"(v)); }
@@ -97,6 +97,8 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
   const int64_t KB = x.KB, K = x.K;
   const uint8_t* qa = static_cast<const uint8_t*>(p.qa);
   const uint8_t* qb = static_cast<const uint8_t*>(p.qb);
+  const int8_t* xt = reinterpret_cast<const int8_t*>(x.pk) + r0 * K;  // this tile, packed
+  const float *dt = x.pd + r0 * KB, *st = x.ps + r0 * KB;
   __m512 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -115,7 +117,7 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #pragma GCC unroll 8
       for (int r = 0; r < RM; ++r) {
-        const int8_t* xb = x.q + (r0 + r) * K + b * kBlock;
+        const int8_t* xb = xt + (b * RM + r) * kBlock;
         isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(load4(xb + 4 * j)));
         isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(load4(xb + 4 * j + 16)));
         keep512(isum[r]);
@@ -125,8 +127,8 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
     const __m512 mw = load_half_pair(p.ma + b * 8, p.mb + b * 8);
 #pragma GCC unroll 8
     for (int r = 0; r < RM; ++r) {
-      const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * KB + b]);
-      const __m512 sx = _mm512_set1_ps(x.s[(r0 + r) * KB + b]);
+      const __m512 dx = _mm512_set1_ps(dt[b * RM + r]);
+      const __m512 sx = _mm512_set1_ps(st[b * RM + r]);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
       acc[r] = _mm512_fmadd_ps(mw, sx, acc[r]);
     }
@@ -142,6 +144,8 @@ KV_VNNI512 void q8_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
   const int64_t KB = x.KB, K = x.K;
   const int8_t* qa = static_cast<const int8_t*>(p.qa);
   const int8_t* qb = static_cast<const int8_t*>(p.qb);
+  const uint8_t* xt = x.pk + r0 * K;  // this tile's u, packed
+  const float* dt = x.pd + r0 * KB;
   __m512 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -159,7 +163,7 @@ KV_VNNI512 void q8_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
       wsum = _mm512_dpbusd_epi32(wsum, ones, w);
 #pragma GCC unroll 8
       for (int r = 0; r < RM; ++r) {
-        const uint8_t* xb = x.u + (r0 + r) * K + b * kBlock;
+        const uint8_t* xb = xt + (b * RM + r) * kBlock;
         isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(load4(xb + 4 * j)), w);
         keep512(isum[r]);
       }
@@ -168,7 +172,7 @@ KV_VNNI512 void q8_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
     const __m512 dw = load_half_pair(p.da + b * 8, p.db + b * 8);
 #pragma GCC unroll 8
     for (int r = 0; r < RM; ++r) {
-      const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * KB + b]);
+      const __m512 dx = _mm512_set1_ps(dt[b * RM + r]);
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], offset));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), sum, acc[r]);
     }
@@ -330,7 +334,9 @@ namespace kvblock {
 
 void q4_groups_avx512vnni(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                           int64_t g0, int64_t g1, int64_t N, float* out) {
-  if (r1 - r0 < kFewRows) return evex::q4_groups(w, x, r0, r1, g0, g1, N, out);
+  // Few rows of q4 are memory-bound, where AVX2's int16 sums took 1-6% less time than vpdpbusd
+  // (benchmarks/block_paths.py, 3 runs): same bits, so the faster kernel.
+  if (r1 - r0 < kFewRows) return q4_groups_avx2(w, x, r0, r1, g0, g1, N, out);
   groups_512<true>(w, x, r0, r1, g0, g1, N, out);
 }
 
@@ -342,6 +348,7 @@ void q8_groups_avx512vnni(const BlockWeight& w, const QuantRows& x, int64_t r0, 
 
 void q4_groups_avxvnni(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                        int64_t g0, int64_t g1, int64_t N, float* out) {
+  if (r1 - r0 < kRows256) return q4_groups_avx2(w, x, r0, r1, g0, g1, N, out);  // as above
   vex::q4_groups(w, x, r0, r1, g0, g1, N, out);
 }
 

@@ -31,14 +31,14 @@ const std::vector<PathFns>& paths() {
   static const std::vector<PathFns> all = {
 #if defined(__x86_64__) && defined(__GNUC__)
       {"avx512vnni", kvblock::quantize_row_avx2, kvblock::q4_groups_avx512vnni,
-       kvblock::q8_groups_avx512vnni, true},
+       kvblock::q8_groups_avx512vnni, true, true},
       {"avxvnni", kvblock::quantize_row_avx2, kvblock::q4_groups_avxvnni,
-       kvblock::q8_groups_avxvnni, true},
+       kvblock::q8_groups_avxvnni, true, false},
       {"avx2", kvblock::quantize_row_avx2, kvblock::q4_groups_avx2, kvblock::q8_groups_avx2,
-       false},
+       false, false},
 #endif
       {"portable", kvblock::quantize_row_ref, kvblock::q4_groups_ref, kvblock::q8_groups_ref,
-       false},
+       false, false},
   };
   return all;
 }
@@ -76,6 +76,8 @@ struct ProbeCase {
   std::vector<int8_t> w8 = std::vector<int8_t>(G * KB * 256);
   std::vector<c10::Half> wd = std::vector<c10::Half>(G * KB * 8), wm = wd;
   std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4, got = expect4;
+  std::vector<uint8_t> pk4 = u, pk8 = u;  // tile-packed q (for q4) and u (for q8)
+  std::vector<float> pd = d, ps = s;
 
   ProbeCase() {
     uint32_t state = 12345;
@@ -85,6 +87,13 @@ struct ProbeCase {
     for (int64_t m = 0; m < M; ++m)
       kvblock::quantize_row_ref(&x[m * K], K, &q[m * K], &d[m * KB], &s[m * KB]);
     for (int64_t k = 0; k < M * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
+    const auto* bytes = reinterpret_cast<const uint8_t*>(q.data());
+    for (int64_t m = 0; m < M; ++m) {
+      kvblock::pack_row(m, M, K, bytes + m * K, &d[m * KB], &s[m * KB], pk4.data(), pd.data(),
+                        ps.data());
+      kvblock::pack_row(m, M, K, &u[m * K], &d[m * KB], &s[m * KB], pk8.data(), pd.data(),
+                        ps.data());
+    }
     for (auto& v : w4) v = static_cast<uint8_t>(next());
     for (size_t i = 0; i < w8.size(); ++i) w8[i] = static_cast<int8_t>(i % 7 == 0 ? -128 : next());
     for (size_t i = 0; i < wd.size(); ++i) {
@@ -95,11 +104,14 @@ struct ProbeCase {
   }
 
   void run(const PathFns& p, float* out4, float* out8) const {
-    const kvblock::QuantRows x{q.data(), u.data(), d.data(), s.data(), K, KB};
+    const kvblock::QuantRows x4{q.data(), u.data(), d.data(), s.data(), K, KB,
+                                pk4.data(), pd.data(), ps.data()};
+    const kvblock::QuantRows x8{q.data(), u.data(), d.data(), s.data(), K, KB,
+                                pk8.data(), pd.data(), ps.data()};
     const kvblock::BlockWeight b4{w4.data(), nullptr, wd.data(), wm.data()};
     const kvblock::BlockWeight b8{nullptr, w8.data(), wd.data(), nullptr};
-    p.q4(b4, x, 0, M, 0, G, N, out4);
-    p.q8(b8, x, 0, M, 0, G, N, out8);
+    p.q4(b4, x4, 0, M, 0, G, N, out4);
+    p.q8(b8, x8, 0, M, 0, G, N, out8);
   }
 };
 
