@@ -75,7 +75,7 @@ struct ProbeCase {
   std::vector<uint8_t> w4 = std::vector<uint8_t>(G * KB * 128);
   std::vector<int8_t> w8 = std::vector<int8_t>(G * KB * 256);
   std::vector<c10::Half> wd = std::vector<c10::Half>(G * KB * 8), wm = wd;
-  std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4, got = expect4;
+  std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4;
   std::vector<uint8_t> pk4 = u, pk8 = u;  // tile-packed q (for q4) and u (for q8)
   std::vector<float> pd = d, ps = s;
 
