@@ -127,6 +127,7 @@ std::string probe(const PathFns& p) {
   const pid_t pid = fork();
   if (pid < 0) return "";  // no child process possible here: the flags are all there is to go by
   if (pid == 0) {
+    alarm(30);  // a child that hangs (it should not: no locks, no allocation) dies instead
     test.run(p, got4.data(), got8.data());
     const bool same =
         std::memcmp(got4.data(), test.expect4.data(), got4.size() * sizeof(float)) == 0 &&
