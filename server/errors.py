@@ -22,6 +22,7 @@ from engine import (
     QueueFullError,
     RequestError,
 )
+from server.field_map import COMPLETION_FIELDS, FieldMap
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +117,11 @@ def service_unavailable(message: str) -> APIError:
     return APIError(message, status=503, type="server_error", code="service_unavailable")
 
 
-def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
+def to_api_error(exc: BaseException, fields: FieldMap = COMPLETION_FIELDS) -> APIError:
     """Map an exception raised while serving a request to the error the client sees. Only the engine's
-    InvalidRequestError family blames the request (400; a PromptError names `prompt_param`, this API's
-    field for the prompt); any other exception, a plain ValueError too, is a bug: a logged 500."""
+    InvalidRequestError family blames the request (400, its field named through `fields`, this API's
+    names; a PromptError names the API's prompt field); any other exception, a plain ValueError too,
+    is a bug: a logged 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
@@ -134,11 +136,11 @@ def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"The engine is not running: {exc}")
     if isinstance(exc, ContextLengthError):
-        return context_length_exceeded(str(exc), prompt_param)
+        return context_length_exceeded(str(exc), fields.prompt)
     if isinstance(exc, PromptError):
-        return invalid_request(str(exc), param=prompt_param)
+        return invalid_request(str(exc), param=fields.prompt)
     if isinstance(exc, InvalidRequestError):
-        return invalid_request(str(exc), param=exc.param)
+        return invalid_request(str(exc), param=fields.name(exc.param) if exc.param else None)
     if isinstance(exc, RequestError):
         return APIError(str(exc), status=500, type="server_error", code="internal_error")
     logger.exception("unexpected error while serving a request", exc_info=exc)
@@ -251,13 +253,18 @@ def _union_error(errors: list[dict[str, Any]]) -> tuple[dict[str, Any], str | No
     return best, f"Input should be {wanted}"
 
 
-def validation_error(errors: list[dict[str, Any]], content_type: str | None = None) -> APIError:
-    """Turn pydantic errors into one 400 naming the first offending field."""
+def validation_error(
+    errors: list[dict[str, Any]], content_type: str | None = None, fields: FieldMap | None = None
+) -> APIError:
+    """Turn pydantic errors into one 400 naming the first offending field (through `fields` when the
+    request validated is the chat-shaped plan of another surface's request)."""
     if not errors:
         return invalid_request("Invalid request.")
     first = errors[0]
     kind = first.get("type", "")
     param = _loc_to_param(tuple(first.get("loc", ())))
+    if fields is not None and param is not None:
+        param = fields.name(param)
     if kind in ("json_invalid", "json_type"):
         return invalid_request(
             "The request body is not valid JSON: " + str(first.get("msg", "")).strip(),
@@ -288,6 +295,9 @@ def validation_error(errors: list[dict[str, Any]], content_type: str | None = No
         field, _, _ = _split_union(tuple(best["loc"])) or ((), "", ())
         param = _loc_to_param(field)
         where = _loc_to_param(tuple(best["loc"]))
+        if fields is not None:
+            param = fields.name(param) if param is not None else None
+            where = fields.name(where) if where is not None else None
         message = override or str(best.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine import EmbeddingOutput, EngineClient
 from server.errors import APIError, invalid_request
+from server.field_map import EMBEDDING_FIELDS
 from server.generation import check_prompts, wait_for_disconnect
 from server.protocol import EmbeddingRequest
 from server.state import ServerState
@@ -176,7 +177,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
     tokenizer = engine.tokenizer
     keep = _truncation(req, engine.max_model_len)
     inputs = _inputs(req, tokenizer, keep)
-    check_prompts(engine, inputs, None, "input")
+    check_prompts(engine, inputs, None, EMBEDDING_FIELDS)
     _check_capacity(engine, inputs)
     request_id = f"embd-{uuid.uuid4().hex}"
     try:
