@@ -16,14 +16,14 @@ from pathlib import Path
 
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.core.errors import InvalidRequestError
-from engine.core.outputs import (
-    EmbeddingOutput,
+from engine.core.errors import (
     EngineDeadError,
+    InvalidRequestError,
     QueueFullError,
     RequestError,
-    RequestOutput,
+    WrongTaskError,
 )
+from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.core.pending import AbortRequest, AddRequest, PendingWork
 from engine.core.sampling_params import SamplingParams
 from engine.core.snapshot import EngineHealth, EngineSnapshot
@@ -148,9 +148,7 @@ class AsyncLLMEngine:
         """Yield the request's outputs as the engine produces them; closing the iterator aborts it."""
         self._check_alive()
         if self.task != "generate":
-            raise InvalidRequestError(
-                "this server runs an embedding model: use /v1/embeddings, not text generation"
-            )
+            raise WrongTaskError(self.task, "generate")
         async for out in self._submit(request_id, prompt_token_ids, params, prompt):
             assert isinstance(out, RequestOutput)
             yield out
@@ -168,9 +166,7 @@ class AsyncLLMEngine:
         self._check_alive()
         core = self.core
         if not isinstance(core, LLMEngine):
-            raise InvalidRequestError(
-                "this server runs an embedding model: scoring needs a generative model"
-            )
+            raise WrongTaskError(self.task, "generate")
         core.validate_score(context_token_ids, choices)
         item = AddRequest(
             request_id, context_token_ids, None, prompt, time.monotonic(), choices, num_top_logprobs
@@ -222,8 +218,8 @@ class AsyncLLMEngine:
                     raise got
                 if got.error is not None:
                     finished = True
-                    if got.error_param is not None:
-                        raise InvalidRequestError(got.error, got.error_param)
+                    if isinstance(got, RequestOutput) and got.fault is not None:
+                        raise got.fault
                     raise RequestError(got.error)
                 finished = got.finished
                 yield got
@@ -239,9 +235,7 @@ class AsyncLLMEngine:
         """The input's pooled, normalized vector; batched with other requests by the engine."""
         self._check_alive()
         if self.task != "embed":
-            raise InvalidRequestError(
-                "this server runs a generative model: /v1/embeddings needs an embedding model (--task embed)"
-            )
+            raise WrongTaskError(self.task, "embed")
         async for out in self._submit(request_id, prompt_token_ids, None, None):
             assert isinstance(out, EmbeddingOutput)
             return out

@@ -145,13 +145,21 @@ class LLMEngine:
         params.validate_for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
         max_tokens = resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
-        needed = self.kv.blocks_needed(num_prompt + max_tokens)
+        self._check_fits_pool(num_prompt + max_tokens, "prompt")
+        return max_tokens
+
+    def _check_fits_pool(self, num_tokens: int, param: str) -> None:
+        """The one check only the engine can make: a request's whole length fits the KV cache pool."""
+        needed = self.kv.blocks_needed(num_tokens)
         if needed > self.kv.num_blocks:
             raise ContextLengthError(
-                f"This request needs {needed} KV cache blocks ({num_prompt + max_tokens} tokens) but the pool holds "
-                f"only {self.kv.num_blocks}; shorten it or start the server with a larger KV cache."
+                f"This request needs {needed} KV cache blocks ({num_tokens} tokens) but the pool "
+                f"holds only {self.kv.num_blocks}",
+                param,
+                limit=self.kv.num_blocks * self.kv.block_size,
+                needed=num_tokens,
+                kv_pool=True,
             )
-        return max_tokens
 
     def compile_constraint(self, constraint: StructuredOutputs) -> None:
         """Compile (and cache) a constraint; blocking, so the async engine calls it off the step
@@ -226,14 +234,10 @@ class LLMEngine:
                 f"context ({len(context_token_ids)} tokens) plus the longest choice ({longest} tokens) "
                 f"is {total} tokens. Please shorten the context or the choices.",
                 param="choices",
+                limit=self.max_model_len,
+                needed=total,
             )
-        needed = self.kv.blocks_needed(total)
-        if needed > self.kv.num_blocks:
-            raise ContextLengthError(
-                f"This request needs {needed} KV cache blocks ({total} tokens) but the pool holds only "
-                f"{self.kv.num_blocks}; shorten it or start the server with a larger KV cache.",
-                param="choices",
-            )
+        self._check_fits_pool(total, "choices")
 
     def add_score_request(
         self,

@@ -15,12 +15,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import (
+    ConstraintError,
     ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
     PromptError,
     QueueFullError,
     RequestError,
+    WrongTaskError,
 )
 from server.field_map import COMPLETION_FIELDS, FieldMap
 
@@ -104,6 +106,29 @@ def context_length_exceeded(message: str, param: str) -> APIError:
     return APIError(message, status=400, param=param, code="context_length_exceeded")
 
 
+def context_length_message(exc: ContextLengthError) -> str:
+    """The engine's words, with what a client of this server can do about a request over the pool."""
+    if exc.kv_pool:
+        return f"{exc}; shorten it or start the server with a larger KV cache."
+    return str(exc)
+
+
+def wrong_task(served: str) -> APIError:
+    """A 400 when the route needs a different kind of model than the one served."""
+    if served == "embed":
+        message = (
+            "This server runs an embedding model: use POST /v1/embeddings. Text generation and "
+            "scoring (/v1/completions, /v1/chat/completions, /v1/score) need a server started with "
+            "a generative model."
+        )
+    else:
+        message = (
+            "This server runs a text generation model: /v1/embeddings needs a server started with "
+            "an embedding model (kvserve serve --task embed [MODEL])."
+        )
+    return APIError(message, status=400, code="unsupported_task")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
         f"The model {model!r} does not exist; GET /v1/models lists the served model.",
@@ -136,9 +161,14 @@ def to_api_error(exc: BaseException, fields: FieldMap = COMPLETION_FIELDS) -> AP
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"The engine is not running: {exc}")
     if isinstance(exc, ContextLengthError):
-        return context_length_exceeded(str(exc), fields.prompt)
+        return context_length_exceeded(context_length_message(exc), fields.prompt)
     if isinstance(exc, PromptError):
         return invalid_request(str(exc), param=fields.prompt)
+    if isinstance(exc, ConstraintError):
+        name = fields.name(exc.param)
+        return invalid_request(f"the constrained decoder cannot follow {name}: {exc.reason}", name)
+    if isinstance(exc, WrongTaskError):
+        return wrong_task(exc.served)
     if isinstance(exc, InvalidRequestError):
         return invalid_request(str(exc), param=fields.name(exc.param) if exc.param else None)
     if isinstance(exc, RequestError):

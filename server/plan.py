@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams, ToolPlan
+from engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams
+from engine.text import ToolPlan
 from server.field_map import FieldMap
 from server.generation import ClientDisconnected, first_output, merge_outputs, start_streams
 from server.sse import sse_response

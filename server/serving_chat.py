@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import InvalidRequestError, RequestOutput, ToolPlan
+from engine import InvalidRequestError, RequestOutput
+from engine.text import ToolPlan
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import invalid_request
 from server.field_map import CHAT_FIELDS, FieldMap

@@ -15,12 +15,12 @@ from typing import Any
 from engine import (
     DTYPES,
     POOLINGS,
-    TOOL_PARSERS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
+from engine.text import TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
 

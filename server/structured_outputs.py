@@ -7,7 +7,8 @@ import functools
 import json
 from typing import Any
 
-from engine import StructuredOutputs, ecma_pattern_error
+from engine import StructuredOutputs
+from engine.text import ecma_pattern_error
 from server.errors import invalid_request
 from server.field_map import FieldMap
 from server.protocol import (

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import StructuredOutputs, ToolPlan, plan_tool_use, render_messages
+from engine import StructuredOutputs
+from engine.text import ToolPlan, plan_tool_use, render_messages
 from server.errors import invalid_request
 from server.field_map import FieldMap
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice

@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import CompletionOutput, TokenLogprob, ToolCallStreamer, ToolPlan
+from engine import CompletionOutput, TokenLogprob
+from engine.text import ToolCallStreamer, ToolPlan
 
 
 class TurnEnd(enum.StrEnum):

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestMetrics, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 
@@ -141,9 +142,9 @@ class RequestGroup:
     prompt_logprobs_emitted: bool = False
     followers_released: bool = False
     error: str | None = None
-    # The request field the error blames (a constraint the decoder gave up on): then it is the
-    # request's fault, a 400, not the engine's.
-    error_param: str | None = None
+    # Set when the error is the request's own fault (a constraint the decoder gave up on): a 400,
+    # not the engine's.
+    fault: InvalidRequestError | None = None
     kind: RequestKind = "generate"
 
     @classmethod

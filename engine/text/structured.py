@@ -71,13 +71,13 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise SamplingParamsError(
-                constraint.source, f"the {_noun(constraint)} cannot be used: {_first(messages)}"
+                f"the {_noun(constraint)} cannot be used: {_first(messages)}", constraint.source
             )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise SamplingParamsError(
-                constraint.source,
                 f"the {_noun(constraint)} cannot be used: {_first([matcher.get_error()])}",
+                constraint.source,
             )
         elapsed = time.perf_counter() - started
         with self._lock:
@@ -144,7 +144,7 @@ def _single_grammar_text(constraint: StructuredOutputs) -> str:
     try:
         return grammar_from("grammar", constraint.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise SamplingParamsError(constraint.source, f"the grammar cannot be used: {e}") from None
+        raise SamplingParamsError(f"the grammar cannot be used: {e}", constraint.source) from None
 
 
 def _json_options(constraint: StructuredOutputs) -> dict[str, Any]:
