@@ -164,10 +164,8 @@ class AsyncLLMEngine:
         """Score every choice as the continuation of the context (LLMEngine.add_score_request): the
         finished output once all choices are scored. Cancelling the call aborts the request."""
         self._check_alive()
-        core = self.core
-        if not isinstance(core, LLMEngine):
+        if self.task != "generate":
             raise WrongTaskError(self.task, "generate")
-        core.validate_score(context_token_ids, choices)
         item = AddRequest(
             request_id, context_token_ids, None, prompt, time.monotonic(), choices, num_top_logprobs
         )
@@ -188,25 +186,25 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         prompt: str | None = None,
     ) -> AsyncGenerator[_Output, None]:
-        """Queue an add (a request id and its fields, or a ready AddRequest, already validated) and
-        yield the request's outputs."""
+        """Queue an add (a request id and its fields, or a ready AddRequest) and yield the request's
+        outputs. The front end validated the request (validate()) when it planned it; the core's
+        add guards it once more, and its refusal comes out of this stream."""
         if isinstance(request_id, AddRequest):
             item = request_id
         else:
             assert prompt_token_ids is not None
-            self.core.validate(prompt_token_ids, params)
             item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
         request_id = item.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if item.params is not None and item.params.structured_outputs is not None:
-            assert isinstance(self.core, LLMEngine)
             # Compiled in a worker thread: this request waits for its grammar, the others step on.
             await asyncio.to_thread(self.core.compile_constraint, item.params.structured_outputs)
         self._admit(item.num_tokens)
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
-        # Arrival is now: time spent here until the next step applies the add counts as queue time.
+        # Arrival was stamped when the add was made: the grammar compile above and the wait for the
+        # next step to apply the add count as queue time.
         self._pending.add(item)
         self._wake()
         finished = False
@@ -295,7 +293,7 @@ class AsyncLLMEngine:
             else:
                 self._add_to_core(item)
         if items:
-            self.core.snapshot = self.core.build_snapshot()
+            self.core.publish()
 
     def _add_to_core(self, item: AddRequest) -> None:
         queue = self._queues.get(item.request_id)
@@ -305,7 +303,6 @@ class AsyncLLMEngine:
             self._add_hook(item)
         try:
             if item.choices is not None:
-                assert isinstance(self.core, LLMEngine), "checked by score()"
                 self.core.add_score_request(
                     item.request_id,
                     item.prompt_token_ids,
@@ -444,8 +441,7 @@ class AsyncLLMEngine:
         return dataclasses.replace(await waiter, num_unfinished_requests=len(self._queues))
 
     def _publish_detail(self) -> None:
-        snapshot = self.core.build_snapshot(detail=True)
-        self.core.snapshot = snapshot
+        snapshot = self.core.publish(detail=True)
         waiters, self._detail_waiters = self._detail_waiters, []
         for waiter in waiters:
             if not waiter.done():

@@ -100,7 +100,7 @@ class LLMEngine:
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
         self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
-        self.snapshot = self.build_snapshot()
+        self.publish()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
             self.model_dir.name,
@@ -281,7 +281,7 @@ class LLMEngine:
         queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.snapshot = self.build_snapshot()
+            self.publish()
             return []
         stats = self._new_step_stats(sched)
         now = time.monotonic()
@@ -321,8 +321,14 @@ class LLMEngine:
         ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
             s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
         self._accumulate(stats)
-        self.snapshot = self.build_snapshot()  # one store: readers see the old or the new whole
+        self.publish()
         return outputs
+
+    def publish(self, detail: bool = False) -> EngineSnapshot:
+        """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
+        on other threads see the old or the new whole)."""
+        self.snapshot = self.build_snapshot(detail)
+        return self.snapshot
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         """The state now, for readers on other threads; call it only where steps run (or between them)."""

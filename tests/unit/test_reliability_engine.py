@@ -52,7 +52,7 @@ class FakeCore:
         self.aborted: list[str] = []
         self.vocab_size = 1000
         self.num_steps = 0
-        self.snapshot = self.build_snapshot()
+        self.publish()
 
     def validate(self, prompt_token_ids: list[int], params: Any) -> None:
         if not prompt_token_ids:
@@ -77,6 +77,10 @@ class FakeCore:
     @property
     def _waiting(self) -> list[str]:
         return self.order[self.max_running :]
+
+    def publish(self, detail: bool = False) -> EngineSnapshot:
+        self.snapshot = self.build_snapshot(detail)
+        return self.snapshot
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         running = min(len(self.order), self.max_running)
@@ -107,7 +111,7 @@ class FakeCore:
                 del self.groups[request_id]
                 self.order.remove(request_id)
         self.num_steps += 1
-        self.snapshot = self.build_snapshot()
+        self.publish()
         return outputs
 
 
