@@ -122,18 +122,6 @@ class AsyncLLMEngine:
             return EngineHealth("dead", str(self.dead_error))
         return EngineHealth("ready" if self._task is not None else "starting")
 
-    @property
-    def is_ready(self) -> bool:
-        return self.health().ready
-
-    @property
-    def errored(self) -> bool:
-        return self.dead_error is not None
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._queues)
-
     # -- requests --------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
         return self.core.validate(prompt_token_ids, params)
@@ -409,7 +397,7 @@ class AsyncLLMEngine:
 
     def _log_stats(self, elapsed: float) -> None:
         w = self._log_window
-        prompt = sum(s.num_prefill_tokens for s in w)
+        prompt = sum(s.num_new_prompt_tokens for s in w)  # what kvserve_prompt_tokens counts
         gen = sum(s.num_generation_tokens for s in w)
         queries = sum(s.prefix_cache_queries for s in w)
         hits = sum(s.prefix_cache_hits for s in w)

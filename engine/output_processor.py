@@ -48,9 +48,8 @@ class OutputProcessor:
                 self.scheduler.release_followers(group)
             if seq.seq_id not in result.sampled:
                 if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
-                    self.scheduler.finish(
-                        seq, SequenceStatus.FINISHED_LENGTH
-                    )  # scoring only (echo)
+                    # Scoring only (echo with no tokens to generate): done once the prompt is.
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 continue
             self._append_token(
                 seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats

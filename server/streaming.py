@@ -100,9 +100,8 @@ class ChunkStream(FrameStream):
         self.output_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
         self.cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the cache
         self.with_metrics = with_metrics
-        self.finals: dict[
-            int, RequestOutput
-        ] = {}  # prompt index -> its engine request's last output
+        # Prompt index -> its engine request's last output.
+        self.finals: dict[int, RequestOutput] = {}
         # Every chunk starts alike: serialise that head once, not per token.
         self._head = (
             f'data: {{"id":{to_json(plan.request_id)},"object":{to_json(self.object_name)},'

@@ -14,9 +14,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     rank: int  # 1-based rank of token_id in the distribution
-    top: list[tuple[int, float]] = field(
-        default_factory=list
-    )  # top-N (token_id, logprob), best first
+    # The top-N (token_id, logprob), best first.
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -68,7 +68,6 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     stop_reason: str | int | None = None
-    error: str | None = None
     # Output bookkeeping for delta outputs.
     num_emitted_tokens: int = 0
     final_emitted: bool = False  # its finish_reason has been sent (delta outputs)
@@ -88,10 +87,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_prefill_done(self) -> bool:

@@ -121,9 +121,8 @@ def _grammar_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
     """The constraint's grammar as the entries of an llguidance grammar list (its start first)."""
     text = _single_grammar_text(constraint)
     if constraint.kind in ("json", "json_object", "regex"):
-        return list(
-            json.loads(text)["grammars"]
-        )  # the JSON grammar list llguidance builds for them
+        # The JSON grammar list llguidance builds for them.
+        return list(json.loads(text)["grammars"])
     return [{"lark_grammar": text}]  # Lark text (choice, grammar)
 
 

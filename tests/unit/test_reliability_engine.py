@@ -174,7 +174,7 @@ async def test_a_request_that_fails_to_start_fails_alone() -> None:
         )
         assert isinstance(bad, RequestError) and "could not be started" in str(bad)
         assert isinstance(good, list) and good[-1].finished
-        assert not engine.errored
+        assert engine.health().state != "dead"
         assert (await _drain(engine, "after", [1]))[-1].finished
     finally:
         await engine.shutdown()
@@ -191,7 +191,7 @@ async def test_a_dead_loop_fails_every_waiter_and_refuses_new_requests() -> None
             timeout=10,
         )
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert engine.errored and not engine.is_ready
+        assert engine.health().state == "dead" and not engine.health().ready
         with pytest.raises(EngineDeadError):
             await _drain(engine, "late", [1])
     finally:
@@ -209,7 +209,7 @@ async def test_fault_injection_is_inert_unless_enabled(monkeypatch: pytest.Monke
                 "x", [1], SamplingParams(max_tokens=3), prompt=ENGINE_DEATH + " hi"
             )
         ]
-        assert outs[-1].finished and not engine.errored
+        assert outs[-1].finished and engine.health().state != "dead"
     finally:
         await engine.shutdown()
 
@@ -222,7 +222,7 @@ async def test_fault_injection_is_inert_unless_enabled(monkeypatch: pytest.Monke
                 "y", [1], SamplingParams(max_tokens=3), prompt=ENGINE_DEATH
             ):
                 pass
-        assert engine.errored
+        assert engine.health().state == "dead"
     finally:
         await engine.shutdown()
     assert wants_fault(NAN_LOGITS + " text", NAN_LOGITS)
