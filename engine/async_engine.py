@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -37,6 +38,7 @@ from engine.text.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _Output = RequestOutput | EmbeddingOutput
+_O = TypeVar("_O", RequestOutput, EmbeddingOutput)
 _QueueItem = _Output | BaseException
 
 
@@ -126,20 +128,19 @@ class AsyncLLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
         return self.core.validate(prompt_token_ids, params)
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs as the engine produces them; closing the iterator aborts it."""
+        """The request's outputs as the engine produces them; closing the iterator aborts it."""
         self._check_alive()
         if self.task != "generate":
             raise WrongTaskError(self.task, "generate")
-        async for out in self._submit(request_id, prompt_token_ids, params, prompt):
-            assert isinstance(out, RequestOutput)
-            yield out
+        item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
+        return self._submit(item, RequestOutput)
 
     async def score(
         self,
@@ -157,31 +158,19 @@ class AsyncLLMEngine:
         item = AddRequest(
             request_id, context_token_ids, None, prompt, time.monotonic(), choices, num_top_logprobs
         )
-        stream = self._submit(item)
+        stream = self._submit(item, RequestOutput)
         try:
             async for out in stream:
                 if out.finished:
-                    assert isinstance(out, RequestOutput)
                     return out
         finally:
             await stream.aclose()
         raise RequestError("the engine ended the score request without output")
 
-    async def _submit(
-        self,
-        request_id: str | AddRequest,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams | None = None,
-        prompt: str | None = None,
-    ) -> AsyncGenerator[_Output, None]:
-        """Queue an add (a request id and its fields, or a ready AddRequest) and yield the request's
-        outputs. The front end validated the request (validate()) when it planned it; the core's
-        add guards it once more, and its refusal comes out of this stream."""
-        if isinstance(request_id, AddRequest):
-            item = request_id
-        else:
-            assert prompt_token_ids is not None
-            item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
+    async def _submit(self, item: AddRequest, kind: type[_O]) -> AsyncGenerator[_O, None]:
+        """Queue an add and yield the request's outputs (of `kind`). The front end validated the
+        request (validate()) when it planned it; the core's add guards it once more, and its
+        refusal comes out of this stream."""
         request_id = item.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -207,6 +196,7 @@ class AsyncLLMEngine:
                     if isinstance(got, RequestOutput) and got.fault is not None:
                         raise got.fault
                     raise RequestError(got.error)
+                assert isinstance(got, kind)
                 finished = got.finished
                 yield got
                 if finished:
@@ -222,8 +212,8 @@ class AsyncLLMEngine:
         self._check_alive()
         if self.task != "embed":
             raise WrongTaskError(self.task, "embed")
-        async for out in self._submit(request_id, prompt_token_ids, None, None):
-            assert isinstance(out, EmbeddingOutput)
+        item = AddRequest(request_id, prompt_token_ids, None, None, time.monotonic())
+        async for out in self._submit(item, EmbeddingOutput):
             return out
         raise RequestError("the engine returned no embedding")
 
