@@ -54,6 +54,8 @@ class AsyncLLMEngine:
         self._pending = PendingWork()  # adds and aborts applied between steps
         self._detail_waiters: list[asyncio.Future[EngineSnapshot]] = []
         self._wakeup: asyncio.Event | None = None
+        # Set while the loop waits for work (nothing to step, nothing pending): no step runs then.
+        self.idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # The core steps on one dedicated thread (never the event loop's); _stopping ends its run.
         self._executor: ThreadPoolExecutor | None = None
@@ -315,7 +317,9 @@ class AsyncLLMEngine:
                     if not self._pending:
                         self._flush_log_window()  # the busy period's last stats line, then silence
                         self._wakeup.clear()
+                        self.idle.set()
                         await self._wakeup.wait()
+                        self.idle.clear()
                         self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                     continue
                 await loop.run_in_executor(self._executor, self._step_while_running, loop)

@@ -157,7 +157,8 @@ async def test_queued_prompt_tokens_are_capped_but_an_empty_queue_takes_any_prom
         # Alone, a prompt longer than the cap is admitted (else it could never run).
         assert (await _drain(engine, "long", list(range(50))))[-1].finished
         first = asyncio.ensure_future(_drain(engine, "a", list(range(8))))
-        await asyncio.sleep(0)
+        while "a" not in engine._queues:  # "a" is queued, waiting for the next step
+            await asyncio.sleep(0)
         with pytest.raises(QueueFullError, match="prompt tokens"):
             await _drain(engine, "b", list(range(8)))
         assert (await first)[-1].finished
