@@ -280,7 +280,6 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        preemptions_before = self.scheduler.num_preemptions
         queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -316,7 +315,7 @@ class LLMEngine:
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage
-        stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+        stats.num_preemptions = len(sched.preempted)  # the schedule's own report
         stats.prefix_cache_queries = self.kv.stats.queries - queries_before
         stats.prefix_cache_hits = self.kv.stats.hits - hits_before
         # The blocks each sample held through this step (shared ones count for each holder).

@@ -24,7 +24,7 @@ from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
 from server.tool_calling import check_tool_messages, template_messages, tool_plan
-from server.turn import TextDelta, ToolCallStart, TurnDelta, TurnStep, TurnStream
+from server.turn import TextDelta, ToolCallStart, TurnDelta, TurnStep
 
 if TYPE_CHECKING:
     from engine import Tokenizer, TokenLogprob
@@ -196,7 +196,6 @@ class _ChatStream(ChunkStream):
         with_metrics: bool = False,
     ) -> None:
         super().__init__(plan, req, tokenizer, created, with_metrics)
-        self.turns: dict[int, TurnStream] = {}
         self.pending_logprobs: dict[int, list[TokenLogprob]] = {}  # tokens whose text is held back
 
     def _opening_frames(self, first: RequestOutput | None) -> list[str]:
@@ -225,11 +224,7 @@ class _ChatStream(ChunkStream):
         frames = []
         self.cached[prompt_index] = output.num_cached_tokens
         for out in output.outputs:
-            turn = self.turns.get(out.index)
-            if turn is None:
-                turn = self.turns[out.index] = self.plan.turn_stream()
-            step = turn.feed(out)
-            self.output_tokens[out.index] = step.output_tokens
+            turn, step = self._feed(out.index, out)
             self.pending_logprobs.setdefault(out.index, []).extend(step.logprobs)
             if turn.parses_tools:
                 frames.extend(self._tool_frames(out.index, step))

@@ -21,7 +21,6 @@ from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
-from server.turn import TurnStream, final_turn
 
 if TYPE_CHECKING:
     from engine import Tokenizer
@@ -125,7 +124,7 @@ def _full_response(
     for prompt_index, (prompt, final) in enumerate(zip(plan.prompts, finals, strict=True)):
         prompt_text = _prompt_text(prompt, tokenizer) if req.echo else ""
         for out in sorted(final.outputs, key=lambda o: o.index):
-            turn = final_turn(out)
+            turn = plan.final_turn(out)
             completion_tokens += turn.output_tokens
             logprobs: dict[str, list[Any]] | None = None
             if req.logprobs is not None:
@@ -172,7 +171,6 @@ class _CompletionStream(ChunkStream):
     ) -> None:
         super().__init__(plan, req, tokenizer, created, with_metrics)
         self.prompts = plan.prompts
-        self.turns: dict[int, TurnStream] = {}
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
         self.echoed: set[int] = set()
 
@@ -181,11 +179,7 @@ class _CompletionStream(ChunkStream):
         self.cached[prompt_index] = output.num_cached_tokens
         for out in output.outputs:
             index = prompt_index * self.n + out.index
-            turn = self.turns.get(index)
-            if turn is None:
-                turn = self.turns[index] = TurnStream()
-            step = turn.feed(out)
-            self.output_tokens[index] = step.output_tokens
+            _, step = self._feed(index, out)
             text = out.text
             logprobs = None
             builder = self.builders.get(index)

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from engine import RequestOutput
+from engine import CompletionOutput, RequestOutput
 from server.cost_sheet import cost_sheet
 from server.errors import APIError, to_api_error
 from server.field_map import FieldMap
 from server.generation import ClientDisconnected
 from server.sse import DONE_FRAME, sse_frame, to_json
+from server.turn import TurnStep, TurnStream
 
 if TYPE_CHECKING:
     from engine import Tokenizer
@@ -97,6 +98,7 @@ class ChunkStream(FrameStream):
         self.n = plan.params.n
         self.prompt_tokens = plan.num_prompt_tokens
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.turns: dict[int, TurnStream] = {}  # choice index -> its turn so far
         self.output_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
         self.cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the cache
         self.with_metrics = with_metrics
@@ -120,6 +122,15 @@ class ChunkStream(FrameStream):
         if metrics is not None:
             frame += ',"metrics":' + to_json(metrics)
         return frame + "}\n\n"
+
+    def _feed(self, index: int, out: CompletionOutput) -> tuple[TurnStream, TurnStep]:
+        """Choice `index`'s next engine output as a turn step (its tokens counted)."""
+        turn = self.turns.get(index)
+        if turn is None:
+            turn = self.turns[index] = self.plan.turn_stream()
+        step = turn.feed(out)
+        self.output_tokens[index] = step.output_tokens
+        return turn, step
 
     def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
         raise NotImplementedError
