@@ -91,15 +91,10 @@ class LLMEngine:
         # Test-only fault hooks are a runner subclass chosen here, never a check inside a step.
         runner_class = FaultInjectingRunner if fault_injection_enabled() else ModelRunner
         self.runner = runner_class(
-            self.model,
-            self.device,
-            self.dtype,
-            num_blocks,
-            block_size,
-            cuda_graphs=mc.cuda_graphs,
-            max_graph_batch=config.scheduler.max_num_seqs,
+            self.model, self.device, self.dtype, num_blocks, block_size,
+            cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
             grammars=self.grammars,
-        )
+        )  # fmt: skip
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
@@ -130,8 +125,9 @@ class LLMEngine:
             budget = int(free * 0.8)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy.
-            budget = min(_GiB, total // 16)
+            budget = min(
+                _GiB, total // 16
+            )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
         num_blocks = max(2, budget // per_block)
         # No point holding more than every running sequence at full length.
         cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size) + 1
@@ -318,8 +314,9 @@ class LLMEngine:
         stats.num_preemptions = len(sched.preempted)  # the schedule's own report
         stats.prefix_cache_queries = self.kv.stats.queries - queries_before
         stats.prefix_cache_hits = self.kv.stats.hits - hits_before
-        # The blocks each sample held through this step (shared ones count for each holder).
-        for s in sched.scheduled:
+        for (
+            s
+        ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
             s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
         self._accumulate(stats)
         self.publish()
