@@ -25,8 +25,10 @@ StreamFrames = Callable[[tuple[int, RequestOutput] | None, Outputs], AsyncIterat
 
 @dataclass(frozen=True)
 class GenerationPlan:
-    """A validated request ready for the engine: one engine request per prompt."""
+    """A validated request ready for the engine it was checked against: one engine request per
+    prompt."""
 
+    engine: EngineClient
     model: str
     request_id: str
     prompts: list[Prompt]
@@ -52,22 +54,21 @@ class GenerationPlan:
     def final_turn(self, out: CompletionOutput) -> Turn:
         return final_turn(out, self.tools, self.parallel_tool_calls)
 
-    def open(self, engine: EngineClient, raw: Request | None) -> Outputs:
+    def open(self, raw: Request | None) -> Outputs:
         """Start the engine requests; the outputs stream aborts them when closed or when `raw`
         disconnects."""
-        streams = start_streams(engine, self.request_id, self.prompts, self.params, raw)
+        streams = start_streams(self.engine, self.request_id, self.prompts, self.params, raw)
         return merge_outputs(streams, raw)
 
     async def respond(
         self,
-        engine: EngineClient,
         raw: Request,
         stream: StreamFrames | None,
         finish: Callable[[list[RequestOutput]], Response],
     ) -> Response:
         """Run the plan: refused, an HTTP error naming the surface's fields; streamed, the SSE frames
         of `stream`; else `finish` of each prompt's last output. 499 once the client has gone."""
-        outputs = self.open(engine, raw)
+        outputs = self.open(raw)
         try:
             first = await first_output(outputs, self.fields)
             if stream is not None:

@@ -97,6 +97,7 @@ def prepare_chat(
     )
     check_prompts(engine, [prompt_ids], params, fields)
     return GenerationPlan(
+        engine,
         model,
         request_id or f"chatcmpl-{uuid.uuid4().hex}",
         [(None, prompt_ids)],
@@ -112,20 +113,20 @@ async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, state: ServerState
 ) -> Response:
     plan = prepare_chat(req, state)
-    engine = state.require_engine()
+    tokenizer = plan.engine.tokenizer
     created = int(time.time())
     with_metrics = wants_metrics(req.return_metrics, raw)
     stream = None
     if req.stream:
-        stream = _ChatStream(plan, req, engine.tokenizer, created, with_metrics).frames
+        stream = _ChatStream(plan, req, tokenizer, created, with_metrics).frames
 
     def finish(finals: list[RequestOutput]) -> Response:
-        body = _completion(req, plan, engine.tokenizer, finals[0], created)
+        body = _completion(req, plan, tokenizer, finals[0], created)
         if with_metrics:
             body["metrics"] = cost_sheet(finals)
         return JSONResponse(body)
 
-    return await plan.respond(engine, raw, stream, finish)
+    return await plan.respond(raw, stream, finish)
 
 
 def _completion(

@@ -62,13 +62,13 @@ def prepare_completion(req: CompletionRequest, state: ServerState) -> Generation
         structured_outputs=request_constraint(req, COMPLETION_FIELDS),
     )
     check_prompts(engine, [ids for _, ids in prompts], params, COMPLETION_FIELDS)
-    return GenerationPlan(model, f"cmpl-{uuid.uuid4().hex}", prompts, params, COMPLETION_FIELDS)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    return GenerationPlan(engine, model, request_id, prompts, params, COMPLETION_FIELDS)
 
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
     plan = prepare_completion(req, state)
-    engine = state.require_engine()
-    tokenizer = engine.tokenizer
+    tokenizer = plan.engine.tokenizer
     with_metrics = wants_metrics(req.return_metrics, raw)
     created = int(time.time())
     stream = None
@@ -81,7 +81,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
             body["metrics"] = cost_sheet(finals)
         return JSONResponse(body)
 
-    return await plan.respond(engine, raw, stream, finish)
+    return await plan.respond(raw, stream, finish)
 
 
 def _prompt_text(prompt: Prompt, tokenizer: Tokenizer) -> str:

@@ -220,7 +220,6 @@ def _message(plan: GenerationPlan, content: list[dict[str, Any]], usage: dict[st
 
 
 async def create_message(req: MessagesRequest, raw: Request, state: ServerState) -> Response:
-    engine = state.require_engine()
     plan = _prepare(req, state, f"msg_{uuid.uuid4().hex}")
 
     def finish(finals: list[RequestOutput]) -> Response:
@@ -234,7 +233,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
         return JSONResponse(body)
 
     stream = _MessageStream(plan).frames if req.stream else None
-    return await plan.respond(engine, raw, stream, finish)
+    return await plan.respond(raw, stream, finish)
 
 
 def count_tokens(req: CountTokensRequest, state: ServerState) -> dict[str, int]:

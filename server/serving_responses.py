@@ -267,7 +267,6 @@ def output_items(turn: Turn) -> list[dict[str, Any]]:
 
 
 async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Response:
-    engine = state.require_engine()
     ctx = _Context(req, state)
 
     def finish(finals: list[RequestOutput]) -> Response:
@@ -279,7 +278,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
         return JSONResponse(body)
 
     stream = _ResponseStream(ctx).frames if req.stream else None
-    return await ctx.plan.respond(engine, raw, stream, finish)
+    return await ctx.plan.respond(raw, stream, finish)
 
 
 def retrieve_response(response_id: str, state: ServerState) -> JSONResponse:

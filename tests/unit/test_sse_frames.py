@@ -13,12 +13,15 @@ from server.plan import GenerationPlan
 from server.serving_chat import _ChatStream
 from server.serving_completions import _CompletionStream
 from server.sse import sse_frame
+from tests.unit.server_fakes import FakeEngine
 
 
 def _stream(cls: type, include_usage: bool, model: str, request_id: str):
     options = SimpleNamespace(include_usage=include_usage) if include_usage else None
     req = SimpleNamespace(stream_options=options, logprobs=None, echo=False)
-    plan = GenerationPlan(model, request_id, [(None, [1, 2])], SamplingParams(), CHAT_FIELDS)
+    plan = GenerationPlan(
+        FakeEngine(), model, request_id, [(None, [1, 2])], SamplingParams(), CHAT_FIELDS
+    )
     return cls(plan, req, None, 1_700_000_000)
 
 
