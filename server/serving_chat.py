@@ -177,9 +177,9 @@ def _chat_delta(delta: TurnDelta) -> dict[str, Any]:
         return {"content": delta.text}
     if isinstance(delta, ToolCallStart):
         call = {"name": delta.name, "arguments": ""}
-        header = {"index": delta.index, "id": delta.id, "type": "function", "function": call}
+        header = {"index": delta.call, "id": delta.id, "type": "function", "function": call}
         return {"tool_calls": [header]}
-    return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.text}}]}
+    return {"tool_calls": [{"index": delta.call, "function": {"arguments": delta.text}}]}
 
 
 class _ChatStream(ChunkStream):
@@ -226,16 +226,18 @@ class _ChatStream(ChunkStream):
         self.cached[prompt_index] = output.num_cached_tokens
         for out in output.outputs:
             turn, step = self._feed(out.index, out)
-            self.pending_logprobs.setdefault(out.index, []).extend(step.logprobs)
+            if step.logprobs:
+                self.pending_logprobs.setdefault(out.index, []).extend(step.logprobs)
             if turn.parses_tools:
                 frames.extend(self._tool_frames(out.index, step))
                 continue
             if not step.deltas and step.finish is None:
                 continue
+            text = step.deltas[0] if step.deltas else None  # without tools: text, at most once
             choice: dict[str, Any] = {
                 "index": out.index,
-                "delta": _chat_delta(step.deltas[0]) if step.deltas else {},
-                "logprobs": self._logprobs(out.index),
+                "delta": {"content": text.text} if isinstance(text, TextDelta) else {},
+                "logprobs": self._logprobs(out.index) if self.req.logprobs else None,
                 "finish_reason": step.finish.end.value if step.finish else None,
             }
             if step.finish is not None:

@@ -125,9 +125,7 @@ class ChunkStream(FrameStream):
 
     def _feed(self, index: int, out: CompletionOutput) -> tuple[TurnStream, TurnStep]:
         """Choice `index`'s next engine output as a turn step (its tokens counted)."""
-        turn = self.turns.get(index)
-        if turn is None:
-            turn = self.turns[index] = self.plan.turn_stream()
+        turn = self.turns.get(index) or self.turns.setdefault(index, self.plan.turn_stream())
         step = turn.feed(out)
         self.output_tokens[index] = step.output_tokens
         return turn, step

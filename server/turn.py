@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine import CompletionOutput, TokenLogprob
 from engine.text import ToolCallStreamer, ToolPlan
@@ -40,31 +40,29 @@ class ToolCall:
         }
 
 
-@dataclass(frozen=True)
-class TextDelta:
+# The events are named tuples: immutable and typed, and cheap enough to make one per token.
+class TextDelta(NamedTuple):
     text: str
 
 
-@dataclass(frozen=True)
-class ToolCallStart:
-    """Call `index` begins: its id and function name (its arguments follow as ToolCallArguments)."""
+class ToolCallStart(NamedTuple):
+    """Call number `call` begins: its id and function name (its arguments follow as
+    ToolCallArguments)."""
 
-    index: int
+    call: int
     id: str
     name: str
 
 
-@dataclass(frozen=True)
-class ToolCallArguments:
-    index: int
+class ToolCallArguments(NamedTuple):
+    call: int
     text: str  # the next piece of the call's arguments
 
 
 TurnDelta = TextDelta | ToolCallStart | ToolCallArguments
 
 
-@dataclass(frozen=True)
-class Finish:
+class Finish(NamedTuple):
     end: TurnEnd
     stop_reason: str | int | None  # the engine's: the stop string or stop token id, if one ended it
 
@@ -76,13 +74,12 @@ class Finish:
         return None
 
 
-@dataclass
-class TurnStep:
+class TurnStep(NamedTuple):
     """What one engine output moved in a turn: deltas in order, the logprobs of its tokens, and its
     finish when it is the last."""
 
     deltas: list[TurnDelta]
-    logprobs: list[TokenLogprob]
+    logprobs: list[TokenLogprob] | None  # None: none asked for
     finish: Finish | None
     output_tokens: int  # generated so far
 
@@ -153,8 +150,7 @@ class TurnStream:
         return self.streamer is not None
 
     def _split(self, text: str, final: bool) -> list[TurnDelta]:
-        if self.streamer is None:
-            return [TextDelta(text)] if text else []
+        assert self.streamer is not None
         step = self.streamer.feed(text, final=final)
         deltas: list[TurnDelta] = [TextDelta(step.content)] if step.content else []
         for index, name, arguments in step.calls:
@@ -167,14 +163,21 @@ class TurnStream:
         return deltas
 
     def feed(self, out: CompletionOutput) -> TurnStep:
-        deltas = self._split(out.text, final=out.finish_reason is not None)
-        for d in deltas:
-            if isinstance(d, TextDelta):
-                self.text.append(d.text)
-            elif isinstance(d, ToolCallStart):
-                self.calls[d.index] = [d.id, d.name]
-            else:
-                self.calls[d.index].append(d.text)
+        if self.streamer is None:  # the common case, once per token: text only
+            deltas: list[TurnDelta] = [TextDelta(out.text)] if out.text else []
+            if out.text:
+                self.text.append(out.text)
+        else:
+            deltas = self._split(out.text, final=out.finish_reason is not None)
+            for d in deltas:
+                if isinstance(d, TextDelta):
+                    self.text.append(d.text)
+                elif isinstance(d, ToolCallStart):
+                    self.calls[d.call] = [d.id, d.name]
+                else:
+                    self.calls[d.call].append(d.text)
+        if out.finish_reason is None:
+            return TurnStep(deltas, out.logprobs, None, out.num_output_tokens)
         finish = finish_of(out, bool(self.calls))
         if finish is not None:
             tool_calls = [
@@ -189,4 +192,4 @@ class TurnStream:
                 out.num_output_tokens,
                 out.stop_reason,
             )
-        return TurnStep(deltas, out.logprobs or [], finish, out.num_output_tokens)
+        return TurnStep(deltas, out.logprobs, finish, out.num_output_tokens)
