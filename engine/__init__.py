@@ -36,7 +36,12 @@ from engine.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
+from engine.core.sampling_params import (
+    OutputKind,
+    ReasoningFormat,
+    SamplingParams,
+    StructuredOutputs,
+)
 from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.core.snapshot import (
     BlockHolders,
@@ -115,6 +120,7 @@ __all__ = [
     "SchedulerConfig",
     "StructuredOutputs",
     "WrongTaskError",
+    "ReasoningFormat",
     "ScoreResult",
     "TokenLogprob",
     "resolve_model",

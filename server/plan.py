@@ -37,6 +37,7 @@ class GenerationPlan:
     num_top: int = 0  # top logprobs per token (0: none)
     tools: ToolPlan | None = None  # how the tools are prompted, forced and parsed
     parallel_tool_calls: bool | None = None
+    thinking: bool = False  # a reasoning parser is on: outputs report their reasoning apart
 
     @property
     def prompt_ids(self) -> list[int]:

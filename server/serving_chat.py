@@ -24,10 +24,34 @@ from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
 from server.tool_calling import check_tool_messages, template_messages, tool_plan
-from server.turn import TextDelta, ToolCallStart, TurnDelta, TurnStep
+from server.turn import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStart,
+    TurnDelta,
+    TurnStep,
+)
 
 if TYPE_CHECKING:
     from engine import Tokenizer, TokenLogprob
+
+
+# Variables the server itself gives the chat template; chat_template_kwargs cannot set them.
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "chat_template", "tokenize")
+
+
+def template_kwargs(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
+    """The server's --chat-template-kwargs overridden by the request's chat_template_kwargs."""
+    own = dict(req.chat_template_kwargs or {})
+    for key in own:
+        if key in _TEMPLATE_OWN:
+            raise invalid_request(
+                f"chat_template_kwargs cannot set {key!r}: the server gives the template that "
+                "variable itself",
+                "chat_template_kwargs",
+            )
+    return {**(state.config.chat_template_kwargs or {}), **own}
 
 
 def apply_template(
@@ -35,18 +59,21 @@ def apply_template(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     plan: ToolPlan | None = None,
+    kwargs: dict[str, Any] | None = None,
     fields: FieldMap = CHAT_FIELDS,
-) -> list[int]:
+) -> tuple[list[int], str]:
+    """The prompt's token ids and its text (which says where a reasoning block stands)."""
     check_tool_messages(messages, fields)
     try:
         tools = plan.template_tools if plan is not None else None
-        return list(
-            tokenizer.apply_chat_template(
-                template_messages(messages, plan),
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-            )
+        text = tokenizer.render_chat_template(
+            template_messages(messages, plan),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=kwargs,
         )
+        # The rendered text already holds any BOS the template wants, like transformers does.
+        return list(tokenizer.encode(text, add_special_tokens=False)), text
     except InvalidRequestError as e:
         raise invalid_request(
             f"Cannot apply the chat template: {e}. Serve the model with --chat-template FILE.",
@@ -77,13 +104,25 @@ def prepare_chat(
         raise invalid_request(f"{name} must be at least 1 for chat completions", name)
     constraint = request_constraint(req, fields)
     plan = tool_plan(
-        req, tokenizer.chat_template, state.config.tool_call_parser, constraint, fields
+        req,
+        tokenizer.chat_template,
+        state.config.tool_call_parser,
+        constraint,
+        fields,
+        tokenizer.added_tokens,
     )
     if plan is not None:
         constraint = plan.constraint  # tool calls, the requested answer, or both
-    prompt_ids = apply_template(
-        tokenizer, req.messages, req.add_generation_prompt is not False, plan, fields
+    prompt_ids, prompt_text = apply_template(
+        tokenizer,
+        req.messages,
+        req.add_generation_prompt is not False,
+        plan,
+        template_kwargs(req, state),
+        fields,
     )
+    reasoning = state.reasoning_parser(tokenizer.chat_template)
+    fmt = reasoning.format_for(prompt_text) if reasoning is not None else None
     num_top = req.top_logprobs or 0
     params = build_sampling_params(
         req,
@@ -94,6 +133,7 @@ def prepare_chat(
         prompt_logprobs=None,
         output_kind="delta" if req.stream else "final",
         structured_outputs=constraint,
+        reasoning=fmt,
     )
     check_prompts(engine, [prompt_ids], params, fields)
     return GenerationPlan(
@@ -106,6 +146,7 @@ def prepare_chat(
         num_top,
         plan,
         req.parallel_tool_calls,
+        reasoning is not None,
     )
 
 
@@ -138,10 +179,11 @@ def _completion(
 ) -> dict[str, Any]:
     """The chat.completion object of a finished request."""
     choices = []
-    completion_tokens = 0
+    completion_tokens = reasoning_tokens = 0
     for out in sorted(final.outputs, key=lambda o: o.index):
         turn = plan.final_turn(out)
         completion_tokens += turn.output_tokens
+        reasoning_tokens += turn.reasoning_tokens
         logprobs = None
         if req.logprobs:
             logprobs = {
@@ -149,6 +191,8 @@ def _completion(
                 "refusal": None,
             }
         message: dict[str, Any] = {"role": "assistant", "content": turn.content, "refusal": None}
+        if plan.thinking:  # both names: clients read either
+            message["reasoning_content"] = message["reasoning"] = turn.reasoning
         if turn.tool_calls:
             message["tool_calls"] = [call.chat_dict() for call in turn.tool_calls]
         choices.append(
@@ -166,7 +210,12 @@ def _completion(
         "created": created,
         "model": plan.model,
         "choices": choices,
-        "usage": usage_block(plan.num_prompt_tokens, completion_tokens, final.num_cached_tokens),
+        "usage": usage_block(
+            plan.num_prompt_tokens,
+            completion_tokens,
+            final.num_cached_tokens,
+            reasoning_tokens if plan.thinking else None,
+        ),
         "system_fingerprint": None,
     }
 
@@ -179,6 +228,7 @@ def _chat_delta(delta: TurnDelta) -> dict[str, Any]:
         call = {"name": delta.name, "arguments": ""}
         header = {"index": delta.call, "id": delta.id, "type": "function", "function": call}
         return {"tool_calls": [header]}
+    assert isinstance(delta, ToolCallArguments), "reasoning goes in a chunk of its own"
     return {"tool_calls": [{"index": delta.call, "function": {"arguments": delta.text}}]}
 
 
@@ -228,12 +278,16 @@ class _ChatStream(ChunkStream):
             turn, step = self._feed(out.index, out)
             if step.logprobs:
                 self.pending_logprobs.setdefault(out.index, []).extend(step.logprobs)
+            deltas = step.deltas
+            if deltas and isinstance(deltas[0], ReasoningDelta):
+                frames.append(self._reasoning_frame(out.index, deltas[0]))  # a chunk of its own
+                deltas = deltas[1:]
             if turn.parses_tools:
-                frames.extend(self._tool_frames(out.index, step))
+                frames.extend(self._tool_frames(out.index, deltas, step))
                 continue
-            if not step.deltas and step.finish is None:
+            if not deltas and step.finish is None:
                 continue
-            text = step.deltas[0] if step.deltas else None  # without tools: text, at most once
+            text = deltas[0] if deltas else None  # without tools: text, at most once
             choice: dict[str, Any] = {
                 "index": out.index,
                 "delta": {"content": text.text} if isinstance(text, TextDelta) else {},
@@ -245,10 +299,21 @@ class _ChatStream(ChunkStream):
             frames.append(self._chunk([choice]))
         return frames
 
-    def _tool_frames(self, index: int, step: TurnStep) -> list[str]:
+    def _reasoning_frame(self, index: int, delta: ReasoningDelta) -> str:
+        """A reasoning delta (both names, as in the whole message); pending logprobs ride on it."""
+        reasoning = {"reasoning_content": delta.text, "reasoning": delta.text}
+        choice = {
+            "index": index,
+            "delta": reasoning,
+            "logprobs": self._logprobs(index) if self.req.logprobs else None,
+            "finish_reason": None,
+        }
+        return self._chunk([choice])
+
+    def _tool_frames(self, index: int, turn_deltas: list[TurnDelta], step: TurnStep) -> list[str]:
         """Content and tool-call deltas of one choice, one frame each, then an empty delta with the
         finish; logprobs ride on its first frame."""
-        deltas = [_chat_delta(d) for d in step.deltas]
+        deltas = [_chat_delta(d) for d in turn_deltas]
         if step.finish is not None:
             deltas.append({})
         frames = []

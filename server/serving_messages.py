@@ -29,6 +29,7 @@ from server.protocol_messages import (
 from server.sse import sse_event
 from server.state import ServerState
 from server.turn import (
+    ReasoningDelta,
     TextDelta,
     ToolCall,
     ToolCallArguments,
@@ -119,6 +120,8 @@ def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
 def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completions request these Messages fields mean (tools and tool_choice included)."""
     fields: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.thinking is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if isinstance(req, MessagesRequest):
         fields |= {
             "max_completion_tokens": req.max_tokens,
@@ -188,7 +191,11 @@ def _tool_input(call: ToolCall) -> dict[str, Any]:
 
 
 def content_blocks(turn: Turn) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": turn.text}] if turn.text else []
+    blocks: list[dict[str, Any]] = []
+    if turn.reasoning is not None:  # unsigned: the signature is empty
+        blocks.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
+    if turn.text:
+        blocks.append({"type": "text", "text": turn.text})
     for call in turn.tool_calls:
         blocks.append(
             {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call)}
@@ -269,7 +276,18 @@ class _MessageStream(TurnEvents):
 
     def _delta_frames(self, delta: TurnDelta) -> list[str]:
         frames: list[str] = []
-        if isinstance(delta, TextDelta):
+        if isinstance(delta, ReasoningDelta):
+            if not self.open or self.block_kind != "thinking":
+                frames += self._start_block({"type": "thinking", "thinking": "", "signature": ""})
+                self.block_kind = "thinking"
+            frames.append(
+                self._event(
+                    "content_block_delta",
+                    index=self.index,
+                    delta={"type": "thinking_delta", "thinking": delta.text},
+                )
+            )
+        elif isinstance(delta, TextDelta):
             if not self.open or self.block_kind != "text":
                 frames += self._start_block({"type": "text", "text": ""})
                 self.block_kind = "text"

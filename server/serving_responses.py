@@ -22,13 +22,22 @@ from server.protocol_responses import (
     FunctionCallOutputItem,
     InputItem,
     MessageItem,
+    ReasoningItem,
     Refusal,
     ResponsesRequest,
 )
 from server.response_store import StoredResponse
 from server.sse import sse_event
 from server.state import ServerState
-from server.turn import TextDelta, ToolCall, ToolCallStart, Turn, TurnDelta, TurnEnd
+from server.turn import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    ToolCallStart,
+    Turn,
+    TurnDelta,
+    TurnEnd,
+)
 
 CHAT_FIELD_NAMES = {
     "max_completion_tokens": "max_output_tokens",
@@ -61,6 +70,8 @@ def input_messages(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], 
     messages: list[dict[str, Any]] = []
     sources: list[str] = []
     for i, item in enumerate(items):
+        if isinstance(item, ReasoningItem):
+            continue  # earlier reasoning: templates leave it out of the prompt
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _parts(item.content)})
         elif isinstance(item, FunctionCallItem):
@@ -157,7 +168,7 @@ class _Context:
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": turn.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
                 "total_tokens": prompt + turn.output_tokens,
             }
         text_format = req.text.format if req.text is not None else None
@@ -213,6 +224,8 @@ class _Context:
         body = self.response(status_of(turn), output, turn, cached)
         if self.req.store is not False:
             assistant: dict[str, Any] = {"role": "assistant", "content": turn.text}
+            if turn.reasoning is not None:
+                assistant["reasoning_content"] = turn.reasoning
             if turn.tool_calls:
                 assistant["tool_calls"] = [c.chat_dict() for c in turn.tool_calls]
             conversation = [*self.conversation, assistant]
@@ -228,6 +241,19 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "role": "assistant",
         "status": status,
         "content": content if status != "in_progress" else [],
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The reasoning before the answer: no summary, the text itself as `reasoning_text` content."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": content,
+        "encrypted_content": None,
+        "status": status,
     }
 
 
@@ -257,6 +283,10 @@ def output_items(turn: Turn) -> list[dict[str, Any]]:
     """A turn as output items: a message (unless the turn is only tool calls), then its function calls."""
     last = status_of(turn)
     items = []
+    if turn.reasoning is not None:
+        answered = bool(turn.text or turn.tool_calls)
+        status = "completed" if answered else last
+        items.append(_reasoning_item(_new_item_id("rs"), turn.reasoning, status))
     if turn.text or not turn.tool_calls:
         status = last if not turn.tool_calls else "completed"
         items.append(_message_item(_new_item_id("msg"), turn.text, status))
@@ -303,6 +333,7 @@ class _ResponseStream(TurnEvents):
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # output items, finished or open (the last one)
         self.open_text: list[str] | None = None  # text of the open message item
+        self.open_reasoning: list[str] | None = None  # text of the open reasoning item
         self.open_args: list[str] | None = None  # arguments of the open function_call item
 
     def _event(self, kind: str, **fields: Any) -> str:
@@ -324,9 +355,33 @@ class _ResponseStream(TurnEvents):
             self._event("response.content_part.added", **self._where(), content_index=0, part=part),
         ]
 
+    def _open_reasoning(self) -> list[str]:
+        self.items.append(_reasoning_item(_new_item_id("rs"), "", "in_progress"))
+        self.open_reasoning = []
+        part = {"type": "reasoning_text", "text": ""}
+        return [
+            self._event(
+                "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
+            ),
+            self._event("response.content_part.added", **self._where(), content_index=0, part=part),
+        ]
+
     def _close_open_item(self, status: str) -> list[str]:
         frames = []
-        if self.open_text is not None:
+        if self.open_reasoning is not None:
+            text = "".join(self.open_reasoning)
+            item = _reasoning_item(self.items[-1]["id"], text, status)
+            part = item["content"][0]
+            frames += [
+                self._event(
+                    "response.reasoning_text.done", **self._where(), content_index=0, text=text
+                ),
+                self._event(
+                    "response.content_part.done", **self._where(), content_index=0, part=part
+                ),
+            ]
+            self.open_reasoning = None
+        elif self.open_text is not None:
             text = "".join(self.open_text)
             item = _message_item(self.items[-1]["id"], text, status)
             part = item["content"][0]
@@ -363,6 +418,21 @@ class _ResponseStream(TurnEvents):
         return frames
 
     def _delta_frames(self, delta: TurnDelta) -> list[str]:
+        if isinstance(delta, ReasoningDelta):
+            frames = []
+            if self.open_reasoning is None:
+                frames += self._close_open_item("completed") + self._open_reasoning()
+            assert self.open_reasoning is not None
+            self.open_reasoning.append(delta.text)
+            frames.append(
+                self._event(
+                    "response.reasoning_text.delta",
+                    **self._where(),
+                    content_index=0,
+                    delta=delta.text,
+                )
+            )
+            return frames
         if isinstance(delta, TextDelta):
             frames = []
             if self.open_text is None:
@@ -410,8 +480,9 @@ class _ResponseStream(TurnEvents):
     def _turn_frames(self, turn: Turn) -> list[str]:
         status = status_of(turn)
         frames = []
-        if not self.items:  # no text and no calls: still one (empty) message, as when not streamed
-            frames += self._open_message()
+        if all(item["type"] == "reasoning" for item in self.items):
+            # No text and no calls: still one (empty) message, as when not streamed.
+            frames += self._close_open_item(status) + self._open_message()
         frames += self._close_open_item(status)
         body = self.ctx.finish(turn, self.items, self.cached)
         return [*frames, self._event(f"response.{body['status']}", response=body)]

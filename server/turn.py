@@ -1,5 +1,5 @@
-"""One sample's assistant turn as typed events: engine outputs in, text, tool-call and logprob deltas
-and the finish out, whole or streamed. Every API surface renders these, so why a turn ended, how many
+"""One sample's assistant turn as typed events: engine outputs in, reasoning, text, tool-call and
+logprob deltas and the finish out, whole or streamed. Every API surface renders these, so why a turn ended, how many
 tokens it took and what its tool calls were are worked out here once."""
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ class TextDelta(NamedTuple):
     text: str
 
 
+class ReasoningDelta(NamedTuple):
+    """A piece of the reasoning; all of them come before the answer's deltas."""
+
+    text: str
+
+
 class ToolCallStart(NamedTuple):
     """Call number `call` begins: its id and function name (its arguments follow as
     ToolCallArguments)."""
@@ -59,7 +65,7 @@ class ToolCallArguments(NamedTuple):
     text: str  # the next piece of the call's arguments
 
 
-TurnDelta = TextDelta | ToolCallStart | ToolCallArguments
+TurnDelta = ReasoningDelta | TextDelta | ToolCallStart | ToolCallArguments
 
 
 class Finish(NamedTuple):
@@ -82,6 +88,7 @@ class TurnStep(NamedTuple):
     logprobs: list[TokenLogprob] | None  # None: none asked for
     finish: Finish | None
     output_tokens: int  # generated so far
+    reasoning_tokens: int  # of those, the reasoning's
 
 
 @dataclass
@@ -94,6 +101,8 @@ class Turn:
     stop_string: str | None = None
     output_tokens: int = 0
     stop_reason: str | int | None = None  # the engine's, as chat and completions report it
+    reasoning: str | None = None  # the reasoning before the answer (None: none given)
+    reasoning_tokens: int = 0  # of output_tokens, those that reasoned
 
     @property
     def text(self) -> str:
@@ -128,6 +137,8 @@ def final_turn(
         finish.stop_string,
         out.num_output_tokens,
         out.stop_reason,
+        out.reasoning or None,
+        out.num_reasoning_tokens,
     )
 
 
@@ -142,6 +153,7 @@ class TurnStream:
         )
         self.max_calls = 1 if parallel is False else None
         self.text: list[str] = []
+        self.reasoning: list[str] = []
         self.calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments...]
         self.turn: Turn | None = None
 
@@ -174,10 +186,15 @@ class TurnStream:
                     self.text.append(d.text)
                 elif isinstance(d, ToolCallStart):
                     self.calls[d.call] = [d.id, d.name]
-                else:
+                elif isinstance(d, ToolCallArguments):
                     self.calls[d.call].append(d.text)
+        if out.reasoning:  # before the answer's deltas
+            self.reasoning.append(out.reasoning)
+            deltas.insert(0, ReasoningDelta(out.reasoning))
         if out.finish_reason is None:
-            return TurnStep(deltas, out.logprobs, None, out.num_output_tokens)
+            return TurnStep(
+                deltas, out.logprobs, None, out.num_output_tokens, out.num_reasoning_tokens
+            )
         finish = finish_of(out, bool(self.calls))
         if finish is not None:
             tool_calls = [
@@ -191,5 +208,9 @@ class TurnStream:
                 finish.stop_string,
                 out.num_output_tokens,
                 out.stop_reason,
+                "".join(self.reasoning) or None,
+                out.num_reasoning_tokens,
             )
-        return TurnStep(deltas, out.logprobs, finish, out.num_output_tokens)
+        return TurnStep(
+            deltas, out.logprobs, finish, out.num_output_tokens, out.num_reasoning_tokens
+        )

@@ -29,6 +29,10 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     # Total generated so far, also in delta mode (the engine always sets it; 0 for a score choice).
     num_output_tokens: int = 0
+    # With SamplingParams.reasoning: the reasoning (cumulative or delta like `text`; None when the
+    # output opened no reasoning block), apart from `text`, which is then the answer only.
+    reasoning: str | None = None
+    num_reasoning_tokens: int = 0  # of num_output_tokens, those up to the end of the reasoning
 
     @property
     def finished(self) -> bool:
