@@ -315,7 +315,7 @@ class LLMEngine:
         for (
             s
         ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
-            s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
+            s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
         self.snapshot = self.build_snapshot()  # one store: readers see the old or the new whole
         return outputs
@@ -375,15 +375,14 @@ class LLMEngine:
     def _snapshot_detail(self) -> SnapshotDetail:
         pool = self.kv.pool
         holders: dict[int, list[str]] = {}
-        for seq_id, table in self.kv.block_tables.items():
-            for block_id in table:
+        for seq_id in self.kv.block_tables:
+            for block_id in self.kv.held_blocks(seq_id):
                 holders.setdefault(block_id, []).append(seq_id)
         blocks = tuple(
             BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
             for block_id, seq_ids in sorted(holders.items())
         )
-        keys = pool.block_keys
-        cached_free = tuple(b for b in pool.free_queue if keys[b] is not None)
+        cached_free = tuple(b for b in pool.free_queue if pool.is_cached_block(b))
         sc = self.config.scheduler
         return SnapshotDetail(
             blocks,
