@@ -35,7 +35,7 @@ from engine.core.snapshot import (
     StepRecord,
 )
 from engine.core.stats import EngineTotals, StepStats
-from engine.executor.model_runner import ModelRunner, prepare_model
+from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.models.loader import load_model, resolve_model
@@ -82,8 +82,11 @@ class LLMEngine:
             )
 
         block_size = config.cache.block_size
+        self.kv_spec = model_kv_spec(self.model, self.max_model_len)
         num_blocks = self._num_kv_blocks(block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
@@ -94,7 +97,7 @@ class LLMEngine:
         self.runner = runner_class(
             self.model, self.device, self.dtype, num_blocks, block_size,
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
-            grammars=self.grammars,
+            grammars=self.grammars, kv_spec=self.kv_spec,
         )  # fmt: skip
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
@@ -110,7 +113,7 @@ class LLMEngine:
             num_blocks,
             block_size,
             num_blocks
-            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
             / (1 << 20),
         )
 
@@ -118,7 +121,9 @@ class LLMEngine:
         cc = self.config.cache
         if cc.num_blocks is not None:
             return cc.num_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(
+            self.model, block_size, self.dtype, self.kv_spec
+        )
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
@@ -130,8 +135,9 @@ class LLMEngine:
                 _GiB, total // 16
             )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
         num_blocks = max(2, budget // per_block)
-        # No point holding more than every running sequence at full length.
-        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        # No point holding more than every running sequence at full length, in every group.
+        per_seq = len(self.kv_spec.groups) * -(-self.max_model_len // block_size)
+        cap = self.config.scheduler.max_num_seqs * per_seq + 1
         return int(min(num_blocks, max(cap, 2)))
 
     # -- requests -----------------------------------------------------------------------------
@@ -145,7 +151,8 @@ class LLMEngine:
         params.validate_for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
         max_tokens = resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
-        needed = self.kv.blocks_needed(num_prompt + max_tokens)
+        chunk = self.config.scheduler.max_num_batched_tokens
+        needed = self.kv.max_blocks_held(num_prompt + max_tokens, chunk)
         if needed > self.kv.num_blocks:
             raise ContextLengthError(
                 f"This request needs {needed} KV cache blocks ({num_prompt + max_tokens} tokens) but the pool holds "
@@ -227,7 +234,7 @@ class LLMEngine:
                 f"is {total} tokens. Please shorten the context or the choices.",
                 param="choices",
             )
-        needed = self.kv.blocks_needed(total)
+        needed = self.kv.max_blocks_held(total, self.config.scheduler.max_num_batched_tokens)
         if needed > self.kv.num_blocks:
             raise ContextLengthError(
                 f"This request needs {needed} KV cache blocks ({total} tokens) but the pool holds only "

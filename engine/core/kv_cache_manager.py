@@ -234,7 +234,7 @@ class KVCacheManager:
         nothing, when the pool cannot provide the blocks."""
         tables = self.block_tables.get(seq.seq_id)
         if tables is not None and self.sliding:
-            self._release_out_of_window(seq, tables)
+            self._release(seq, tables)
         num_computed = seq.num_computed_tokens
         if hit is not None:
             assert tables is None, "a prefix hit is only taken on admission"
@@ -273,7 +273,14 @@ class KVCacheManager:
                     return min(position, shared_end * self.block_size)
         return position
 
-    def _release_out_of_window(self, seq: Sequence, tables: list[list[int]]) -> None:
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the sliding groups' blocks no query of `seq` reads any more (after a step; call
+        cache_full_blocks first so they stay reusable while cached)."""
+        tables = self.block_tables.get(seq.seq_id)
+        if tables is not None and self.sliding:
+            self._release(seq, tables)
+
+    def _release(self, seq: Sequence, tables: list[list[int]]) -> None:
         position = self._release_point(seq)
         skipped = self.num_skipped[seq.seq_id]
         for g in self.sliding:

@@ -201,10 +201,12 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
     def after_step(self, out: SchedulerOutput) -> None:
-        """Account for the KV written this step and make the full blocks reusable."""
+        """Account for the KV written this step, make the full blocks reusable, and give back what
+        the sliding windows moved past."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.seq)
+            self.kv.release_out_of_window(s.seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End `seq` and release its blocks (idempotent)."""

@@ -43,10 +43,17 @@ class AttentionMetadata:
     )
     # Per-step values every layer shares, built on first use (see decode_context).
     _shared: dict[object, Any] = field(default_factory=dict, init=False, repr=False)
+    # Per model layer, the metadata of its KV cache group (its block tables and slot mapping); empty
+    # when every layer shares this one. Set by the runner's input batch.
+    layer_metas: tuple[AttentionMetadata, ...] = field(default=(), init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` attends with: its KV cache group's tables and slots."""
+        return self.layer_metas[layer] if self.layer_metas else self
 
     def decode_context(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block table [B, num_blocks], key mask [B, 1, 1, ctx_len]) of the decode sequences,

@@ -24,7 +24,7 @@ def _seq(name: str, tokens: list[int]) -> Sequence:
 
 
 def _scheduled(seq: Sequence, table: list[int], start: int, n: int) -> ScheduledSeq:
-    return ScheduledSeq(seq, n, start, table, True, 0)
+    return ScheduledSeq(seq, n, start, [table], True, 0)
 
 
 def _check(batch: InputBatch, scheduled: list[ScheduledSeq]) -> None:
@@ -32,7 +32,7 @@ def _check(batch: InputBatch, scheduled: list[ScheduledSeq]) -> None:
     ref = AttentionMetadata.from_lists(
         [s.num_new_tokens for s in scheduled],
         [s.start_pos + s.num_new_tokens for s in scheduled],
-        [list(s.block_table) for s in scheduled],
+        [list(s.block_tables[0]) for s in scheduled],
         BS,
     )
     expected_ids = [
@@ -47,8 +47,8 @@ def _check(batch: InputBatch, scheduled: list[ScheduledSeq]) -> None:
     assert meta.query_start_loc.tolist() == ref.query_start_loc.tolist()
     assert meta.num_decode_seqs == ref.num_decode_seqs
     for i, s in enumerate(scheduled):  # entries past a sequence's blocks are never read
-        n = len(s.block_table)
-        assert meta.block_tables[i, :n].tolist() == s.block_table
+        n = len(s.block_tables[0])
+        assert meta.block_tables[i, :n].tolist() == s.block_tables[0]
 
 
 def test_steps_with_growing_tables_match_from_lists():
