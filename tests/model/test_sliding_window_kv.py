@@ -120,7 +120,7 @@ def test_greedy_tokens_match_transformers_with_window_release(family, request):
     prompts = _prompts()
     expected = _reference(model_dir, prompts)
     llm = LLM(
-        str(model_dir), dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
+        str(model_dir), dtype="float32", quantization="none", block_size=BLOCK, max_num_batched_tokens=BUDGET,
         max_num_seqs=8, num_blocks=256,
     )  # fmt: skip
     spec = llm.engine.kv_spec
@@ -147,7 +147,7 @@ def test_preemption_and_a_small_pool_keep_the_tokens(family, request):
     # in a two-group model), with the window they run side by side, and six together preempt.
     num_blocks = 40 if family == "mistral" else 48
     llm = LLM(
-        str(model_dir), dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
+        str(model_dir), dtype="float32", quantization="none", block_size=BLOCK, max_num_batched_tokens=BUDGET,
         max_num_seqs=8, num_blocks=num_blocks,
     )  # fmt: skip
     got, _ = _generate_tracking(llm, prompts)
@@ -159,7 +159,7 @@ def test_preemption_and_a_small_pool_keep_the_tokens(family, request):
 
 def test_aborted_and_n_gt_1_requests_give_every_block_back(mistral_dir):
     llm = LLM(
-        str(mistral_dir), dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
+        str(mistral_dir), dtype="float32", quantization="none", block_size=BLOCK, max_num_batched_tokens=BUDGET,
         num_blocks=128, enable_prefix_caching=False,
     )  # fmt: skip
     prompt = _prompts()[2]
