@@ -136,7 +136,9 @@ def test_released_blocks_stay_cached_and_serve_a_prefix_hit():
     assert hit is not None and hit.num_blocks == 5
     first = first_needed_block(W, 5 * BS, BS)  # the blocks of the last W positions before 20
     assert hit.tables[0][:first] == [NULL_BLOCK] * first
-    assert hit.tables[0][first:] == [kv.pool.lookup(0, node) for node in kv.node_chains[a.seq_id][first:5]]
+    assert hit.tables[0][first:] == [
+        kv.pool.lookup(0, node) for node in kv.node_chains[a.seq_id][first:5]
+    ]
     free_before = kv.num_free_blocks
     run(kv, b, chunk=BS, hit=hit)
     assert kv.num_free_blocks < free_before  # revived cached blocks left the free queue
