@@ -121,9 +121,7 @@ class LLMEngine:
         cc = self.config.cache
         if cc.num_blocks is not None:
             return cc.num_blocks
-        per_block = ModelRunner.kv_bytes_per_block(
-            self.model, block_size, self.dtype, self.kv_spec
-        )
+        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroup:
-    window: int | None  # the layers' sliding window (transformers' semantics); None = full attention
+    window: (
+        int | None
+    )  # the layers' sliding window (transformers' semantics); None = full attention
     layers: tuple[int, ...]  # model layer indices, in order: layer layers[j] uses cache tensor j
 
 

@@ -123,7 +123,9 @@ class KVCacheManager:
 
     def _first_needed(self, group: int, num_blocks: int) -> int:
         """The first block group `group` needs to compute from block `num_blocks` on."""
-        return first_needed_block(self.windows[group], num_blocks * self.block_size, self.block_size)
+        return first_needed_block(
+            self.windows[group], num_blocks * self.block_size, self.block_size
+        )
 
     def find_cached_prefix(self, seq: Sequence) -> PrefixHit | None:
         """The longest cached prefix of `seq`'s tokens (whole blocks, matched exactly) for which every
@@ -228,7 +230,9 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     # -- allocation -------------------------------------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens of `seq` (after `hit`, when admitting), first
         giving back the sliding groups' blocks that no query from here on reads. Returns False, taking
         nothing, when the pool cannot provide the blocks."""
@@ -268,7 +272,11 @@ class KVCacheManager:
         group = seq.group
         if len(group.seqs) > 1:
             for other in group.seqs:
-                if other is not seq and other.num_computed_tokens == 0 and not other.status.finished:
+                if (
+                    other is not seq
+                    and other.num_computed_tokens == 0
+                    and not other.status.finished
+                ):
                     shared_end = (len(group.prompt_token_ids) - 1) // self.block_size
                     return min(position, shared_end * self.block_size)
         return position
