@@ -53,7 +53,9 @@ def layouts() -> list[Layout]:
         found.append(Layout(name, windows, kv_heads, cfg.head_dim))
     mistral = MistralConfig(max_position_embeddings=32768)  # Mistral 7B v0.1: 4096-token window
     head_dim = mistral.hidden_size // mistral.num_attention_heads
-    found.append(Layout("Mistral 7B", layer_windows(mistral), mistral.num_key_value_heads, head_dim))
+    found.append(
+        Layout("Mistral 7B", layer_windows(mistral), mistral.num_key_value_heads, head_dim)
+    )
     return found
 
 
@@ -217,6 +219,7 @@ def main() -> None:
         "step ends). One window = the sliding layers' KV of `window` tokens. The engine row: a "
         "float32 2-layer random Mistral, measured from the running engine's block tables."
     )
+
 
 if __name__ == "__main__":
     main()

@@ -110,6 +110,8 @@ class KVCacheManager:
         tables = self.block_tables.get(seq.seq_id)
         if tables is None:
             return 0
+        if len(tables) == 1 and not self.sliding:
+            return len(tables[0])
         return sum(len(t) for t in tables) - sum(self.num_skipped[seq.seq_id])
 
     # -- prefix reuse -----------------------------------------------------------------------------
@@ -237,8 +239,11 @@ class KVCacheManager:
         giving back the sliding groups' blocks that no query from here on reads. Returns False, taking
         nothing, when the pool cannot provide the blocks."""
         tables = self.block_tables.get(seq.seq_id)
-        if tables is not None and self.sliding:
-            self._release(seq, tables)
+        if tables is not None and hit is None:
+            if self.sliding:
+                self._release(seq, tables)
+            if seq.num_computed_tokens + num_new_tokens <= len(tables[0]) * self.block_size:
+                return True  # most decode steps: the token fits in the last block
         num_computed = seq.num_computed_tokens
         if hit is not None:
             assert tables is None, "a prefix hit is only taken on admission"
@@ -247,8 +252,6 @@ class KVCacheManager:
         else:
             length = len(tables[0]) if tables is not None else 0
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - length
-        if num_new_blocks <= 0 and hit is None:
-            return True  # most decode steps: the token fits in the last block
         revived = 0  # reviving an unreferenced cached block takes it out of the free queue too
         if hit is not None:
             for g, table in enumerate(hit.tables):
@@ -284,9 +287,10 @@ class KVCacheManager:
     def release_out_of_window(self, seq: Sequence) -> None:
         """Give back the sliding groups' blocks no query of `seq` reads any more (after a step; call
         cache_full_blocks first so they stay reusable while cached)."""
-        tables = self.block_tables.get(seq.seq_id)
-        if tables is not None and self.sliding:
-            self._release(seq, tables)
+        if self.sliding:
+            tables = self.block_tables.get(seq.seq_id)
+            if tables is not None:
+                self._release(seq, tables)
 
     def _release(self, seq: Sequence, tables: list[list[int]]) -> None:
         position = self._release_point(seq)

@@ -112,10 +112,15 @@ class InputBatch:
         seq_lens: list[int] = []
         rows: list[int] = []
         bs = self.block_size
+        one_group = self.num_groups == 1
+        slots0 = group_slots[0]
         for s in scheduled:
             row = self._row(s.seq)
-            for g in groups:
-                self._sync_table(row, g, s.block_tables[g])
+            table = s.block_tables[0]
+            self._sync_table(row, 0, table)
+            if not one_group:
+                for g in groups[1:]:
+                    self._sync_table(row, g, s.block_tables[g])
             rows.append(row.index)
             start, n = s.start_pos, s.num_new_tokens
             end = start + n
@@ -124,13 +129,17 @@ class InputBatch:
             if n == 1:  # a decode: one token, one slot
                 input_ids.append(s.seq.token_ids[start])
                 positions.append(start)
-                for g in groups:
-                    group_slots[g].append(s.block_tables[g][start // bs] * bs + start % bs)
+                slots0.append(table[start // bs] * bs + start % bs)
+                if not one_group:
+                    for g in groups[1:]:
+                        group_slots[g].append(s.block_tables[g][start // bs] * bs + start % bs)
             else:
                 input_ids.extend(s.seq.token_ids[start:end])
                 positions.extend(range(start, end))
-                for g in groups:
-                    group_slots[g].extend(slots_of(s.block_tables[g], start, end, bs))
+                slots0.extend(slots_of(table, start, end, bs))
+                if not one_group:
+                    for g in groups[1:]:
+                        group_slots[g].extend(slots_of(s.block_tables[g], start, end, bs))
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -142,7 +151,7 @@ class InputBatch:
         # ops, and a cache-cold op costs tens of microseconds after a forward); the fields are
         # views of it: [ids | positions | slots of each group | rows | query starts, seq lens].
         num_tokens, num_seqs = len(input_ids), len(seq_lens)
-        slots = group_slots[0] if self.num_groups == 1 else sum(group_slots, [])
+        slots = slots0 if one_group else sum(group_slots, [])
         packed = torch.tensor(input_ids + positions + slots + rows + starts + seq_lens)
         at = (2 + self.num_groups) * num_tokens
         picked = packed[at : at + num_seqs]
