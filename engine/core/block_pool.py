@@ -35,6 +35,7 @@ class PrefixTrie:
     def __init__(self) -> None:
         self.nodes: dict[BlockKey, int] = {}
         self.keys: dict[int, BlockKey] = {}
+        self.parents: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self._ids = itertools.count(ROOT_NODE + 1)
 
@@ -44,16 +45,18 @@ class PrefixTrie:
     def find(self, key: BlockKey) -> int | None:
         return self.nodes.get(key)
 
-    def intern(self, key: BlockKey) -> int:
-        """The node of `key` (created if new), with one more reference for the caller."""
+    def intern(self, parent: int, key: BlockKey) -> int:
+        """The node of `key` (a block key on `parent`; created if new), with one more reference for
+        the caller."""
         node = self.nodes.get(key)
         if node is None:
             node = next(self._ids)
             self.nodes[key] = node
             self.keys[node] = key
+            self.parents[node] = parent
             self.refs[node] = 0
-            if key[0] != ROOT_NODE:
-                self.refs[key[0]] += 1  # the child keeps its parent
+            if parent != ROOT_NODE:
+                self.refs[parent] += 1  # the child keeps its parent
         self.refs[node] += 1
         return node
 
@@ -67,9 +70,8 @@ class PrefixTrie:
             assert self.refs[node] >= 0, f"node {node} unreferenced twice"
             if self.refs[node]:
                 return
-            key = self.keys.pop(node)
-            del self.refs[node], self.nodes[key]
-            node = key[0]
+            del self.refs[node], self.nodes[self.keys.pop(node)]
+            node = self.parents.pop(node)
 
 
 class BlockPool:

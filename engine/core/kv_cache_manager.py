@@ -318,7 +318,8 @@ class KVCacheManager:
         blocks = self._full_block_tokens(seq, num_full)
         trie = self.pool.trie
         for i in range(start, num_full):
-            chain.append(trie.intern(block_key(chain[-1] if chain else ROOT_NODE, blocks[i])))
+            parent = chain[-1] if chain else ROOT_NODE
+            chain.append(trie.intern(parent, block_key(parent, blocks[i])))
         skipped = self.num_skipped[seq.seq_id]
         for g, table in enumerate(tables):
             for i in range(max(start, skipped[g]), num_full):
