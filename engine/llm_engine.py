@@ -80,6 +80,7 @@ class LLMEngine:
                 loaded.max_model_len,
                 loaded.max_model_len,
             )
+        self.model.limit_context(self.max_model_len)
 
         block_size = config.cache.block_size
         self.kv_spec = model_kv_spec(self.model, self.max_model_len)

@@ -82,6 +82,9 @@ class ModelRunner:
         if use_graphs and multi_group:
             logger.warning("CUDA graphs take one KV cache group; this model has several: eager")
             use_graphs = False
+        if use_graphs and not getattr(model, "supports_cuda_graphs", True):
+            logger.info("%s runs decode steps eagerly (no CUDA graphs)", type(model).__name__)
+            use_graphs = False
         # With CUDA graphs, one extra block (never handed out by the cache manager) takes the
         # K/V that padding rows write. The groups share the group_size cache tensors: layer i
         # reads and writes tensor j of its group (engine.core.kv_cache_groups).
