@@ -1,7 +1,8 @@
 """Sliding-window KV memory on tiny random models (float32) against transformers' generate: a Mistral
-(every layer slides: one group) and a Qwen2 with full and sliding layers (two groups over one pool),
-on prompts several windows long, with chunked prefill, preemption and prefix-cache hits, while each
-sequence holds blocks for its window, not its length, in the sliding layers."""
+(every layer slides: one group), a Qwen2 with a full and a sliding layer (two groups over one pool)
+and a Gemma 3 with 5 local layers to 1 global (six one-layer groups), on prompts several windows
+long, with chunked prefill, preemption and prefix-cache hits, while each sequence holds blocks for
+its window, not its length, in the sliding layers."""
 
 from __future__ import annotations
 
@@ -69,6 +70,28 @@ def qwen2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return _save(model, tmp_path_factory.mktemp("tiny_qwen2"), smollm2_dir)
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Layers 0-4 slide, layer 5 is global (Gemma 3's 5 : 1), softcapped final logits."""
+    from transformers import Gemma3TextConfig
+
+    from tests.model.tiny_models import save_tiny_checkpoint
+
+    common = _common(smollm2_dir)
+    config = Gemma3TextConfig(
+        **{k: common[k] for k in ("vocab_size", "hidden_size", "intermediate_size")},
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=6,
+        max_position_embeddings=512, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        final_logit_softcapping=12.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    return save_tiny_checkpoint(
+        config, tmp_path_factory.mktemp("tiny_gemma3"), smollm2_dir, embed_std=0.15
+    )
+
+
 def _prompts(seed: int = 3) -> list[list[int]]:
     """Prompts of 3 to 6 windows; the last two share a 90-token prefix with the first."""
     rng = random.Random(seed)
@@ -78,17 +101,9 @@ def _prompts(seed: int = 3) -> list[list[int]]:
 
 
 def _reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from tests.model.tiny_models import hf_greedy, hf_reference
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = hf.generate(
-                torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return hf_greedy(hf_reference(model_dir), prompts, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -114,17 +129,21 @@ def _generate_tracking(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[in
     return [tokens[f"r{i}"] for i in range(len(prompts))], peak
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+FAMILIES = ["mistral", "qwen2", "gemma3"]
+GROUPS = {"mistral": [WINDOW], "qwen2": [None, WINDOW], "gemma3": [WINDOW] * 5 + [None]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers_with_window_release(family, request):
     model_dir = request.getfixturevalue(f"{family}_dir")
     prompts = _prompts()
     expected = _reference(model_dir, prompts)
+    # Room to keep every block cached (Gemma 3's blocks are one layer each: 6 per position).
     llm = LLM(
-        str(model_dir), dtype="float32", quantization="none", block_size=BLOCK, max_num_batched_tokens=BUDGET,
-        max_num_seqs=8, num_blocks=256,
+        str(model_dir), dtype="float32", quantization="none", block_size=BLOCK,
+        max_num_batched_tokens=BUDGET, max_num_seqs=8, num_blocks=1024,
     )  # fmt: skip
-    spec = llm.engine.kv_spec
-    assert {g.window for g in spec.groups} == ({WINDOW} if family == "mistral" else {None, WINDOW})
+    assert [g.window for g in llm.engine.kv_spec.groups] == GROUPS[family]
     got, peak = _generate_tracking(llm, prompts)
     assert got == expected
     # The window before a chunk, the chunk, and block rounding: never the sequence's length.
@@ -138,14 +157,15 @@ def test_greedy_tokens_match_transformers_with_window_release(family, request):
     assert kv.num_free_blocks == kv.num_blocks  # everything back after finishing
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_preemption_and_a_small_pool_keep_the_tokens(family, request):
     model_dir = request.getfixturevalue(f"{family}_dir")
     prompts = _prompts(seed=11)
     expected = _reference(model_dir, prompts)
     # Mistral: 12 blocks of 8 tokens, fewer than one 152-token sequence needs at full length (19);
-    # Qwen2: its full layer's 19 blocks and the window's. Six sequences together preempt.
-    num_blocks = 12 if family == "mistral" else 32
+    # Qwen2: its full layer's 19 blocks and the window's; Gemma 3: blocks of one layer, 19 for
+    # the global layer and 5 windows. Six sequences together preempt.
+    num_blocks = {"mistral": 12, "qwen2": 32, "gemma3": 64}[family]
     llm = LLM(
         str(model_dir), dtype="float32", quantization="none", block_size=BLOCK, max_num_batched_tokens=BUDGET,
         max_num_seqs=8, num_blocks=num_blocks,
