@@ -3,7 +3,7 @@ long: the real scheduler and KV cache manager (no model, no torch) on the layer 
 (1B, 4B: 5 local : 1 global) and Mistral 7B (every layer slides), from their transformers configs.
 Bytes are what the cache tensors reserve for the blocks held (block rounding and the padding of a
 shorter last group included); "one window" is the sliding layers' KV of `window` tokens. With
---engine, the same measurement on the real engine with a tiny random-weight Mistral checkpoint.
+--engine, the same measurement on the real engine with a tiny random-weight Gemma 3 checkpoint.
 
     python -m benchmarks.kv_window_memory [--block-size 16] [--budget 2048] [--engine]
 """
@@ -42,7 +42,7 @@ class Layout:
 def layouts() -> list[Layout]:
     from transformers import Gemma3TextConfig, MistralConfig
 
-    from engine.models.llama import layer_windows
+    from engine.models.decoder import layer_windows_of
 
     found = []
     for name, layers, window, kv_heads in (("Gemma 3 1B", 26, 512, 1), ("Gemma 3 4B", 34, 1024, 4)):
@@ -54,7 +54,7 @@ def layouts() -> list[Layout]:
     mistral = MistralConfig(max_position_embeddings=32768)  # Mistral 7B v0.1: 4096-token window
     head_dim = mistral.hidden_size // mistral.num_attention_heads
     found.append(
-        Layout("Mistral 7B", layer_windows(mistral), mistral.num_key_value_heads, head_dim)
+        Layout("Mistral 7B", layer_windows_of(mistral), mistral.num_key_value_heads, head_dim)
     )
     return found
 
@@ -120,9 +120,10 @@ def sliding_blocks(kv: KVCacheManager, seq: Sequence) -> int:
 
 
 def engine_run(block_size: int, budget: int, window: int = 128) -> dict[str, float]:
-    """The same on the real engine: a 2-layer random Mistral, one sequence of 8 windows."""
+    """The same on the real engine: a random-weight 6-layer Gemma 3 (5 local : 1 global, float32),
+    one sequence of 8 windows, blocks read from the running engine's tables."""
     import torch
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from engine import SamplingParams as Params
     from engine.core.config import EngineConfig
@@ -130,54 +131,59 @@ def engine_run(block_size: int, budget: int, window: int = 128) -> dict[str, flo
     from engine.models.loader import resolve_model
 
     smol = resolve_model(None)
-    cfg = MistralConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16 * window,
-        sliding_window=window,
+    cfg = Gemma3TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=window, sliding_window_pattern=6, max_position_embeddings=16 * window,
     )  # fmt: skip
+    windows = [window if t == "sliding_attention" else None for t in cfg.layer_types]
+    layout = Layout("engine", windows, cfg.num_key_value_heads, cfg.head_dim)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        MistralForCausalLM(cfg).save_pretrained(folder)
+        Gemma3ForCausalLM(cfg).save_pretrained(folder)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (smol / name).exists():
                 (folder / name).write_bytes((smol / name).read_bytes())
+        num_blocks = 6 * 16 * window // block_size
         options: dict[str, Any] = dict(
             dtype="float32", quantization="none", block_size=block_size,
-            max_num_batched_tokens=budget, num_blocks=4 * 16 * window // block_size,
+            max_num_batched_tokens=budget, num_blocks=num_blocks,
         )  # fmt: skip
         engine = LLMEngine(EngineConfig.from_options(str(folder), **options))
+        kv = engine.kv
         prompt = [100 + i % 1000 for i in range(8 * window - DECODE_TOKENS)]
         engine.add_request("r", prompt, Params(max_tokens=DECODE_TOKENS, ignore_eos=True))
         (seq,) = engine.groups["r"].seqs
-        held = peak = peak_step = 0
+        held = total = peak = peak_step = 0
         execute = engine.runner.execute
 
         def measured(*a: Any, **kw: Any) -> Any:  # blocks held while the step runs
             nonlocal peak_step
-            peak_step = max(peak_step, engine.kv.num_held_blocks(seq))
+            peak_step = max(peak_step, sliding_blocks(kv, seq))
             return execute(*a, **kw)
 
         engine.runner.execute = measured  # type: ignore[method-assign]
         while engine.has_unfinished_requests():
             engine.step()
-            if engine.kv.holds_blocks(seq):
-                held = engine.kv.num_held_blocks(seq)
+            if kv.holds_blocks(seq):
+                held, total = sliding_blocks(kv, seq), kv.num_held_blocks(seq)
                 peak = max(peak, held) if seq.num_output_tokens else peak
-        element = torch.empty((), dtype=torch.float32).element_size()
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 16 * element
-        per_block = per_token * block_size
-        without = -(-8 * window // block_size) * per_block
-        return {
-            "tokens": 8 * window,
-            "groups": len(engine.kv_spec.groups),
-            "all_without": without,
-            "all_with": held * per_block,
-            "without": without,
-            "with": held * per_block,
-            "peak_decode": peak * per_block,
-            "peak_step": peak_step * per_block,
-            "one_window": window * per_token,
-        }
+        assert kv.num_free_blocks == kv.num_blocks
+    element = torch.empty((), dtype=torch.float32).element_size()
+    per_block = bytes_per_block(engine.kv_spec, layout, block_size) // BF16 * element
+    per_layer_token = 2 * cfg.num_key_value_heads * cfg.head_dim * element
+    full_blocks = -(-8 * window // block_size)
+    return {
+        "tokens": 8 * window,
+        "groups": len(engine.kv_spec.groups),
+        "all_without": full_blocks * block_size * per_layer_token * len(windows),
+        "all_with": total * per_block,
+        "without": full_blocks * block_size * per_layer_token * 5,
+        "with": held * per_block,
+        "peak_decode": peak * per_block,
+        "peak_step": peak_step * per_block,
+        "one_window": window * per_layer_token * 5,
+    }
 
 
 def _row(name: str, window: int, r: dict[str, float]) -> str:
@@ -212,12 +218,12 @@ def main() -> None:
         print(_row(layout.name, layout.window, simulate(layout, args.block_size, args.budget)))
     if args.engine:
         result = engine_run(args.block_size, min(args.budget, 256))
-        print(_row("engine tiny Mistral", 128, result))
+        print(_row("engine tiny Gemma 3", 128, result))
     print(
         "'end': held after the last step; 'decode': the most held after any decode step; 'in step':"
         " the most held while a step runs (a prefill chunk's blocks join the window's until the "
         "step ends). One window = the sliding layers' KV of `window` tokens. The engine row: a "
-        "float32 2-layer random Mistral, measured from the running engine's block tables."
+        "float32 6-layer random Gemma 3 (5 local : 1 global), from the running engine's tables."
     )
 
 
