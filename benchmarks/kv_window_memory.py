@@ -49,8 +49,7 @@ def layouts() -> list[Layout]:
         cfg = Gemma3TextConfig(
             num_hidden_layers=layers, sliding_window=window, num_key_value_heads=kv_heads
         )
-        windows = [window if t == "sliding_attention" else None for t in cfg.layer_types]
-        found.append(Layout(name, windows, kv_heads, cfg.head_dim))
+        found.append(Layout(name, layer_windows_of(cfg), kv_heads, cfg.head_dim))
     mistral = MistralConfig(max_position_embeddings=32768)  # Mistral 7B v0.1: 4096-token window
     head_dim = mistral.hidden_size // mistral.num_attention_heads
     found.append(
@@ -128,15 +127,17 @@ def engine_run(block_size: int, budget: int, window: int = 128) -> dict[str, flo
     from engine import SamplingParams as Params
     from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
+    from engine.models.decoder import layer_windows_of
     from engine.models.loader import resolve_model
 
     smol = resolve_model(None)
     cfg = Gemma3TextConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=window, sliding_window_pattern=6, max_position_embeddings=16 * window,
+        sliding_window=window, max_position_embeddings=16 * window,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
     )  # fmt: skip
-    windows = [window if t == "sliding_attention" else None for t in cfg.layer_types]
+    windows = layer_windows_of(cfg)
     layout = Layout("engine", windows, cfg.num_key_value_heads, cfg.head_dim)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
