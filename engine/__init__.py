@@ -30,7 +30,12 @@ from engine.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
+from engine.core.sampling_params import (
+    OutputKind,
+    ReasoningFormat,
+    SamplingParams,
+    StructuredOutputs,
+)
 from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.core.snapshot import (
     BlockHolders,
@@ -40,6 +45,7 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.text.reasoning import REASONING_PARSER_NAMES, ReasoningParser, get_reasoning_parser
 from engine.text.schema_regex import ecma_pattern_error
 from engine.text.score_inputs import ScoreInputs, build_score_inputs
 from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser
@@ -112,6 +118,10 @@ __all__ = [
     "SchedulerConfig",
     "StructuredOutputs",
     "TOOL_PARSERS",
+    "REASONING_PARSER_NAMES",
+    "ReasoningFormat",
+    "ReasoningParser",
+    "get_reasoning_parser",
     "ScoreInputs",
     "ScoreResult",
     "TokenLogprob",

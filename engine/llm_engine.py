@@ -207,6 +207,7 @@ class LLMEngine:
                 params.skip_special_tokens,
                 params.stop,
                 params.include_stop_str_in_output,
+                params.reasoning,
             )
             group.seqs.append(seq)
         self.groups[request_id] = group

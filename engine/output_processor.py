@@ -239,15 +239,20 @@ class OutputProcessor:
         start = seq.num_emitted_tokens if delta else 0
         if delta and start >= seq.num_output_tokens and not finished:
             return None
+        reasoning: str | None = None
         if delta:
             text = detok.take_delta(finished)
-            if not text and not finished and not want_logprobs:
+            if detok.reasoning is not None:
+                reasoning = detok.take_reasoning_delta(finished)
+            if not text and not reasoning and not finished and not want_logprobs:
                 return None  # e.g. half of a multi-byte character: wait for visible text
         elif finished:
             detok.take_delta(finished=True)  # flush held text, as streaming does, so both agree
-            text = detok.text
+            text = detok.answer_text
+            reasoning = detok.visible_reasoning(finished=True)
         else:
             text = detok.visible_text()
+            reasoning = detok.visible_reasoning()
         token_ids = seq.token_ids[seq.num_prompt_tokens + start :]  # the new ones only, not all
         logprobs = seq.logprobs[start:] if want_logprobs else None
         seq.num_emitted_tokens = seq.num_output_tokens
@@ -261,4 +266,6 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
             cumulative_logprob=seq.cumulative_logprob,
             num_output_tokens=seq.num_output_tokens,
+            reasoning=reasoning,
+            num_reasoning_tokens=detok.num_reasoning_tokens,
         )

@@ -36,10 +36,19 @@ class ChatTurn:
     end: TurnEnd = "stop"
     stop_string: str | None = None  # the stop sequence that ended it, if one did
     output_tokens: int = 0
+    reasoning: str | None = None  # the reasoning before the answer (None: none given)
+    reasoning_tokens: int = 0  # of output_tokens, those that reasoned
 
 
 @dataclass(frozen=True)
 class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """A streamed piece of the reasoning; all of them come before the answer's deltas."""
+
     text: str
 
 
@@ -53,7 +62,7 @@ class ToolCallDelta:
     name: str | None = None
 
 
-TurnDelta = TextDelta | ToolCallDelta
+TurnDelta = ReasoningDelta | TextDelta | ToolCallDelta
 
 
 def _turn_end(out: CompletionOutput, has_tool_calls: bool) -> tuple[TurnEnd, str | None]:
@@ -75,7 +84,10 @@ def final_turn(
     ]
     end, stop = _turn_end(out, bool(tool_calls))
     tokens = out.num_output_tokens or len(out.token_ids)
-    return ChatTurn(content or "", tool_calls, end, stop, tokens)
+    reasoning = out.reasoning or None
+    return ChatTurn(
+        content or "", tool_calls, end, stop, tokens, reasoning, out.num_reasoning_tokens
+    )
 
 
 class TurnStream:
@@ -85,6 +97,7 @@ class TurnStream:
 
     def __init__(self, plan: ToolPlan | None = None, parallel: bool | None = None) -> None:
         self.text: list[str] = []
+        self.reasoning: list[str] = []
         self.calls: dict[int, list[str]] = {}  # call index -> [id, name, arguments...]
         self.output_tokens = 0
         self.turn: ChatTurn | None = None
@@ -111,8 +124,12 @@ class TurnStream:
     def feed(self, out: CompletionOutput) -> list[TurnDelta]:
         self.output_tokens = out.num_output_tokens or self.output_tokens + len(out.token_ids)
         deltas = self._split(out.text, final=out.finish_reason is not None)
+        if out.reasoning:
+            deltas.insert(0, ReasoningDelta(out.reasoning))
         for d in deltas:
-            if isinstance(d, TextDelta):
+            if isinstance(d, ReasoningDelta):
+                self.reasoning.append(d.text)
+            elif isinstance(d, TextDelta):
                 self.text.append(d.text)
             elif d.id is not None:
                 self.calls[d.index] = [d.id, d.name or "", d.arguments]
@@ -124,7 +141,15 @@ class TurnStream:
                 for _, parts in sorted(self.calls.items())
             ]
             end, stop = _turn_end(out, bool(tool_calls))
-            self.turn = ChatTurn("".join(self.text), tool_calls, end, stop, self.output_tokens)
+            self.turn = ChatTurn(
+                "".join(self.text),
+                tool_calls,
+                end,
+                stop,
+                self.output_tokens,
+                "".join(self.reasoning) or None,
+                out.num_reasoning_tokens,
+            )
         return deltas
 
 

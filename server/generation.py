@@ -18,6 +18,7 @@ from engine import (
     InvalidRequestError,
     OutputKind,
     QueueFullError,
+    ReasoningFormat,
     RequestOutput,
     SamplingParams,
     StructuredOutputs,
@@ -50,6 +51,7 @@ def build_sampling_params(
     prompt_logprobs: int | None,
     output_kind: OutputKind,
     structured_outputs: StructuredOutputs | None = None,
+    reasoning: ReasoningFormat | None = None,
 ) -> SamplingParams:
     """SamplingParams from the API fields; the engine's range checks (SamplingParamsError) become
     400s naming the field, through the error handlers."""
@@ -88,6 +90,7 @@ def build_sampling_params(
         prompt_logprobs=prompt_logprobs,
         output_kind=output_kind,
         structured_outputs=structured_outputs,
+        reasoning=reasoning,
     )
 
 

@@ -51,22 +51,42 @@ StreamFrames = Callable[
 ]
 
 
+# Variables the server itself gives the chat template; chat_template_kwargs cannot set them.
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "chat_template", "tokenize")
+
+
+def template_kwargs(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
+    """The server's --chat-template-kwargs overridden by the request's chat_template_kwargs."""
+    own = dict(req.chat_template_kwargs or {})
+    for key in own:
+        if key in _TEMPLATE_OWN:
+            raise invalid_request(
+                f"chat_template_kwargs cannot set {key!r}: the server gives the template that "
+                "variable itself",
+                "chat_template_kwargs",
+            )
+    return {**(state.config.chat_template_kwargs or {}), **own}
+
+
 def apply_template(
     tokenizer: Tokenizer,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     plan: ToolPlan | None = None,
-) -> list[int]:
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], str]:
+    """The prompt's token ids and its text (which says where a reasoning block stands)."""
     check_tool_messages(messages)
     try:
         tools = plan.template_tools if plan is not None else None
-        return list(
-            tokenizer.apply_chat_template(
-                template_messages(messages, plan),
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-            )
+        text = tokenizer.render_chat_template(
+            template_messages(messages, plan),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=kwargs,
         )
+        # The rendered text already holds any BOS the template wants, like transformers does.
+        return list(tokenizer.encode(text, add_special_tokens=False)), text
     except InvalidRequestError as e:
         raise invalid_request(
             f"Cannot apply the chat template: {e}. Serve the model with --chat-template FILE.",
@@ -85,6 +105,7 @@ class ChatGeneration:
     num_top: int  # top logprobs per token (0: none)
     plan: ToolPlan | None = None  # the request's tools: how they are prompted, forced and parsed
     parallel_tool_calls: bool | None = None
+    thinking: bool = False  # a reasoning parser is on: outputs report their reasoning apart
 
     def open(
         self, engine: EngineClient, raw: Request | None
@@ -138,12 +159,24 @@ def prepare_chat(
     if max_tokens == 0:
         raise invalid_request(f"{param} must be at least 1 for chat completions", param)
     constraint = request_constraint(req)
-    plan = tool_plan(req, tokenizer.chat_template, state.config.tool_call_parser, constraint)
+    plan = tool_plan(
+        req,
+        tokenizer.chat_template,
+        state.config.tool_call_parser,
+        constraint,
+        tokenizer.added_tokens,
+    )
     if plan is not None:
         constraint = plan.constraint  # tool calls, the requested answer, or both
-    prompt_ids = apply_template(
-        tokenizer, req.messages, req.add_generation_prompt is not False, plan
+    prompt_ids, prompt_text = apply_template(
+        tokenizer,
+        req.messages,
+        req.add_generation_prompt is not False,
+        plan,
+        template_kwargs(req, state),
     )
+    reasoning = state.reasoning_parser(tokenizer.chat_template)
+    fmt = reasoning.format_for(prompt_text) if reasoning is not None else None
     num_top = req.top_logprobs or 0
     params = build_sampling_params(
         req,
@@ -154,6 +187,7 @@ def prepare_chat(
         prompt_logprobs=None,
         output_kind="delta" if req.stream else "final",
         structured_outputs=constraint,
+        reasoning=fmt,
     )
     check_prompts(engine, [prompt_ids], params, "messages")
     return ChatGeneration(
@@ -164,6 +198,7 @@ def prepare_chat(
         num_top,
         plan,
         req.parallel_tool_calls,
+        reasoning is not None,
     )
 
 
@@ -187,6 +222,7 @@ async def create_chat_completion(
             gen.num_top,
             gen.plan,
             with_metrics,
+            gen.thinking,
         ).frames
 
     def finish(final: RequestOutput) -> Response:
@@ -207,9 +243,10 @@ def _completion(
 ) -> dict[str, Any]:
     """The chat.completion object of a finished request."""
     choices = []
-    completion_tokens = 0
+    completion_tokens = reasoning_tokens = 0
     for out in sorted(final.outputs, key=lambda o: o.index):
         completion_tokens += out.num_output_tokens or len(out.token_ids)
+        reasoning_tokens += out.num_reasoning_tokens
         logprobs = None
         if req.logprobs:
             logprobs = {
@@ -218,6 +255,8 @@ def _completion(
             }
         content, tool_calls = parse_tool_calls(out.text, gen.plan, req.parallel_tool_calls)
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if gen.thinking:  # both names: clients read either
+            message["reasoning_content"] = message["reasoning"] = out.reasoning or None
         reason = finish_reason(out.finish_reason) or "length"
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -237,7 +276,12 @@ def _completion(
         "created": created,
         "model": gen.model,
         "choices": choices,
-        "usage": usage_block(len(gen.prompt_ids), completion_tokens, final.num_cached_tokens),
+        "usage": usage_block(
+            len(gen.prompt_ids),
+            completion_tokens,
+            final.num_cached_tokens,
+            reasoning_tokens if gen.thinking else None,
+        ),
         "system_fingerprint": None,
     }
 
@@ -261,8 +305,10 @@ class _ChatStream(ChunkStream):
         num_top: int,
         plan: ToolPlan | None = None,
         with_metrics: bool = False,
+        thinking: bool = False,
     ) -> None:
         super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics)
+        self.thinking = thinking
         self.num_top = num_top
         self.pending_logprobs: dict[int, list[Any]] = {}  # tokens whose text is still held back
         self.tool_deltas: dict[int, ToolCallDeltas] | None = None
@@ -289,6 +335,9 @@ class _ChatStream(ChunkStream):
             reason = finish_reason(out.finish_reason)
             pending = self.pending_logprobs.setdefault(out.index, [])
             pending.extend(out.logprobs or [])
+            if out.reasoning:  # before the answer's deltas, in a chunk of its own
+                frames.append(self._reasoning_frame(out.index, out.reasoning))
+                pending = self.pending_logprobs[out.index]
             if self.tool_deltas is not None:
                 frames.extend(self._tool_frames(out.index, out.text, reason, out.stop_reason))
                 continue
@@ -312,6 +361,21 @@ class _ChatStream(ChunkStream):
                 choice["stop_reason"] = out.stop_reason
             frames.append(self._chunk([choice]))
         return frames
+
+    def _reasoning_frame(self, index: int, reasoning: str) -> str:
+        """A reasoning delta (both names, as in the whole message); pending logprobs ride on it."""
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = {
+                "content": chat_logprobs(
+                    self.tokenizer, self.pending_logprobs.get(index, []), self.num_top
+                ),
+                "refusal": None,
+            }
+            self.pending_logprobs[index] = []
+        delta = {"reasoning_content": reasoning, "reasoning": reasoning}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        return self._chunk([choice])
 
     def _tool_frames(
         self, index: int, text: str, reason: str | None, stop_reason: Any

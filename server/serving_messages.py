@@ -16,6 +16,7 @@ from engine import RequestOutput
 from server.chat_translation import (
     ChatTurn,
     FieldNames,
+    ReasoningDelta,
     TextDelta,
     ToolCall,
     ToolCallDelta,
@@ -122,6 +123,8 @@ def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
 def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completions request these Messages fields mean (tools and tool_choice included)."""
     fields: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.thinking is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if isinstance(req, MessagesRequest):
         fields |= {
             "max_completion_tokens": req.max_tokens,
@@ -191,7 +194,11 @@ def _tool_input(call: ToolCall) -> dict[str, Any]:
 
 
 def content_blocks(turn: ChatTurn) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": turn.text}] if turn.text else []
+    blocks: list[dict[str, Any]] = []
+    if turn.reasoning is not None:  # unsigned: the signature is empty
+        blocks.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
+    if turn.text:
+        blocks.append({"type": "text", "text": turn.text})
     for call in turn.tool_calls:
         blocks.append(
             {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call)}
@@ -276,7 +283,19 @@ class _MessageStream(TurnEvents):
         frames: list[str] = []
         for out in output.outputs:
             for delta in self.turns.feed(out):
-                if isinstance(delta, TextDelta):
+                if isinstance(delta, ReasoningDelta):
+                    if not self.open or self.block_kind != "thinking":
+                        block = {"type": "thinking", "thinking": "", "signature": ""}
+                        frames += self._start_block(block)
+                        self.block_kind = "thinking"
+                    frames.append(
+                        self._event(
+                            "content_block_delta",
+                            index=self.index,
+                            delta={"type": "thinking_delta", "thinking": delta.text},
+                        )
+                    )
+                elif isinstance(delta, TextDelta):
                     if not self.open or self.block_kind != "text":
                         frames += self._start_block({"type": "text", "text": ""})
                         self.block_kind = "text"

@@ -15,6 +15,7 @@ from engine import RequestOutput
 from server.chat_translation import (
     ChatTurn,
     FieldNames,
+    ReasoningDelta,
     TextDelta,
     ToolCallDelta,
     TurnEvents,
@@ -28,6 +29,7 @@ from server.protocol_responses import (
     FunctionCallOutputItem,
     InputItem,
     MessageItem,
+    ReasoningItem,
     Refusal,
     ResponsesRequest,
 )
@@ -67,6 +69,8 @@ def input_messages(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], 
     messages: list[dict[str, Any]] = []
     sources: list[str] = []
     for i, item in enumerate(items):
+        if isinstance(item, ReasoningItem):
+            continue  # earlier reasoning: templates leave it out of the prompt
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _parts(item.content)})
         elif isinstance(item, FunctionCallItem):
@@ -168,7 +172,7 @@ class _Context:
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": turn.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
                 "total_tokens": prompt + turn.output_tokens,
             }
         text_format = req.text.format if req.text is not None else None
@@ -225,6 +229,8 @@ class _Context:
         body = self.response(status, output, turn, cached)
         if self.req.store is not False:
             assistant: dict[str, Any] = {"role": "assistant", "content": turn.text}
+            if turn.reasoning is not None:
+                assistant["reasoning_content"] = turn.reasoning
             if turn.tool_calls:
                 assistant["tool_calls"] = [
                     {
@@ -250,6 +256,19 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The reasoning before the answer: no summary, the text itself as `reasoning_text` content."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": content,
+        "encrypted_content": None,
+        "status": status,
+    }
+
+
 def _call_item(
     item_id: str, call_id: str, name: str, arguments: str, status: str
 ) -> dict[str, Any]:
@@ -272,6 +291,10 @@ def output_items(turn: ChatTurn) -> list[dict[str, Any]]:
     # A turn cut off by max_output_tokens leaves its last item (text or a call) incomplete.
     last = "incomplete" if turn.end == "length" else "completed"
     items = []
+    if turn.reasoning is not None:
+        answered = bool(turn.text or turn.tool_calls)
+        status = "completed" if answered else last
+        items.append(_reasoning_item(_new_item_id("rs"), turn.reasoning, status))
     if turn.text or not turn.tool_calls:
         status = last if not turn.tool_calls else "completed"
         items.append(_message_item(_new_item_id("msg"), turn.text, status))
@@ -320,6 +343,7 @@ class _ResponseStream(TurnEvents):
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # output items, finished or open (the last one)
         self.open_text: list[str] | None = None  # text of the open message item
+        self.open_reasoning: list[str] | None = None  # text of the open reasoning item
         self.open_args: list[str] | None = None  # arguments of the open function_call item
         self.cached = 0
 
@@ -342,9 +366,33 @@ class _ResponseStream(TurnEvents):
             self._event("response.content_part.added", **self._where(), content_index=0, part=part),
         ]
 
+    def _open_reasoning(self) -> list[str]:
+        self.items.append(_reasoning_item(_new_item_id("rs"), "", "in_progress"))
+        self.open_reasoning = []
+        part = {"type": "reasoning_text", "text": ""}
+        return [
+            self._event(
+                "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
+            ),
+            self._event("response.content_part.added", **self._where(), content_index=0, part=part),
+        ]
+
     def _close_open_item(self, status: str) -> list[str]:
         frames = []
-        if self.open_text is not None:
+        if self.open_reasoning is not None:
+            text = "".join(self.open_reasoning)
+            item = _reasoning_item(self.items[-1]["id"], text, status)
+            part = item["content"][0]
+            frames += [
+                self._event(
+                    "response.reasoning_text.done", **self._where(), content_index=0, text=text
+                ),
+                self._event(
+                    "response.content_part.done", **self._where(), content_index=0, part=part
+                ),
+            ]
+            self.open_reasoning = None
+        elif self.open_text is not None:
             text = "".join(self.open_text)
             item = _message_item(self.items[-1]["id"], text, status)
             part = item["content"][0]
@@ -385,7 +433,20 @@ class _ResponseStream(TurnEvents):
         frames: list[str] = []
         for out in output.outputs:
             for delta in self.turns.feed(out):
-                if isinstance(delta, TextDelta):
+                if isinstance(delta, ReasoningDelta):
+                    if self.open_reasoning is None:
+                        frames += self._close_open_item("completed") + self._open_reasoning()
+                    assert self.open_reasoning is not None
+                    self.open_reasoning.append(delta.text)
+                    frames.append(
+                        self._event(
+                            "response.reasoning_text.delta",
+                            **self._where(),
+                            content_index=0,
+                            delta=delta.text,
+                        )
+                    )
+                elif isinstance(delta, TextDelta):
                     if self.open_text is None:
                         frames += self._close_open_item("completed") + self._open_message()
                     assert self.open_text is not None
@@ -437,8 +498,9 @@ class _ResponseStream(TurnEvents):
     def _turn_frames(self, turn: ChatTurn) -> list[str]:
         status = "incomplete" if turn.end == "length" else "completed"
         frames = []
-        if not self.items:  # no text and no calls: still one (empty) message, as when not streamed
-            frames += self._open_message()
+        if all(item["type"] == "reasoning" for item in self.items):
+            # No text and no calls: still one (empty) message, as when not streamed.
+            frames += self._close_open_item(status) + self._open_message()
         frames += self._close_open_item(status)
         body = self.ctx.finish(turn, self.items, self.cached)
         return [*frames, self._event(f"response.{body['status']}", response=body)]

@@ -17,13 +17,19 @@ if TYPE_CHECKING:
     from engine import Tokenizer
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
+def usage_block(
+    prompt_tokens: int, completion_tokens: int, cached: int, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; with a reasoning parser on, how many completion tokens reasoned."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class FrameStream:
@@ -99,6 +105,8 @@ class ChunkStream(FrameStream):
         self.n = n
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.output_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
+        self.reasoning_tokens: dict[int, int] = {}  # choice index -> of those, reasoning
+        self.thinking = False  # a reasoning parser is on (usage counts reasoning tokens)
         self.cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the cache
         self.with_metrics = with_metrics
         self.finals: dict[
@@ -127,6 +135,7 @@ class ChunkStream(FrameStream):
         """Track choice `index`'s output tokens (the engine's count when it gives one)."""
         counted = self.output_tokens.get(index, 0) + len(out.token_ids)
         self.output_tokens[index] = out.num_output_tokens or counted
+        self.reasoning_tokens[index] = out.num_reasoning_tokens
 
     def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
         raise NotImplementedError
@@ -145,7 +154,10 @@ class ChunkStream(FrameStream):
             metrics = cost_sheet([self.finals[i] for i in sorted(self.finals)])
         if self.include_usage or metrics is not None:
             usage = usage_block(
-                self.prompt_tokens, sum(self.output_tokens.values()), sum(self.cached.values())
+                self.prompt_tokens,
+                sum(self.output_tokens.values()),
+                sum(self.cached.values()),
+                sum(self.reasoning_tokens.values()) if self.thinking else None,
             )
             frames.append(self._chunk([], usage, metrics))
         return [*frames, DONE_FRAME]

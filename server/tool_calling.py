@@ -44,6 +44,7 @@ def tool_plan(
     chat_template: str | None,
     parser_name: str,
     answer: StructuredOutputs | None,
+    token_ids: dict[str, int] | None = None,
 ) -> ToolPlan | None:
     """Validate tools/tool_choice and plan them; None when the request uses no tools. `answer`: the
     request's response_format/structured_outputs constraint, which a reply that calls no tool
@@ -81,6 +82,7 @@ def tool_plan(
             chat_template,
             parser_name,
             answer=answer,
+            token_ids=token_ids,
         )
     except ValueError as e:
         raise invalid_request(str(e), "tools") from None
@@ -106,6 +108,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None and m.role == "assistant":
+            entry["reasoning_content"] = reasoning
         out.append(entry)
     return out
 

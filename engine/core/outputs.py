@@ -27,6 +27,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float = 0.0
     num_output_tokens: int = 0  # total generated so far (also in delta mode)
+    # With SamplingParams.reasoning: the reasoning (cumulative or delta like `text`; None when the
+    # output opened no reasoning block), apart from `text`, which is then the answer only.
+    reasoning: str | None = None
+    num_reasoning_tokens: int = 0  # of num_output_tokens, those up to the end of the reasoning
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,7 @@ engine and API share: prompt tokens, context length, seeds (no torch). Each rule
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,6 +20,18 @@ MAX_SEED = 2**64 - 1
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The name by which a grammar refers to its `answer` constraint (Lark: `@answer`).
 ANSWER_GRAMMAR = "answer"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """Where a reasoning block stands in the generated text: from `start` to `end`, first. With
+    `starts_inside` the prompt opened it (the output starts in reasoning; a leading `start` is
+    skipped); else the output opens one only by starting with `start`, and is otherwise all answer.
+    Stop strings and the structured-output constraint apply to the answer, after the block."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    starts_inside: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,8 @@ class StructuredOutputs:
     # Regex of the whitespace allowed between JSON tokens; None -> none (compact JSON, ", " and ": ").
     whitespace_pattern: str | None = None
     answer: StructuredOutputs | None = None  # only with `grammar`; itself without an answer
+    # The output reasons first (freely, up to the block's end); the constraint applies after it.
+    reasoning: ReasoningFormat | None = None
     source: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +82,11 @@ class StructuredOutputs:
             raise SamplingParamsError(
                 self.source, "whitespace_pattern applies only to json and json_object constraints"
             )
-        if self.answer is not None and (self.grammar is None or self.answer.answer is not None):
+        if self.answer is not None and (
+            self.grammar is None
+            or self.answer.answer is not None
+            or self.answer.reasoning is not None
+        ):
             raise SamplingParamsError(
                 self.source, "an answer constraint goes only in a grammar, and only one level deep"
             )
@@ -104,8 +123,14 @@ class SamplingParams:
     output_kind: OutputKind = "final"
     # Constrained decoding: every sampled token keeps the output inside this constraint.
     structured_outputs: StructuredOutputs | None = None
+    # The output's reasoning block (chat requests of a thinking model): outputs carry it apart from
+    # the answer, and stop strings and `structured_outputs` apply only to the answer.
+    reasoning: ReasoningFormat | None = None
 
     def __post_init__(self) -> None:
+        so = self.structured_outputs
+        if self.reasoning is not None and so is not None and so.reasoning != self.reasoning:
+            self.structured_outputs = dataclasses.replace(so, reasoning=self.reasoning)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]

@@ -244,7 +244,7 @@ async def test_an_engine_failure_mid_stream_is_an_error_event(
         ({"input": "abc", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+        ({"input": [{"type": "file_search_call", "queries": []}]}, "input[0]"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
             "input[0].content",
@@ -507,10 +507,10 @@ async def test_an_engine_failure_mid_stream_is_an_anthropic_error_event(
         (
             {
                 "max_tokens": 5,
-                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "thinking": {"type": "sometimes"},
                 "messages": [{"role": "user", "content": "Hi"}],
             },
-            "thinking",
+            "thinking.type",
         ),
         (
             {
