@@ -16,13 +16,12 @@ from typing import Any
 from engine import (
     DTYPES,
     POOLINGS,
-    REASONING_PARSER_NAMES,
-    TOOL_PARSERS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
+from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
 
