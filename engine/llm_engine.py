@@ -36,7 +36,7 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
-from engine.executor.model_runner import ModelRunner, prepare_model
+from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.models.loader import load_model, resolve_model
@@ -65,9 +65,8 @@ class LLMEngine:
         loaded = load_model(self.model_dir, mc.dtype, mc.device, mc.quantization)
         self.model = loaded.model
         quantization = loaded.weight_format.quantization if loaded.weight_format else None
-        prepare_model(
-            self.model, mc, quantization, loaded.gguf_file
-        )  # threads, quantization, compile
+        # Threads, quantization and compilation.
+        prepare_model(self.model, mc, quantization, loaded.gguf_file)
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)
@@ -84,8 +83,11 @@ class LLMEngine:
         self.model.limit_context(self.max_model_len)
 
         block_size = config.cache.block_size
+        self.kv_spec = model_kv_spec(self.model, self.max_model_len)
         num_blocks = self._num_kv_blocks(block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
+        )
         spec = config.speculative_config
         speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, speculator)
@@ -98,13 +100,13 @@ class LLMEngine:
         self.runner = runner_class(
             self.model, self.device, self.dtype, num_blocks, block_size,
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
-            grammars=self.grammars,
+            grammars=self.grammars, kv_spec=self.kv_spec,
         )  # fmt: skip
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
         self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
-        self.snapshot = self.build_snapshot()
+        self.publish()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
             self.model_dir.name,
@@ -114,7 +116,7 @@ class LLMEngine:
             num_blocks,
             block_size,
             num_blocks
-            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
             / (1 << 20),
         )
 
@@ -122,7 +124,7 @@ class LLMEngine:
         cc = self.config.cache
         if cc.num_blocks is not None:
             return cc.num_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
@@ -134,8 +136,9 @@ class LLMEngine:
                 _GiB, total // 16
             )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
         num_blocks = max(2, budget // per_block)
-        # No point holding more than every running sequence at full length.
-        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        # No point holding more than every running sequence at full length, in every group.
+        per_seq = len(self.kv_spec.groups) * -(-self.max_model_len // block_size)
+        cap = self.config.scheduler.max_num_seqs * per_seq + 1
         return int(min(num_blocks, max(cap, 2)))
 
     # -- requests -----------------------------------------------------------------------------
@@ -149,13 +152,22 @@ class LLMEngine:
         params.validate_for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
         max_tokens = resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
-        needed = self.kv.blocks_needed(num_prompt + max_tokens)
+        self._check_fits_pool(num_prompt + max_tokens, "prompt")
+        return max_tokens
+
+    def _check_fits_pool(self, num_tokens: int, param: str) -> None:
+        """The one check only the engine can make: a request's whole length fits the KV cache pool."""
+        chunk = self.config.scheduler.max_num_batched_tokens
+        needed = self.kv.max_blocks_held(num_tokens, chunk)  # a sliding window holds less
         if needed > self.kv.num_blocks:
             raise ContextLengthError(
-                f"This request needs {needed} KV cache blocks ({num_prompt + max_tokens} tokens) but the pool holds "
-                f"only {self.kv.num_blocks}; shorten it or start the server with a larger KV cache."
+                f"This request needs {needed} KV cache blocks ({num_tokens} tokens) but the pool "
+                f"holds only {self.kv.num_blocks}",
+                param,
+                limit=self.kv.num_blocks * self.kv.block_size,
+                needed=num_tokens,
+                kv_pool=True,
             )
-        return max_tokens
 
     def compile_constraint(self, constraint: StructuredOutputs) -> None:
         """Compile (and cache) a constraint; blocking, so the async engine calls it off the step
@@ -231,14 +243,10 @@ class LLMEngine:
                 f"context ({len(context_token_ids)} tokens) plus the longest choice ({longest} tokens) "
                 f"is {total} tokens. Please shorten the context or the choices.",
                 param="choices",
+                limit=self.max_model_len,
+                needed=total,
             )
-        needed = self.kv.blocks_needed(total)
-        if needed > self.kv.num_blocks:
-            raise ContextLengthError(
-                f"This request needs {needed} KV cache blocks ({total} tokens) but the pool holds only "
-                f"{self.kv.num_blocks}; shorten it or start the server with a larger KV cache.",
-                param="choices",
-            )
+        self._check_fits_pool(total, "choices")
 
     def add_score_request(
         self,
@@ -278,11 +286,10 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        preemptions_before = self.scheduler.num_preemptions
         queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.snapshot = self.build_snapshot()
+            self.publish()
             return []
         stats = self._new_step_stats(sched)
         now = time.monotonic()
@@ -314,16 +321,22 @@ class LLMEngine:
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage
-        stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+        stats.num_preemptions = len(sched.preempted)  # the schedule's own report
         stats.prefix_cache_queries = self.kv.stats.queries - queries_before
         stats.prefix_cache_hits = self.kv.stats.hits - hits_before
         for (
             s
         ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
-            s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
+            s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
-        self.snapshot = self.build_snapshot()  # one store: readers see the old or the new whole
+        self.publish()
         return outputs
+
+    def publish(self, detail: bool = False) -> EngineSnapshot:
+        """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
+        on other threads see the old or the new whole)."""
+        self.snapshot = self.build_snapshot(detail)
+        return self.snapshot
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         """The state now, for readers on other threads; call it only where steps run (or between them)."""
@@ -383,15 +396,14 @@ class LLMEngine:
     def _snapshot_detail(self) -> SnapshotDetail:
         pool = self.kv.pool
         holders: dict[int, list[str]] = {}
-        for seq_id, table in self.kv.block_tables.items():
-            for block_id in table:
+        for seq_id in self.kv.block_tables:
+            for block_id in self.kv.held_blocks(seq_id):
                 holders.setdefault(block_id, []).append(seq_id)
         blocks = tuple(
             BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
             for block_id, seq_ids in sorted(holders.items())
         )
-        keys = pool.block_keys
-        cached_free = tuple(b for b in pool.free_queue if keys[b] is not None)
+        cached_free = tuple(b for b in pool.free_queue if pool.is_cached_block(b))
         sc = self.config.scheduler
         return SnapshotDetail(
             blocks,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from engine.core.errors import ConstraintError, InvalidRequestError
 from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
@@ -47,9 +48,8 @@ class OutputProcessor:
                 self.scheduler.release_followers(group)
             if seq.seq_id not in result.sampled:
                 if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
-                    self.scheduler.finish(
-                        seq, SequenceStatus.FINISHED_LENGTH
-                    )  # scoring only (echo)
+                    # Scoring only (echo with no tokens to generate): done once the prompt is.
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 continue
             if s.draft_token_ids and self._append_accepted(s, result, now, stats):
                 continue  # a stop among the accepted tokens: nothing after it is emitted
@@ -151,8 +151,10 @@ class OutputProcessor:
         if status is not None:
             self.scheduler.finish(seq, status)
 
-    def _fail_group(self, group: RequestGroup, message: str, param: str | None = None) -> None:
-        group.error, group.error_param = message, param
+    def _fail_group(
+        self, group: RequestGroup, message: str, fault: InvalidRequestError | None = None
+    ) -> None:
+        group.error, group.fault = message, fault
         for seq in group.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
 
@@ -160,9 +162,8 @@ class OutputProcessor:
         constraint = group.requested.structured_outputs
         source = constraint.source if constraint is not None else "structured_outputs"
         why = why.strip().splitlines()[0] if why.strip() else "unknown error"
-        self._fail_group(
-            group, f"the constrained decoder cannot follow {source}: {why}", param=source
-        )
+        fault = ConstraintError(why, source)
+        self._fail_group(group, str(fault), fault)
 
     def _finished_stats(self, group: RequestGroup, now: float) -> FinishedRequestStats:
         m = group.metrics
@@ -196,7 +197,7 @@ class OutputProcessor:
                 num_cached_tokens=group.num_cached_tokens,
                 metrics=group.metrics,
                 error=group.error,
-                error_param=group.error_param,
+                fault=group.fault,
             )
         if group.kind == "score":
             return self._score_output(group) if finished else None

@@ -441,42 +441,6 @@ class ChatCompletionResponse(OpenModel):
     system_fingerprint: str | None = None
 
 
-class ChatDeltaToolCallFunction(OpenModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ChatDeltaToolCall(OpenModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: ChatDeltaToolCallFunction | None = None
-
-
-class ChatDelta(OpenModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ChatDeltaToolCall] | None = None
-
-
-class ChatChunkChoice(OpenModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(OpenModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
 class EmbeddingData(OpenModel):
     index: int
     object: Literal["embedding"] = "embedding"

@@ -15,7 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import EmbeddingOutput, EngineClient
-from server.errors import APIError, invalid_request
+from server.errors import invalid_request, wrong_task
+from server.field_map import EMBEDDING_FIELDS
 from server.generation import check_prompts, wait_for_disconnect
 from server.protocol import EmbeddingRequest
 from server.state import ServerState
@@ -26,21 +27,8 @@ if TYPE_CHECKING:
 
 def require_task(engine: EngineClient, task: str) -> None:
     """A 400 when the route needs a different kind of model than the one served."""
-    served = engine.task
-    if served == task:
-        return
-    if served == "embed":
-        message = (
-            "This server runs an embedding model: use POST /v1/embeddings. Text generation and "
-            "scoring (/v1/completions, /v1/chat/completions, /v1/score) need a server started with "
-            "a generative model."
-        )
-    else:
-        message = (
-            "This server runs a text generation model: /v1/embeddings needs a server started with "
-            "an embedding model (kvserve serve --task embed [MODEL])."
-        )
-    raise APIError(message, status=400, code="unsupported_task")
+    if engine.task != task:
+        raise wrong_task(engine.task)
 
 
 def _inputs(req: EmbeddingRequest, tokenizer: Tokenizer, keep: int | None) -> list[list[int]]:
@@ -176,7 +164,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
     tokenizer = engine.tokenizer
     keep = _truncation(req, engine.max_model_len)
     inputs = _inputs(req, tokenizer, keep)
-    check_prompts(engine, inputs, None, "input")
+    check_prompts(engine, inputs, None, EMBEDDING_FIELDS)
     _check_capacity(engine, inputs)
     request_id = f"embd-{uuid.uuid4().hex}"
     try:

@@ -16,14 +16,13 @@ from typing import Any
 from engine import (
     DTYPES,
     POOLINGS,
-    REASONING_PARSER_NAMES,
-    TOOL_PARSERS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
 

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine import EngineClient, ReasoningParser, get_reasoning_parser
+from engine import EngineClient
+from engine.text import ReasoningParser, get_reasoning_parser
 from server.errors import model_not_found, service_unavailable
 from server.response_store import ResponseStore
 

@@ -61,26 +61,26 @@ class StructuredOutputs:
         if len(given) != 1:
             found = ", ".join(given) if given else "none"
             raise SamplingParamsError(
-                self.source,
                 f"give exactly one constraint of {', '.join(_CONSTRAINT_KINDS)} (found: {found})",
+                self.source,
             )
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise SamplingParamsError(
-                    self.source, "choice must be a non-empty list of non-empty strings"
+                    "choice must be a non-empty list of non-empty strings", self.source
                 )
         if self.json is not None:
             try:
                 schema = json.loads(self.json)
             except ValueError as e:
                 raise SamplingParamsError(
-                    self.source, f"the JSON schema is not JSON: {e}"
+                    f"the JSON schema is not JSON: {e}", self.source
                 ) from None
             if not isinstance(schema, (dict, bool)):
-                raise SamplingParamsError(self.source, "a JSON schema must be an object")
+                raise SamplingParamsError("a JSON schema must be an object", self.source)
         if self.whitespace_pattern is not None and self.json is None and not self.json_object:
             raise SamplingParamsError(
-                self.source, "whitespace_pattern applies only to json and json_object constraints"
+                "whitespace_pattern applies only to json and json_object constraints", self.source
             )
         if self.answer is not None and (
             self.grammar is None
@@ -88,7 +88,7 @@ class StructuredOutputs:
             or self.answer.reasoning is not None
         ):
             raise SamplingParamsError(
-                self.source, "an answer constraint goes only in a grammar, and only one level deep"
+                "an answer constraint goes only in a grammar, and only one level deep", self.source
             )
 
     @property
@@ -140,7 +140,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def fail(param: str, message: str) -> None:
-            raise SamplingParamsError(param, message)
+            raise SamplingParamsError(message, param)
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"n must be at least 1, got {self.n}")
@@ -211,14 +211,14 @@ class SamplingParams:
         for token_id in self.logit_bias or {}:
             if token_id >= vocab_size:
                 raise SamplingParamsError(
-                    "logit_bias",
                     f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                    "logit_bias",
                 )
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 raise SamplingParamsError(
-                    "stop_token_ids",
                     f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                    "stop_token_ids",
                 )
 
     @property
@@ -250,14 +250,18 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
             raise ContextLengthError(
                 f"This model's maximum context length is {max_model_len} tokens. However, the prompt "
                 f"has {num_prompt_tokens} tokens, which leaves none to generate. Please reduce the "
-                "length of the prompt."
+                "length of the prompt.",
+                limit=max_model_len,
+                needed=num_prompt_tokens + 1,
             )
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + max_tokens > max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-            "for the completion). Please reduce the length of the prompt or the completion."
+            "for the completion). Please reduce the length of the prompt or the completion.",
+            limit=max_model_len,
+            needed=num_prompt_tokens + max_tokens,
         )
     return max_tokens
 
@@ -269,6 +273,8 @@ def check_input_length(num_tokens: int, max_model_len: int, param: str = "input"
             f"This model's maximum context length is {max_model_len} tokens. However, your input has "
             f"{num_tokens} tokens. Shorten it or ask for truncation (truncate_prompt_tokens).",
             param,
+            limit=max_model_len,
+            needed=num_tokens,
         )
 
 

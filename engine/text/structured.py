@@ -78,13 +78,13 @@ class GrammarCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise SamplingParamsError(
-                constraint.source, f"the {_noun(constraint)} cannot be used: {_first(messages)}"
+                f"the {_noun(constraint)} cannot be used: {_first(messages)}", constraint.source
             )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise SamplingParamsError(
-                constraint.source,
                 f"the {_noun(constraint)} cannot be used: {_first([matcher.get_error()])}",
+                constraint.source,
             )
         elapsed = time.perf_counter() - started
         with self._lock:
@@ -183,9 +183,8 @@ def _grammar_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
     """The constraint's grammar as the entries of an llguidance grammar list (its start first)."""
     text = _single_grammar_text(constraint)
     if constraint.kind in ("json", "json_object", "regex"):
-        return list(
-            json.loads(text)["grammars"]
-        )  # the JSON grammar list llguidance builds for them
+        # The JSON grammar list llguidance builds for them.
+        return list(json.loads(text)["grammars"])
     return [{"lark_grammar": text}]  # Lark text (choice, grammar)
 
 
@@ -206,7 +205,7 @@ def _single_grammar_text(constraint: StructuredOutputs) -> str:
     try:
         return grammar_from("grammar", constraint.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise SamplingParamsError(constraint.source, f"the grammar cannot be used: {e}") from None
+        raise SamplingParamsError(f"the grammar cannot be used: {e}", constraint.source) from None
 
 
 def _json_options(constraint: StructuredOutputs) -> dict[str, Any]:

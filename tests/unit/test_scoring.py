@@ -52,7 +52,7 @@ def test_score_group_computes_the_context_once(prefix_caching: bool) -> None:
         (1, 1),
         (1, 2),
     ]
-    assert all(s.block_table[:2] == leader.block_table[:2] for s in followers)
+    assert all(s.block_tables[0][:2] == leader.block_tables[0][:2] for s in followers)
     assert group.finished and kv.num_free_blocks == 64
     assert group.num_prompt_tokens == 10 + 6
     if prefix_caching:
@@ -145,7 +145,8 @@ def test_finished_requests_are_counted_by_kind() -> None:
 
 
 def test_score_inputs_follow_lm_eval_and_the_chat_template(smollm2_dir) -> None:
-    from engine import InvalidRequestError, Tokenizer, build_score_inputs
+    from engine import InvalidRequestError, Tokenizer
+    from engine.text import build_score_inputs
     from engine.text.score_inputs import encode_pair
 
     tok = Tokenizer.from_pretrained(smollm2_dir)

@@ -172,7 +172,7 @@ def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
     out = sched.schedule()
     assert out.scheduled[0].draft_token_ids == []  # [.., 5, 9]: 9 never seen before
     sched.after_step(out, RunnerOutput())
-    assert kv.pool.block_keys[kv.get_block_table(seq)[2]] is not None  # full, accepted: cached
+    assert kv.pool.is_cached_block(kv.get_block_table(seq)[2])  # full, accepted: cached
     kv.trim(seq, 9)
     assert len(kv.get_block_table(seq)) == 3 and kv.num_free_blocks == 13
 
