@@ -219,3 +219,26 @@ def test_bundled_model_seeded_sampling_identical(smol):
     assert _answers(spec_llm.generate([ids], params)) == want
     totals = spec_llm.engine.totals
     assert 0 < totals.spec_num_accepted_tokens - accepted < totals.spec_num_draft_tokens - drafted
+
+
+def test_sliding_window_model_identical(tmp_path, tiny_llama_dir):
+    """A Mistral whose 16-token window is shorter than the prompts: drafts roll back in the
+    sliding group's table too, and the answer stays the same."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=16, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    for f in tiny_llama_dir.iterdir():
+        if f.suffix in (".json", ".jinja", ".txt") and not (tmp_path / f.name).exists():
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    want = _answers(LLM(str(tmp_path), max_num_seqs=4).generate(COPY_PROMPTS, _greedy(40)))
+    llm = LLM(str(tmp_path), max_num_seqs=4, speculative_config=SPEC)
+    assert _answers(llm.generate(COPY_PROMPTS, _greedy(40))) == want
+    assert _accepted(llm) > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
