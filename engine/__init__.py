@@ -40,6 +40,7 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.embeddings.prompts import EmbeddingPrompts
 from engine.text.schema_regex import ecma_pattern_error
 from engine.text.score_inputs import ScoreInputs, build_score_inputs
 from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser
@@ -99,6 +100,7 @@ __all__ = [
     "ChoiceScore",
     "CompletionOutput",
     "EmbeddingOutput",
+    "EmbeddingPrompts",
     "EngineConfig",
     "EngineDeadError",
     "ModelConfig",
