@@ -1,0 +1,232 @@
+"""GGUF files of the non-Llama families as llama.cpp writes them, served as stored: a tiny random
+Hugging Face checkpoint written with the `gguf` package's GGUFWriter under that family's
+`general.architecture` (tensor names from gguf's own name map, the family's metadata keys, Q8_0 and
+Q4_0 blocks from gguf.quants, a float tensor, a fused weight whose parts mix block types). Every
+weight served as stored must be the file's blocks and dequantize bitwise to gguf.quants.dequantize;
+greedy tokens on the dequantized weights equal transformers' generate on the same file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import (
+    MODEL_ARCH_NAMES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    GGUFWriter,
+    get_tensor_name_map,
+)
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_kernels
+from engine.models import MODEL_REGISTRY
+from engine.models.block_quant import BlockQ8Weight
+from engine.models.gguf_blocks import GGUF_ARCHS
+from engine.models.loader import find_bundled_model
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
+)
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+PROMPTS = ["Hello there", "The capital of France is", "def f(x):"]
+# Per layer, the block type of each llama.cpp matmul ("F32": a float tensor). Layer 1's attn_v
+# differs from its attn_q/attn_k, so its fused qkv cannot be served as stored (packed as Q8_0).
+LAYER_TYPES = [
+    {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
+     "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
+    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "F32",
+     "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
+]  # fmt: skip
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1"}  # GGUF type -> kvserve's block format (Q4_0 as Q4_1)
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # GGUF general.architecture
+    hf_architecture: str  # the class kvserve must have registered
+    config: Any  # a tiny transformers config
+    tied: bool
+
+
+def _families(vocab: int) -> list[Family]:
+    from transformers import Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return [
+        Family("qwen2", "Qwen2ForCausalLM", Qwen2Config(**common, tie_word_embeddings=False), False),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),  # head_dim != hidden/heads
+            True,
+        ),
+    ]
+
+
+def _write_gguf(family: Family, path: Path) -> None:
+    """The checkpoint's tensors under llama.cpp's names for the family, quantized per LAYER_TYPES."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = family.config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
+    with torch.no_grad():  # weights larger than the default init: decisive logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.05 if "embed" in name or "lm_head" in name else 0.1)
+    bundled = GGUFReader(find_bundled_model())
+    writer = GGUFWriter(path, family.arch)
+    for key, field in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    head_dim = getattr(cfg, "head_dim", None) or HIDDEN // HEADS
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_block_count(LAYERS)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    arch_enum = next(a for a, name in MODEL_ARCH_NAMES.items() if name == family.arch)
+    names = get_tensor_name_map(arch_enum, LAYERS)
+    for hf_name, tensor in model.state_dict().items():
+        if family.tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp writes a tied head once, as token_embd
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        w = tensor.numpy().astype(np.float32)
+        kind = _type_of(name)
+        if kind == "F32":
+            writer.add_tensor(name, w)
+        else:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf_quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _type_of(gguf_name: str) -> str:
+    pieces = gguf_name.split(".")
+    if pieces[0] == "blk" and pieces[-1] == "weight" and pieces[2] in LAYER_TYPES[0]:
+        return LAYER_TYPES[int(pieces[1])][pieces[2]]
+    if gguf_name in ("token_embd.weight", "output.weight"):
+        return "Q8_0"
+    return "F32"  # norms, biases
+
+
+def _dequantized(reader: GGUFReader, name: str) -> torch.Tensor:
+    """The gguf package's own dequantization of a stored tensor: [rows, cols] float32."""
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return torch.from_numpy(gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type).copy())
+
+
+def _family_ids() -> list[str]:
+    return ["qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=_family_ids())
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(family, gguf path, LLM as stored, LLM on the dequantized float32 weights)."""
+    reader = GGUFReader(find_bundled_model())
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    family = next(f for f in _families(vocab) if f.arch == request.param)
+    if family.hf_architecture not in MODEL_REGISTRY:
+        pytest.skip(f"{family.hf_architecture} is not a kvserve model class yet")
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-{family.arch}.gguf"
+    _write_gguf(family, path)
+    cache = str(tmp_path_factory.mktemp("cache"))
+    options = {"cache_dir": cache, "max_num_seqs": 4, "enable_prefix_caching": False}
+    stored = LLM(str(path), quantization="gguf", **options)
+    floats = LLM(str(path), dtype="float32", quantization="none", **options)
+    return family, path, stored, floats
+
+
+def test_the_architecture_is_served_as_stored(served: tuple) -> None:
+    family = served[0]
+    assert family.arch in GGUF_ARCHS and not GGUF_ARCHS[family.arch].unpermute_qk
+
+
+def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
+    family, path, stored, floats = served
+    model, float_model = stored.engine.model, floats.engine.model
+    reader = GGUFReader(path)
+    float_params = dict(float_model.named_parameters())
+    fused = {
+        "self_attn.qkv_weight": ("attn_q", "attn_k", "attn_v"),
+        "self_attn.o_weight": ("attn_output",),
+        "mlp.gate_up_weight": ("ffn_gate", "ffn_up"),
+        "mlp.down_weight": ("ffn_down",),
+    }
+    kept = 0
+    for i, types in enumerate(LAYER_TYPES):
+        layer = model.layers[i]
+        for ours, parts in fused.items():
+            owner, attr = ours.split(".")
+            weight = getattr(getattr(layer, owner), attr)
+            expected = float_params[f"layers.{i}.{ours}"]  # what transformers dequantized
+            formats = {FORMATS.get(types[p]) for p in parts}
+            if None in formats or len(formats) > 1:  # not runnable as stored: Q8_0 from floats
+                assert isinstance(weight, BlockQ8Weight), (i, ours)
+                continue
+            assert weight.kind == formats.pop(), (i, ours)
+            theirs = torch.cat([_dequantized(reader, f"blk.{i}.{p}.weight") for p in parts])
+            assert torch.equal(weight.dequantize(), theirs), (i, ours)  # gguf's own dequantization
+            assert torch.equal(theirs, expected), (i, ours)
+            kept += 1
+    assert kept == 6
+    head = model.lm_head_weight
+    assert isinstance(head, BlockQ8Weight)
+    head_name = "token_embd.weight" if family.tied else "output.weight"
+    assert torch.equal(head.dequantize(), _dequantized(reader, head_name))
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(served: tuple) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    family, path, stored, floats = served
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in floats.generate(PROMPTS, params)]
+    for prompt, tokens in zip(PROMPTS, ours, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = reference.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert list(tokens) == out[0, ids.shape[1] :].tolist(), prompt
+    assert len({tuple(t) for t in ours}) > 1  # the prompts lead to different continuations
+    alone = [stored.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+    together = [o.outputs[0].token_ids for o in stored.generate(PROMPTS, params)]
+    assert together == alone and all(len(t) == 12 for t in alone)
