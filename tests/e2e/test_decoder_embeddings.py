@@ -74,9 +74,10 @@ def test_a_named_prompt_per_request(client: openai.OpenAI, folder: Path) -> None
     )
     _assert_close(resp.data, sentence_transformers_reference(folder, DOCUMENTS, "document"))
     queries = client.embeddings.create(model=MODEL, input=QUERIES)
-    scores = torch.tensor([d.embedding for d in queries.data]) @ torch.tensor(
-        [d.embedding for d in resp.data]
-    ).T
+    scores = (
+        torch.tensor([d.embedding for d in queries.data])
+        @ torch.tensor([d.embedding for d in resp.data]).T
+    )
     want = sentence_transformers_reference(folder, QUERIES) @ (
         sentence_transformers_reference(folder, DOCUMENTS, "document").T
     )

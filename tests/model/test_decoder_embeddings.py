@@ -39,7 +39,9 @@ def _vocab_size(smollm2_dir: Path) -> int:
     return int(json.loads((smollm2_dir / "config.json").read_text())["vocab_size"])
 
 
-def _embed(model: EmbeddingModel, tokenizer: Tokenizer, texts: list[str], prompt: str) -> torch.Tensor:
+def _embed(
+    model: EmbeddingModel, tokenizer: Tokenizer, texts: list[str], prompt: str
+) -> torch.Tensor:
     """kvserve's vectors for texts with the prompt joined before them (as the server does)."""
     return model.embed([list(tokenizer.encode(prompt + text)) for text in texts])
 

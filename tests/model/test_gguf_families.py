@@ -73,14 +73,11 @@ def _families(vocab: int) -> list[Family]:
         bos_token_id=1,
         eos_token_id=2,
     )
+    qwen2 = Qwen2Config(**common, tie_word_embeddings=False)
+    qwen3 = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)  # head_dim != hidden/heads
     return [
-        Family("qwen2", "Qwen2ForCausalLM", Qwen2Config(**common, tie_word_embeddings=False), False),
-        Family(
-            "qwen3",
-            "Qwen3ForCausalLM",
-            Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),  # head_dim != hidden/heads
-            True,
-        ),
+        Family("qwen2", "Qwen2ForCausalLM", qwen2, tied=False),
+        Family("qwen3", "Qwen3ForCausalLM", qwen3, tied=True),
     ]
 
 
