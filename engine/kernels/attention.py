@@ -3,7 +3,11 @@ sequence's cached context. Backends are chosen once: flash-attn on CUDA when ins
 size lets it read the cache in place, else Triton kernels (engine.kernels.triton_attention) on
 CUDA; on CPU a C++ decode kernel that reads the paged cache in place (engine.kernels.cpu_kernels;
 prefill chunks use SDPA); else the torch SDPA reference (CUDA without triton, CPU without the
-kernels)."""
+kernels).
+
+Every backend takes a layer's sliding window (a query at position p sees keys at positions
+> p - window, as transformers' masks) and Gemma's logit softcap (scores -> softcap * tanh(scores /
+softcap) before the softmax)."""
 
 from __future__ import annotations
 
@@ -48,30 +52,50 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    def decode_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def for_layer(self, layer_index: int) -> AttentionMetadata:
+        """The metadata layer `layer_index` attends with (its KV-cache group's block tables and
+        slot mapping); with one group, this metadata itself. Models always go through it."""
+        return self
+
+    def decode_context(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block table [B, num_blocks], key mask [B, 1, 1, ctx_len]) of the decode sequences,
-        computed once per step and reused by every layer."""
-        cached = self._shared.get("decode")
+        computed once per step (and window) and reused by every layer."""
+        cached = self._shared.get(("decode", window))
         if cached is None:
             batch = self.num_decode_seqs
             num_blocks = -(-max(self.seq_lens_cpu[:batch]) // self.block_size)
             table = self.block_tables[:batch, :num_blocks]
             positions = torch.arange(num_blocks * self.block_size, device=table.device)
-            mask = positions[None, :] < self.seq_lens[:batch, None]  # [B, ctx_len]
-            cached = self._shared["decode"] = (table, mask[:, None, None, :])
+            lens = self.seq_lens[:batch, None]
+            mask = positions[None, :] < lens  # [B, ctx_len]
+            if window is not None:  # the one query sits at lens - 1: keys > lens - 1 - window
+                mask &= positions[None, :] >= lens - window
+            cached = self._shared[("decode", window)] = (table, mask[:, None, None, :])
         return cached
 
-    def prefill_context(self, seq_index: int, query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block table [num_blocks], causal mask [query_len, seq_len]) of a prefill chunk that
-        follows cached context; computed once per step."""
-        cached = self._shared.get(seq_index)
+    def prefill_context(
+        self, seq_index: int, query_len: int, window: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(block table [num_blocks], causal mask [query_len, num_keys], first key position) of a
+        prefill chunk that follows cached context; computed once per step (and window). With a
+        window the table starts at the block holding the first query's first visible key."""
+        key = (seq_index, window)
+        cached = self._shared.get(key)
         if cached is None:
             seq_len = self.seq_lens_cpu[seq_index]
-            table = self.block_tables[seq_index, : -(-seq_len // self.block_size)]
-            # Query j sits at absolute position seq_len - query_len + j and sees keys up to there.
-            key_pos = torch.arange(seq_len, device=table.device)
-            query_pos = torch.arange(seq_len - query_len, seq_len, device=table.device)
-            cached = self._shared[seq_index] = (table, key_pos[None, :] <= query_pos[:, None])
+            first_query = seq_len - query_len
+            first_block = (
+                0 if window is None else max(0, first_query - window + 1) // self.block_size
+            )
+            table = self.block_tables[seq_index, first_block : -(-seq_len // self.block_size)]
+            first_key = first_block * self.block_size
+            # Query j sits at absolute position first_query + j and sees keys up to there.
+            key_pos = torch.arange(first_key, seq_len, device=table.device)
+            query_pos = torch.arange(first_query, seq_len, device=table.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            if window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - window
+            cached = self._shared[key] = (table, mask, first_key)
         return cached
 
     def token_context(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,14 +196,19 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over their sequences' paged context.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns q's shape.
+    window: the layer's sliding window (Hugging Face `sliding_window`; None = full attention);
+    softcap: logit softcapping (None = off).
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
-    return attend_cached(q, k, v, kv_cache, meta, scale)
+    return attend_cached(q, k, v, kv_cache, meta, scale, window=window, softcap=softcap)
 
 
 def uses_cpu_kernels(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype) -> bool:
@@ -194,16 +223,25 @@ def attend_cached(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention after this step's K/V are already in the cache (see write_kv)."""
+    if window is not None and window <= 0:
+        raise ValueError(f"sliding window must be positive, got {window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"attention softcap must be positive, got {softcap}")
     backend = meta.backend or attention_backend(q.device.type, q.dtype, meta.block_size)
     if backend == "triton":
         from engine.kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(q, kv_cache, meta, scale)
+        return paged_attention_triton(q, kv_cache, meta, scale, window=window, softcap=softcap)
     if backend == "flash":
-        return _flash_attention(q.contiguous(), kv_cache, meta, scale)
-    return _sdpa_attention(q, k, v, kv_cache, meta, scale, in_place_decode=backend == "cpu")
+        return _flash_attention(q.contiguous(), kv_cache, meta, scale, window, softcap)
+    return _sdpa_attention(
+        q, k, v, kv_cache, meta, scale, window, softcap, in_place_decode=backend == "cpu"
+    )
 
 
 @functools.cache
@@ -287,48 +325,76 @@ def _sdpa_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
     in_place_decode: bool = False,
 ) -> torch.Tensor:
     num_decodes = meta.num_decode_seqs
     in_place_decode = in_place_decode and q.dtype == kv_cache.dtype  # the kernel reads one dtype
     if in_place_decode and num_decodes == meta.num_seqs:  # a pure decode step: one kernel call
         return cpu_kernels.paged_decode_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens, scale
+            q, kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
         )
     if in_place_decode:
         # Every query, prefill ones too, attends over its own causal context read in place by the
         # decode kernel: a token's result is the same whether its prompt was prefilled whole, in
-        # chunks, after a prefix-cache hit or recomputed after preemption (batch-invariant).
+        # chunks, after a prefix-cache hit or recomputed after preemption (batch-invariant). A
+        # window starts each query's context at max(0, its length - window).
         tables, lens = meta.token_context()
-        return cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale)
+        return cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale, window, softcap)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     if num_decodes:
-        out[:num_decodes] = _sdpa_decode(q[:num_decodes], kv_cache, meta, scale)
+        out[:num_decodes] = _sdpa_decode(q[:num_decodes], kv_cache, meta, scale, window, softcap)
     start = num_decodes  # decodes own one token each, so they fill the first rows
     for i in range(num_decodes, meta.num_seqs):
         end = start + meta.query_lens_cpu[i]
         out[start:end] = _sdpa_prefill(
-            q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale
+            q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale, window, softcap
         )
         start = end
     return out
 
 
+def _masked_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA, or when softcapping (which SDPA cannot do) the same attention written out.
+
+    queries [..., kv_heads, rows, d] (a KV head's query heads folded into rows); keys, values
+    [..., kv_heads, num_keys, d]; mask (True = visible) broadcasts to [..., rows, num_keys]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [..., kv_heads, rows, keys]
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values)
+
+
 def _sdpa_decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """All decode sequences in one SDPA call over their contexts gathered into a padded batch."""
     batch, num_heads, head_dim = q.shape  # [B, num_heads, head_dim]
     num_kv_heads = kv_cache.shape[3]
-    table, mask = meta.decode_context()  # [B, num_blocks], [B, 1, 1, ctx_len]
+    table, mask = meta.decode_context(window)  # [B, num_blocks], [B, 1, 1, ctx_len]
     ctx_len = mask.shape[-1]
     # K and V in one gather: [2, B, num_blocks, block_size, kv_heads, d] -> [2, B, kv_heads, ctx, d]
     context = kv_cache[:, table].view(2, batch, ctx_len, num_kv_heads, head_dim).transpose(2, 3)
     # One query token per sequence, so the query heads sharing a KV head can ride along the
     # "query length" axis: GQA without copying K/V.
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        queries, context[0], context[1], attn_mask=mask, scale=scale
+    out = _masked_attention(
+        queries, context[0], context[1], mask, scale, softcap
     )  # [B, kv_heads, group, d]
     return out.reshape(batch, num_heads, head_dim)
 
@@ -341,31 +407,42 @@ def _sdpa_prefill(
     meta: AttentionMetadata,
     seq_index: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One prefill chunk: its queries are the last query_len positions of a seq_len context."""
     query_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq_index]
-    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    queries = q.transpose(0, 1)  # [num_heads, query_len, d]
-    if query_len == seq_len:  # no earlier context: attend over the fresh K/V, plain causal
+    num_heads, num_kv_heads, head_dim = q.shape[1], kv_cache.shape[3], kv_cache.shape[4]
+    plain = window is None and softcap is None
+    if query_len == seq_len and plain:  # no earlier context: the fresh K/V, plain causal
+        queries = q.transpose(0, 1)  # [num_heads, query_len, d]
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, seq_len, d]
         out = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
         return out.transpose(0, 1)
-    table, mask = meta.prefill_context(seq_index, query_len)  # [num_blocks], [query_len, seq_len]
-    keys = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    values = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [num_heads, query_len, d]
-    return out.transpose(0, 1)
+    # [num_blocks], [query_len, num_keys]: keys from first_key on (a window skips earlier ones)
+    table, mask, first_key = meta.prefill_context(seq_index, query_len, window)
+    num_keys = seq_len - first_key
+    keys = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
+    values = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
+    # A KV head's query heads as rows, head-major: [kv_heads, group * query_len, d]
+    group = num_heads // num_kv_heads
+    queries = q.transpose(0, 1).reshape(num_kv_heads, group * query_len, head_dim)
+    out = _masked_attention(queries, keys, values, mask.repeat(group, 1), scale, softcap)
+    return out.view(num_heads, query_len, head_dim).transpose(0, 1)
 
 
 # ---------------------------------------------------------------- flash-attn backend (CUDA)
 
 
 def _flash_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One varlen flash-attn call for the whole step (decodes and prefill chunks alike).
 
@@ -385,6 +462,9 @@ def _flash_attention(
         max_seqlen_k=meta.max_seq_len,
         softmax_scale=scale,
         causal=True,  # bottom-right aligned: queries are the last query_len positions
+        # flash-attn's window counts keys left of the query: window - 1 plus the query's own.
+        window_size=(-1, -1) if window is None else (window - 1, 0),
+        softcap=softcap or 0.0,
     )
     if meta.block_size % 256 == 0:
         return flash_attn_varlen_func(

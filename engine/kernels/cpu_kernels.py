@@ -98,8 +98,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [>= B, width] int32
     seq_lens: torch.Tensor,  # [>= B] int32
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, heads, d]
-    return torch.ops.kvserve.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+    """Each query over its sequence's context (the last `window` positions of it when set), scores
+    softcapped when `softcap` is set."""
+    return torch.ops.kvserve.paged_decode_attention(
+        q, kv_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,11 +140,13 @@ def decode_layer(
     heads: int,
     kv_heads: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [n, hidden]
     """One decoder layer of a pure decode step in one call (the fused layer's exact ops)."""
     return torch.ops.kvserve.decode_layer(
         h, weights, kinds, eps, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens,
-        heads, kv_heads, scale,
+        heads, kv_heads, scale, window or 0, softcap or 0.0,
     )  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """Triton paged attention: decode and prefill-with-context kernels that read K/V through each
-sequence's block table in place (no gather of the context), GQA-aware, with split-K for decode.
+sequence's block table in place (no gather of the context), GQA-aware, with split-K for decode,
+sliding windows (keys before a tile's first visible one are never loaded) and logit softcapping.
 
 Imported lazily (only when the backend is "triton"), so CPU-only installs without triton work. The
 same kernels run on CPU under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
@@ -44,6 +45,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32: context length including this step's tokens
     query_start_ptr,  # [num_seqs + 1] int32: cumulative new-token counts
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window (a query at p sees keys > p - window); 0 = full attention
+    softcap,  # logit softcap (scores -> softcap * tanh(scores / softcap)); used when SOFTCAP
     seq_offset,  # first sequence of this launch
     token_offset,  # first token row of this launch (indexes the partial buffers)
     num_splits,
@@ -64,6 +67,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLIT: tl.constexpr,  # write partials for _reduce_splits_kernel instead of the output
+    SOFTCAP: tl.constexpr,  # apply the logit softcap
     PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32), "tf32" (ignored) for 16-bit inputs
     UPCAST: tl.constexpr,  # dot in float32: the interpreter's 16-bit dot is wrong (triton 3.9)
 ):
@@ -90,10 +94,14 @@ def _paged_attention_kernel(
         if UPCAST:
             q = q.to(tl.float32)
 
-        # Keys this tile can see end at its last query (causal); split that range evenly.
+        # Keys this tile can see end at its last query (causal) and start at its first query's
+        # window; split that range evenly.
         kv_end = tl.minimum(seq_len, ctx_start + (m_tile + 1) * BLOCK_M)
-        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        kv_start = 0
+        if window > 0:
+            kv_start = tl.maximum(0, ctx_start + m_tile * BLOCK_M - window + 1)
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
         hi = tl.minimum(lo + chunk, kv_end)
 
         m_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32) + _NEG_BIG
@@ -114,7 +122,14 @@ def _paged_attention_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if SOFTCAP:  # in natural-log units: softcap * tanh(s / softcap), tanh via exp2
+                x = scores / (softcap * 1.4426950408889634)  # s / softcap
+                e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+                t = (1.0 - e) / (1.0 + e)
+                scores = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
             visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            if window > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))  # [rows, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -213,6 +228,8 @@ def _launch(
     block_n: int,
     num_splits: int,
     max_query_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -238,12 +255,14 @@ def _launch(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_m, part_l,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * math.log2(math.e), first_seq, first_token, num_splits,
+        scale * math.log2(math.e), window or 0, softcap or 1.0,
+        first_seq, first_token, num_splits,
         kv_cache.shape[2], num_heads, group, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         BLOCK_M=block_m, GROUP_PAD=group_pad, BLOCK_N=block_n, HEAD_PAD=head_pad,
-        SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLIT=split, SOFTCAP=softcap is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreted() and q.dtype != torch.float32,
         num_warps=4,
     )  # fmt: skip
@@ -261,13 +280,16 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over their paged context (already holding this step's K/V).
 
     q: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim].
     Decodes (one launch, split over the context) read only device tensors plus host values fixed
     per batch size, so a CUDA graph can capture them; prefill chunks are a second, eager launch.
-    `num_splits` overrides the decode split count (tests).
+    `num_splits` overrides the decode split count (tests). window / softcap: see paged_attention.
     """
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -279,6 +301,7 @@ def paged_attention_triton(
         _launch(
             q, kv_cache, out, meta, scale, 0, num_decodes, 0, num_decodes,
             block_m=1, block_n=DECODE_BLOCK_N, num_splits=splits, max_query_len=1,
+            window=window, softcap=softcap,
         )  # fmt: skip
     num_prefills = meta.num_seqs - num_decodes
     if num_prefills:
@@ -290,5 +313,6 @@ def paged_attention_triton(
             num_decodes, q.shape[0] - num_decodes,
             block_m=block_m, block_n=PREFILL_BLOCK_N, num_splits=1,
             max_query_len=max(meta.query_lens_cpu[num_decodes:]),
+            window=window, softcap=softcap,
         )  # fmt: skip
     return out

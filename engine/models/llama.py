@@ -101,9 +101,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, cfg: Any, dtype: torch.dtype, device: torch.device, window: int | None = None
+    ):
         super().__init__()
         eps = cfg.rms_norm_eps
+        self.window = window  # sliding window of this layer's attention (None: full)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
         self.self_attn = LlamaAttention(cfg, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device)
@@ -120,7 +123,9 @@ class LlamaDecoderLayer(nn.Module):
         # The paged attention stays eager; the dense halves around it may be compiled (`dense`).
         pre, post = dense or (_pre_attention, _post_attention)
         q, k, v = pre(self, h, *rope)
-        out = paged_attention(q, k, v, kv_cache, meta, self.self_attn.scale)  # [n, heads, d]
+        out = paged_attention(
+            q, k, v, kv_cache, meta, self.self_attn.scale, window=self.window
+        )  # [n, heads, d]
         return post(self, h, out)
 
 
@@ -142,16 +147,18 @@ def _fused_layer(
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=1)
     q = q.view(n, attn.num_heads, d)
     k, v = k.view(n, attn.num_kv_heads, d), v.view(n, attn.num_kv_heads, d)
-    h = h + attn.project_out(attend_cached(q, k, v, kv_cache, meta, attn.scale))
+    out = attend_cached(q, k, v, kv_cache, meta, attn.scale, window=layer.window)
+    h = h + attn.project_out(out)
     return h + layer.mlp(cpu_kernels.rms_norm(h, norm2.weight, norm2.eps))
 
 
-DecodeLayerArgs = tuple[list[torch.Tensor], list[int], float, int, int, float]
+DecodeLayerArgs = tuple[list[torch.Tensor], list[int], float, int, int, float, int | None]
 
 
 def _decode_layer_args(layer: LlamaDecoderLayer) -> DecodeLayerArgs | None:
     """What csrc/decode_layer.cpp takes for this layer besides the step's tensors: its norms' and
-    matmuls' tensors, their kinds, eps, heads, KV heads and scale; None if it cannot run it."""
+    matmuls' tensors, their kinds, eps, heads, KV heads, scale and window; None if it cannot
+    run it."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     if norm1.eps != norm2.eps:
@@ -175,7 +182,7 @@ def _decode_layer_args(layer: LlamaDecoderLayer) -> DecodeLayerArgs | None:
             kinds += [0, int(bias is not None), weight.shape[0]]
         if bias is not None:
             tensors.append(bias)
-    return tensors, kinds, norm1.eps, attn.num_heads, attn.num_kv_heads, attn.scale
+    return tensors, kinds, norm1.eps, attn.num_heads, attn.num_kv_heads, attn.scale, layer.window
 
 
 def _pre_attention(
@@ -206,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.max_position_embeddings = cfg.max_position_embeddings
-        _warn_on_sliding_window(cfg)
+        self.layer_windows: list[int | None] = layer_windows(cfg)
         self.rotary = RotaryEmbedding(
             self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg), dtype, device
         )
@@ -215,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=embedding, _freeze=True
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, device) for _ in range(self.num_layers)
+            LlamaDecoderLayer(cfg, dtype, device, window) for window in self.layer_windows
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.dense: DenseFns | None = None  # compiled dense halves of a layer (compile_dense)
@@ -242,18 +249,19 @@ class LlamaForCausalLM(nn.Module):
             calls = self._decode_calls() if meta.num_decode_seqs == meta.num_seqs else None
             for i, kv_cache in enumerate(kv_caches):
                 args = calls[i] if calls is not None else None
+                layer_meta = meta.for_layer(i)
                 if args is None:
                     fused_layer = cast(LlamaDecoderLayer, self.layers[i])
-                    h = _fused_layer(fused_layer, (cos, sin), h, kv_cache, meta)
+                    h = _fused_layer(fused_layer, (cos, sin), h, kv_cache, layer_meta)
                     continue
-                w, kinds, eps, heads, kv_heads, scale = args
+                w, kinds, eps, heads, kv_heads, scale, window = args
                 h = cpu_kernels.decode_layer(
-                    h, w, kinds, eps, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables,
-                    meta.seq_lens, heads, kv_heads, scale,
+                    h, w, kinds, eps, cos, sin, kv_cache, layer_meta.slot_mapping,
+                    layer_meta.block_tables, layer_meta.seq_lens, heads, kv_heads, scale, window,
                 )  # fmt: skip
             return cpu_kernels.rms_norm(h, self.norm.weight, self.norm.eps)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(rope, h, kv_cache, meta, self.dense)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h = layer(rope, h, kv_cache, meta.for_layer(i), self.dense)
         return self.norm(h)
 
     def _decode_calls(self) -> list[DecodeLayerArgs | None]:
@@ -367,13 +375,19 @@ _LAYER_NAME = re.compile(
 )
 
 
-def _warn_on_sliding_window(cfg: Any) -> None:
+def layer_windows(cfg: Any) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it: Mistral slides in every layer;
+    configs with `layer_types` (Qwen2 builds them from `use_sliding_window` and
+    `max_window_layers`: layers from max_window_layers on slide) slide where a type says
+    "sliding_attention"; any other config with `sliding_window` slides everywhere. A window no
+    shorter than max_position_embeddings never drops a key, so it is reported as None."""
+    num_layers = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
-    uses_window = getattr(cfg, "use_sliding_window", True)
-    if window and uses_window and window < cfg.max_position_embeddings:
-        logger.warning(
-            "this model uses a %d-token sliding window; kvserve attends over the full context, "
-            "so outputs past %d tokens may differ from the reference",
-            window,
-            window,
-        )
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return [None] * num_layers
+    if window >= cfg.max_position_embeddings:
+        return [None] * num_layers
+    types = getattr(cfg, "layer_types", None)
+    if getattr(cfg, "model_type", "") == "mistral" or not types:
+        return [int(window)] * num_layers
+    return [int(window) if t == "sliding_attention" else None for t in types[:num_layers]]

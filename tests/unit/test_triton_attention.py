@@ -196,10 +196,10 @@ def compile(fn, types, consts, num_warps):
 io = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
 io.update({n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")})
 io.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr")})
-io["scale_log2"] = "fp32"
-for block_m, group_pad, split in ((1, 16, True), (16, 4, False)):
+io["scale_log2"] = io["softcap"] = "fp32"
+for block_m, group_pad, split, softcap in ((1, 16, True, True), (16, 4, False, False)):
     consts = dict(BLOCK_M=block_m, GROUP_PAD=group_pad, BLOCK_N=32, HEAD_PAD=64, SPLIT=split,
-                  PRECISION="tf32", UPCAST=False)
+                  SOFTCAP=softcap, PRECISION="tf32", UPCAST=False)
     compile(ta._paged_attention_kernel, io, consts, 4)
 compile(ta._reduce_splits_kernel, io, dict(SPLITS_PAD=8, HEAD_PAD=64), 1)
 print("compiled")

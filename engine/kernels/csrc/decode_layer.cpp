@@ -1,7 +1,7 @@
 // One Llama decoder layer of a pure decode step (every sequence adds one token) in a single call: the
 // same ATen ops and kvserve kernels, in the same order, as the Python fused layer
 // (engine/models/llama.py, _fused_layer), so its values are bitwise the same; only the Python
-// dispatch between ~20 small ops per layer is gone.
+// dispatch between ~20 small ops per layer is gone. window / softcap (0: off) go to the attention.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -28,7 +28,7 @@ struct Ops {
                                 const at::Tensor&, int64_t, int64_t)>
       rope;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double)>
+                                      const at::Tensor&, double, int64_t, double)>
       attention;
 };
 
@@ -49,7 +49,7 @@ const Ops& ops() {
                         const at::Tensor&, int64_t, int64_t)>(),
         d.findSchemaOrThrow("kvserve::paged_decode_attention", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, double)>(),
+                              const at::Tensor&, double, int64_t, double)>(),
     };
   }();
   return o;
@@ -85,7 +85,7 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                         const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads,
-                        int64_t kv_heads, double scale) {
+                        int64_t kv_heads, double scale, int64_t window, double softcap) {
   TORCH_CHECK(kinds.size() == 12 && w.size() >= 6, "decode_layer: 4 matmuls expected");
   const Ops& o = ops();
   const int64_t n = h.size(0), d = kv_cache.size(4), q_size = heads * d;
@@ -93,7 +93,8 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
   at::Tensor qkv = linear(o.rms_norm.call(h, w[0], eps), w, next, kinds, 0);
   o.rope.call(qkv, cos, sin, kv_cache, slots, heads, kv_heads);
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads, d});
-  const at::Tensor att = o.attention.call(q, kv_cache, block_tables, seq_lens, scale);
+  const at::Tensor att =
+      o.attention.call(q, kv_cache, block_tables, seq_lens, scale, window, softcap);
   at::Tensor out = h + linear(att.reshape({n, q_size}), w, next, kinds, 1);
   const at::Tensor gate_up = linear(o.rms_norm.call(out, w[1], eps), w, next, kinds, 2);
   const int64_t inter = gate_up.size(1) / 2;
@@ -107,7 +108,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "decode_layer(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
-      "int kv_heads, float scale) -> Tensor");
+      "int kv_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layer", &decode_layer); }

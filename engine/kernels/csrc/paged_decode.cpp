@@ -1,6 +1,8 @@
 // kvserve's CPU kernels. Paged decode attention: each decode sequence's single query attends over
 // its context read straight from the paged KV cache (no gathered or padded copy); one work item per
 // (sequence, KV head), so a sequence's result never depends on which other sequences share the step.
+// A sliding window starts the context at max(0, len - window) (nothing before it is read); a logit
+// softcap maps each scaled score s to softcap * tanh(s / softcap) before the softmax.
 // Fused per-row layer ops (RMSNorm; rotary + KV-cache write) that round like the torch ops they
 // replace (products rounded to the model dtype; built with -ffp-contract=off), one pass each.
 #include <ATen/Dispatch.h>
@@ -39,6 +41,12 @@ constexpr int kLanes = 16;  // independent accumulators: lets the compiler vecto
 template <typename T>
 inline float to_f(T x) {
   return static_cast<float>(x);
+}
+
+// Gemma's attention logit softcapping, in place on n scores (softcap <= 0: off).
+inline void softcap_scores(float* s, int64_t n, float softcap) {
+  if (softcap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
 }
 
 // q [group, d] (float, pre-scaled), k [d] -> scores[g] for one context token
@@ -136,7 +144,8 @@ KV_AVX2 void pv_pass(const float* p, const float* const* vp, int64_t len, int64_
 
 // qf [group, d] pre-scaled; kp/vp: per context token, its K/V row; out [group, d]; d % 32 == 0.
 KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const float* const* vp,
-                              int64_t len, int64_t group, int64_t d, float* scores, float* out) {
+                              int64_t len, int64_t group, int64_t d, float softcap, float* scores,
+                              float* out) {
   for (int64_t g = 0; g < group; ++g) {  // scores, g-major: scores[g * len + t]
     const float* qg = qf + g * d;
     float* sg = scores + g * len;
@@ -156,6 +165,7 @@ KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const flo
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(kp[t] + i), _mm256_loadu_ps(qg + i), acc);
       sg[t] = hsum1(acc);
     }
+    softcap_scores(sg, len, softcap);
     float mx = -std::numeric_limits<float>::infinity();  // softmax over this head's scores
     for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
     const __m256 mxv = _mm256_set1_ps(mx);
@@ -187,7 +197,8 @@ KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const flo
 
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                   at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t group = heads / kv_heads;
@@ -200,7 +211,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   T* op = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
+  // First context position a query of context length len attends to (its sliding window).
+  auto first_pos = [window](int64_t len) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  };
 
 #ifdef KV_HAVE_AVX2_ATTENTION
   if constexpr (std::is_same_v<T, float>) {
@@ -213,7 +228,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         std::vector<const float*> kp, vp;
         for (int64_t item = begin; item < end; ++item) {
           const int64_t b = item / (heads / per), first = (item % (heads / per)) * per;
-          const int64_t h = first / group, len = lens[b];
+          const int64_t h = first / group, start = first_pos(lens[b]), len = lens[b] - start;
           const int32_t* table = tables + b * table_width;
           for (int64_t g = 0; g < per; ++g) {
             const T* qh = qp + b * q_row + (first + g) * q_head;
@@ -221,10 +236,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           }
           kp.resize(len), vp.resize(len), scores.resize(per * len);
           for (int64_t t = 0; t < len; ++t) {
-            kp[t] = cache + table[t / block_size] * s_block + (t % block_size) * s_tok + h * d;
+            const int64_t pos = start + t;
+            kp[t] = cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
             vp[t] = kp[t] + s_kv;
           }
-          attend_item_avx2(qf.data(), kp.data(), vp.data(), len, per, d, scores.data(),
+          attend_item_avx2(qf.data(), kp.data(), vp.data(), len, per, d, fsoftcap, scores.data(),
                            op + (b * heads + first) * d);
         }
       });
@@ -236,7 +252,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
     std::vector<float> qf(group * d), acc(group * d), scores, tmp(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[b];
+      const int64_t start = first_pos(lens[b]), len = lens[b] - start;
       const int32_t* table = tables + b * table_width;
       for (int64_t g = 0; g < group; ++g) {
         const T* qh = qp + b * q_row + (h * group + g) * q_head;
@@ -244,9 +260,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       }
       scores.assign(group * len, 0.f);  // [len, group]
       for (int64_t t = 0; t < len; ++t) {
-        const T* k = cache + table[t / block_size] * s_block + (t % block_size) * s_tok + h * d;
+        const int64_t pos = start + t;
+        const T* k = cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
         dot_group<T>(qf.data(), k, group, d, scores.data() + t * group);
       }
+      softcap_scores(scores.data(), group * len, fsoftcap);
       std::vector<float> mx(group, -std::numeric_limits<float>::infinity()), sum(group, 0.f);
       for (int64_t t = 0; t < len; ++t)
         for (int64_t g = 0; g < group; ++g) mx[g] = std::max(mx[g], scores[t * group + g]);
@@ -258,8 +276,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
+        const int64_t pos = start + t;
         const T* v =
-            cache + s_kv + table[t / block_size] * s_block + (t % block_size) * s_tok + h * d;
+            cache + s_kv + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
         axpy_group<T>(scores.data() + t * group, v, group, d, acc.data());
       }
       T* ob = op + (b * heads + h * group) * d;
@@ -273,7 +292,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale) {
+                                  double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "bad shapes");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache differ in dtype");
@@ -282,13 +301,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
               "block tables and seq lens must be int32");
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(2) <= 512, "head_dim mismatch or > 512");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
   auto qc = q.stride(2) == 1 ? q : q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   TORCH_CHECK(tables.size(0) >= qc.size(0) && lens.size(0) >= qc.size(0), "too few sequences");
   auto out = at::empty({qc.size(0), qc.size(1), qc.size(2)}, qc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(qc, kv_cache, tables, lens, scale, out);
+    decode_kernel<scalar_t>(qc, kv_cache, tables, lens, scale, window, softcap, out);
   });
   return out;
 }
@@ -402,7 +422,7 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
 TORCH_LIBRARY(kvserve, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
