@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -185,7 +185,7 @@ def is_encoder_config(hf_config: Any) -> bool:
     )
 
 
-def decoder_class(hf_config: Any) -> type[nn.Module] | None:
+def decoder_class(hf_config: Any) -> Callable[..., nn.Module] | None:
     """The kvserve decoder for a config, by its architectures or its model type: embedding
     checkpoints are often headless (`Qwen3Model` for `Qwen3ForCausalLM`)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -197,7 +197,7 @@ def decoder_class(hf_config: Any) -> type[nn.Module] | None:
     for name in names:
         for candidate in (name, name.removesuffix("Model") + "ForCausalLM"):
             if candidate in MODEL_REGISTRY:
-                return cast(type[nn.Module], MODEL_REGISTRY[candidate])
+                return cast(Callable[..., nn.Module], MODEL_REGISTRY[candidate])
     return None
 
 
