@@ -44,6 +44,27 @@ def tiny_llama_config(vocab_size: int) -> Any:
     )
 
 
+def tiny_qwen3_config(vocab_size: int) -> Any:
+    """Qwen3-Embedding's structure in miniature: q/k norms, a head_dim of its own, tied."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+    )
+
+
+TINY_CONFIGS = {"llama": tiny_llama_config, "qwen3": tiny_qwen3_config}
+
+
 def write_embedding_folder(
     folder: Path,
     tokenizer_dir: Path,

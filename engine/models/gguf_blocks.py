@@ -45,6 +45,7 @@ _SEPARATE = {  # q, k, v and gate, up stored apart: fused here in this order
 GGUF_ARCHS = {
     "llama": GGUFArch(_SEPARATE, unpermute_qk=True),
     "qwen2": GGUFArch(_SEPARATE, unpermute_qk=False),
+    "qwen3": GGUFArch(_SEPARATE, unpermute_qk=False),
 }
 
 

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from engine.embeddings.embedding_model import EmbeddingModel
 from engine.embeddings.prompts import EmbeddingPrompts
+from engine.models import MODEL_REGISTRY
 from engine.text.tokenizer import Tokenizer
 from tests.st_folders import (
     PROMPTS,
+    TINY_CONFIGS,
     sentence_transformers_reference,
     tiny_llama_config,
     write_embedding_folder,
@@ -53,10 +55,18 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max() < 1e-4
 
 
-@pytest.fixture(scope="module")
-def folders(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    config = tiny_llama_config(_vocab_size(smollm2_dir))
-    root = tmp_path_factory.mktemp("decoder_embed")
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def folders(
+    request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """A family's folder padded on the right (v5 module names) and on the left (v6 names)."""
+    if _CLASSES[request.param] not in MODEL_REGISTRY:
+        pytest.skip(f"{_CLASSES[request.param]} is not a kvserve model class yet")
+    config = TINY_CONFIGS[request.param](_vocab_size(smollm2_dir))
+    root = tmp_path_factory.mktemp(f"decoder_embed_{request.param}")
     return {
         side: write_embedding_folder(
             root / side,
