@@ -197,7 +197,18 @@ def _write_converted(gguf: Path, out: Path) -> None:
 
     folder, name = str(gguf.parent), gguf.name
     logger.info("dequantizing %s", name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=name,
+        config=gguf_config(gguf),
+        dtype=torch.float32,
+        output_loading_info=True,
+    )
+    # transformers re-initializes (randomly) a tensor that does not fit its config: never serve that.
+    unfit = sorted(str(k) for k in (*info["missing_keys"], *info["mismatched_keys"]))
+    if unfit:
+        shown = ", ".join(unfit[:4]) + (" ..." if len(unfit) > 4 else "")
+        raise ValueError(f"its tensors do not fit the model its metadata describes ({shown})")
     # The tensors are already dequantized to float32; drop the GGUF "quantizer" so that
     # transformers saves a plain checkpoint.
     setattr(model, "hf_quantizer", None)  # noqa: B010 - the attribute is not declared
@@ -214,6 +225,23 @@ def _write_converted(gguf: Path, out: Path) -> None:
         gen = None
     if gen is not None and not (out / "generation_config.json").exists():
         gen.save_pretrained(out)
+
+
+def gguf_config(gguf: Path) -> Any:
+    """transformers' config for a GGUF file, with the shape facts its metadata mapping leaves out
+    filled from the file: `head_dim` from `<arch>.attention.key_length` (Qwen3 writes its own
+    head_dim there; transformers' qwen3 mapping drops it and assumes 128)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    fields = GGUFReader(gguf).fields
+    arch_field = fields.get("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else ""
+    key_length = fields.get(f"{arch}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.contents())
+    return config
 
 
 # ---------------------------------------------------------------- loading

@@ -81,8 +81,9 @@ def _families(vocab: int) -> list[Family]:
     ]
 
 
-def _write_gguf(family: Family, path: Path) -> None:
-    """The checkpoint's tensors under llama.cpp's names for the family, quantized per LAYER_TYPES."""
+def _write_gguf(family: Family, path: Path) -> dict[str, str]:
+    """The checkpoint's tensors under llama.cpp's names for the family, quantized per LAYER_TYPES;
+    returns {HF name: GGUF name}."""
     from transformers import AutoModelForCausalLM
 
     cfg = family.config
@@ -94,6 +95,7 @@ def _write_gguf(family: Family, path: Path) -> None:
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0, 0.05 if "embed" in name or "lm_head" in name else 0.1)
+    written: dict[str, str] = {}
     bundled = GGUFReader(find_bundled_model())
     writer = GGUFWriter(path, family.arch)
     for key, field in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
@@ -120,6 +122,7 @@ def _write_gguf(family: Family, path: Path) -> None:
             continue  # llama.cpp writes a tied head once, as token_embd
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
+        written[hf_name] = name
         w = tensor.numpy().astype(np.float32)
         kind = _type_of(name)
         if kind == "F32":
@@ -131,6 +134,21 @@ def _write_gguf(family: Family, path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return written
+
+
+def _reference(family: Family, path: Path, written: dict[str, str]) -> Any:
+    """transformers' model of the family with every weight the gguf package's dequantization of
+    the file's tensor (an independent check of kvserve's conversion of the file)."""
+    from transformers import AutoModelForCausalLM
+
+    reader = GGUFReader(path)
+    model = AutoModelForCausalLM.from_config(family.config).to(torch.float32).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for hf_name, gguf_name in written.items():
+            params[hf_name].copy_(_dequantized(reader, gguf_name).view(params[hf_name].shape))
+    return model
 
 
 def _type_of(gguf_name: str) -> str:
@@ -161,21 +179,22 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if family.hf_architecture not in MODEL_REGISTRY:
         pytest.skip(f"{family.hf_architecture} is not a kvserve model class yet")
     path = tmp_path_factory.mktemp("gguf") / f"tiny-{family.arch}.gguf"
-    _write_gguf(family, path)
+    reference = _reference(family, path, _write_gguf(family, path))
     cache = str(tmp_path_factory.mktemp("cache"))
     options = {"cache_dir": cache, "max_num_seqs": 4, "enable_prefix_caching": False}
     stored = LLM(str(path), quantization="gguf", **options)
     floats = LLM(str(path), dtype="float32", quantization="none", **options)
-    return family, path, stored, floats
+    return family, path, stored, floats, reference
 
 
 def test_the_architecture_is_served_as_stored(served: tuple) -> None:
-    family = served[0]
+    family, _, stored, _, _ = served
+    assert stored.engine.model.head_dim == (getattr(family.config, "head_dim", None) or 16)
     assert family.arch in GGUF_ARCHS and not GGUF_ARCHS[family.arch].unpermute_qk
 
 
 def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
-    family, path, stored, floats = served
+    family, path, stored, floats, _ = served
     model, float_model = stored.engine.model, floats.engine.model
     reader = GGUFReader(path)
     float_params = dict(float_model.named_parameters())
@@ -209,12 +228,9 @@ def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(served: tuple) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    family, path, stored, floats = served
-    reference = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    family, path, stored, floats, reference = served
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in floats.generate(PROMPTS, params)]
