@@ -81,7 +81,7 @@ def _families(vocab: int) -> list[Family]:
     ]
 
 
-def _write_gguf(family: Family, path: Path) -> dict[str, str]:
+def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> dict[str, str]:
     """The checkpoint's tensors under llama.cpp's names for the family, quantized per LAYER_TYPES;
     returns {HF name: GGUF name}."""
     from transformers import AutoModelForCausalLM
@@ -111,8 +111,8 @@ def _write_gguf(family: Family, path: Path) -> dict[str, str]:
     writer.add_block_count(LAYERS)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    writer.add_key_length(key_length or head_dim)
+    writer.add_value_length(key_length or head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     arch_enum = next(a for a, name in MODEL_ARCH_NAMES.items() if name == family.arch)
@@ -243,3 +243,15 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(served: tup
     alone = [stored.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
     together = [o.outputs[0].token_ids for o in stored.generate(PROMPTS, params)]
     assert together == alone and all(len(t) == 12 for t in alone)
+
+
+def test_a_file_whose_tensors_do_not_fit_its_metadata_is_refused(tmp_path: Path) -> None:
+    """transformers re-initializes such tensors at random; the conversion must not serve that."""
+    from engine.models.loader import resolve_model
+
+    vocab = len(GGUFReader(find_bundled_model()).fields["tokenizer.ggml.tokens"].data)
+    family = next(f for f in _families(vocab) if f.arch == "qwen3")
+    path = tmp_path / "wrong-head-dim.gguf"
+    _write_gguf(family, path, key_length=16)  # the tensors have head_dim 32
+    with pytest.raises(ValueError, match="could not convert GGUF file .*wrong-head-dim.gguf"):
+        resolve_model(str(path), cache_dir=str(tmp_path / "cache"))
