@@ -1,9 +1,10 @@
 """Paged attention: write a step's K/V into the block pool by slot mapping, then attend over each
-sequence's cached context. Backends are chosen once: flash-attn on CUDA when installed and the block
-size lets it read the cache in place, else Triton kernels (engine.kernels.triton_attention) on
-CUDA; on CPU a C++ decode kernel that reads the paged cache in place (engine.kernels.cpu_kernels;
-prefill chunks use SDPA); else the torch SDPA reference (CUDA without triton, CPU without the
-kernels).
+sequence's cached context. The step's metadata and the backend choice live here; the backends are
+chosen once: flash-attn on CUDA when installed and the block size lets it read the cache in place
+(engine.kernels.flash_attention), else Triton kernels (engine.kernels.triton_attention) on CUDA; on
+CPU the C++ decode kernel reading the paged cache in place for every query, prefill ones too
+(engine.kernels.cpu_kernels); else the torch SDPA reference (engine.kernels.sdpa_attention: CUDA
+without triton, CPU without the kernels).
 
 Every backend takes a layer's sliding window (a query at position p sees keys at positions
 > p - window, as transformers' masks) and Gemma's logit softcap (scores -> softcap * tanh(scores /
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+from engine.kernels.flash_attention import flash_attention
+from engine.kernels.sdpa_attention import sdpa_attention
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +240,8 @@ def attend_cached(
 
         return paged_attention_triton(q, kv_cache, meta, scale, window=window, softcap=softcap)
     if backend == "flash":
-        return _flash_attention(q.contiguous(), kv_cache, meta, scale, window, softcap)
-    return _sdpa_attention(
+        return flash_attention(q.contiguous(), kv_cache, meta, scale, window, softcap)
+    return sdpa_attention(
         q, k, v, kv_cache, meta, scale, window, softcap, in_place_decode=backend == "cpu"
     )
 
@@ -313,185 +315,3 @@ def triton_importable() -> bool:
     except ImportError:
         return False
     return True
-
-
-# ---------------------------------------------------------------- torch SDPA backend
-
-
-def _sdpa_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    in_place_decode: bool = False,
-) -> torch.Tensor:
-    num_decodes = meta.num_decode_seqs
-    in_place_decode = in_place_decode and q.dtype == kv_cache.dtype  # the kernel reads one dtype
-    if in_place_decode and num_decodes == meta.num_seqs:  # a pure decode step: one kernel call
-        return cpu_kernels.paged_decode_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
-        )
-    if in_place_decode:
-        # Every query, prefill ones too, attends over its own causal context read in place by the
-        # decode kernel: a token's result is the same whether its prompt was prefilled whole, in
-        # chunks, after a prefix-cache hit or recomputed after preemption (batch-invariant). A
-        # window starts each query's context at max(0, its length - window).
-        tables, lens = meta.token_context()
-        return cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale, window, softcap)
-    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-    if num_decodes:
-        out[:num_decodes] = _sdpa_decode(q[:num_decodes], kv_cache, meta, scale, window, softcap)
-    start = num_decodes  # decodes own one token each, so they fill the first rows
-    for i in range(num_decodes, meta.num_seqs):
-        end = start + meta.query_lens_cpu[i]
-        out[start:end] = _sdpa_prefill(
-            q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale, window, softcap
-        )
-        start = end
-    return out
-
-
-def _masked_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-) -> torch.Tensor:
-    """SDPA, or when softcapping (which SDPA cannot do) the same attention written out.
-
-    queries [..., kv_heads, rows, d] (a KV head's query heads folded into rows); keys, values
-    [..., kv_heads, num_keys, d]; mask (True = visible) broadcasts to [..., rows, num_keys]."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # [..., kv_heads, rows, keys]
-    scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), values)
-
-
-def _sdpa_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """All decode sequences in one SDPA call over their contexts gathered into a padded batch."""
-    batch, num_heads, head_dim = q.shape  # [B, num_heads, head_dim]
-    num_kv_heads = kv_cache.shape[3]
-    table, mask = meta.decode_context(window)  # [B, num_blocks], [B, 1, 1, ctx_len]
-    ctx_len = mask.shape[-1]
-    # K and V in one gather: [2, B, num_blocks, block_size, kv_heads, d] -> [2, B, kv_heads, ctx, d]
-    context = kv_cache[:, table].view(2, batch, ctx_len, num_kv_heads, head_dim).transpose(2, 3)
-    # One query token per sequence, so the query heads sharing a KV head can ride along the
-    # "query length" axis: GQA without copying K/V.
-    queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = _masked_attention(
-        queries, context[0], context[1], mask, scale, softcap
-    )  # [B, kv_heads, group, d]
-    return out.reshape(batch, num_heads, head_dim)
-
-
-def _sdpa_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    seq_index: int,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """One prefill chunk: its queries are the last query_len positions of a seq_len context."""
-    query_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq_index]
-    num_heads, num_kv_heads, head_dim = q.shape[1], kv_cache.shape[3], kv_cache.shape[4]
-    plain = window is None and softcap is None
-    if query_len == seq_len and plain:  # no earlier context: the fresh K/V, plain causal
-        queries = q.transpose(0, 1)  # [num_heads, query_len, d]
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, seq_len, d]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
-        )
-        return out.transpose(0, 1)
-    # [num_blocks], [query_len, num_keys]: keys from first_key on (a window skips earlier ones)
-    table, mask, first_key = meta.prefill_context(seq_index, query_len, window)
-    num_keys = seq_len - first_key
-    keys = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
-    values = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
-    # A KV head's query heads as rows, head-major: [kv_heads, group * query_len, d]
-    group = num_heads // num_kv_heads
-    queries = q.transpose(0, 1).reshape(num_kv_heads, group * query_len, head_dim)
-    out = _masked_attention(queries, keys, values, mask.repeat(group, 1), scale, softcap)
-    return out.view(num_heads, query_len, head_dim).transpose(0, 1)
-
-
-# ---------------------------------------------------------------- flash-attn backend (CUDA)
-
-
-def _flash_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """One varlen flash-attn call for the whole step (decodes and prefill chunks alike).
-
-    flash-attn reads a paged cache directly only when the block size is a multiple of 256;
-    otherwise each sequence's context is gathered into one packed K/V first.
-    """
-    from flash_attn import flash_attn_varlen_func
-
-    cu_seqlens_k = meta._shared.get("cu_seqlens_k")
-    if cu_seqlens_k is None:  # once per step, shared by every layer
-        cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
-        meta._shared["cu_seqlens_k"] = cu_seqlens_k
-    common = dict(
-        cu_seqlens_q=meta.query_start_loc,
-        cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=meta.max_query_len,
-        max_seqlen_k=meta.max_seq_len,
-        softmax_scale=scale,
-        causal=True,  # bottom-right aligned: queries are the last query_len positions
-        # flash-attn's window counts keys left of the query: window - 1 plus the query's own.
-        window_size=(-1, -1) if window is None else (window - 1, 0),
-        softcap=softcap or 0.0,
-    )
-    if meta.block_size % 256 == 0:
-        return flash_attn_varlen_func(
-            q, kv_cache[0], kv_cache[1], block_table=meta.block_tables, **common
-        )
-    keys, values = _gather_packed_context(kv_cache, meta)
-    return flash_attn_varlen_func(q, keys, values, **common)
-
-
-def _gather_packed_context(
-    kv_cache: torch.Tensor, meta: AttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's context K/V, packed back to back: [sum(seq_lens), kv_heads, d] each."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    slots = meta._shared.get("packed_slots")
-    if slots is None:  # once per step, shared by every layer
-        slots = meta._shared["packed_slots"] = _packed_slots(meta, block_size, kv_cache.device)
-    return flat[0][slots], flat[1][slots]
-
-
-def _packed_slots(meta: AttentionMetadata, block_size: int, device: torch.device) -> torch.Tensor:
-    """Cache slot of every context token of every sequence, back to back: [sum(seq_lens)]."""
-    total = sum(meta.seq_lens_cpu)
-    seq_ids = torch.repeat_interleave(
-        torch.arange(meta.num_seqs, device=device), meta.seq_lens, output_size=total
-    )  # [total]
-    starts = F.pad(torch.cumsum(meta.seq_lens, 0), (1, 0))[:-1]  # [num_seqs]
-    pos = torch.arange(total, device=device) - starts[seq_ids]  # position within its sequence
-    return meta.block_tables[seq_ids, pos // block_size].long() * block_size + pos % block_size

@@ -295,8 +295,10 @@ def paged_attention_triton(
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_seqs
     if num_decodes:
+        # A window bounds what each decode reads: split that, not the whole context.
+        span = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
         splits = num_splits or decode_splits(
-            num_decodes, kv_cache.shape[3], meta.max_seq_len, _num_sms(q.device)
+            num_decodes, kv_cache.shape[3], span, _num_sms(q.device)
         )
         _launch(
             q, kv_cache, out, meta, scale, 0, num_decodes, 0, num_decodes,

@@ -183,7 +183,7 @@ def test_metadata_from_lists_slots_and_decode_count():
 def test_packed_context_gather_for_flash_backend():
     """The flash backend's gather (used when block_size is not a multiple of 256) is plain torch,
     so its layout is checked here: contexts back to back, in position order."""
-    from engine.kernels.attention import _gather_packed_context
+    from engine.kernels.flash_attention import _gather_packed_context
 
     torch.manual_seed(0)
     rng = random.Random(4)

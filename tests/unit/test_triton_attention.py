@@ -19,12 +19,12 @@ pytest.importorskip("triton")
 from engine.kernels import cpu_kernels, triton_attention  # noqa: E402
 from engine.kernels.attention import (  # noqa: E402
     AttentionMetadata,
-    _sdpa_decode,
     allocate_kv_cache,
     attention_backend,
     paged_attention,
     write_kv,
 )
+from engine.kernels.sdpa_attention import sdpa_decode  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 
@@ -50,7 +50,7 @@ def _step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_d
 
 
 def _check(query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim=16, seed=0,
-           dtype=torch.float32, num_splits=None):  # fmt: skip
+           dtype=torch.float32, num_splits=None, window=None, softcap=None):  # fmt: skip
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kv_cache, meta, q, k, v = _step(
@@ -60,10 +60,14 @@ def _check(query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim=1
     # Reference: the SDPA backend in float32 over a float32 copy of the same cache.
     ref_cache = kv_cache.float()
     meta.backend = "sdpa"
-    expected = paged_attention(q.float(), k.float(), v.float(), ref_cache, meta, scale)
+    expected = paged_attention(
+        q.float(), k.float(), v.float(), ref_cache, meta, scale, window=window, softcap=softcap
+    )
     meta.backend = None
     write_kv(k, v, kv_cache, meta.slot_mapping)  # what paged_attention does before attending
-    got = triton_attention.paged_attention_triton(q, kv_cache, meta, scale, num_splits=num_splits)
+    got = triton_attention.paged_attention_triton(
+        q, kv_cache, meta, scale, num_splits=num_splits, window=window, softcap=softcap
+    )
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
@@ -106,6 +110,33 @@ def test_random_steps(seed):
            head_dim=rng.choice([8, 24, 32]), seed=seed, num_splits=rng.choice([None, 2, 4]))  # fmt: skip
 
 
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (16, None), (300, None),
+                                            (None, 4.0), (7, 2.0)])  # fmt: skip
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_sliding_window_and_softcap(window, softcap, num_splits):
+    # Decodes shorter and longer than the window, a fresh prompt, a chunk whose window reaches back
+    # into cached context, and a chunk spanning several query tiles (GQA 3: 21 tokens per tile).
+    query_lens = [1, 1, 1, 13, 7, 50]
+    seq_lens = [1, 19, 70, 13, 45, 90]
+    _check(query_lens, seq_lens, 4, 6, 2, seed=window or 1, window=window, softcap=softcap,
+           num_splits=num_splits)  # fmt: skip
+
+
+def test_keys_before_the_window_are_never_loaded():
+    """Blocks wholly before every query's window may be released: NaN there must not show."""
+    rng = random.Random(9)
+    window, block_size = 8, 4
+    kv_cache, meta, q, k, v = _step(rng, [1, 6], [40, 30], block_size, 4, 2, 16, torch.float32)
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    expected = triton_attention.paged_attention_triton(q, kv_cache, meta, 0.25, window=window)
+    tables = meta.block_tables.tolist()
+    for table, n, s in zip(tables, meta.query_lens_cpu, meta.seq_lens_cpu, strict=True):
+        for block in table[: (s - n - window + 1) // block_size]:
+            kv_cache[:, block] = float("nan")
+    got = triton_attention.paged_attention_triton(q, kv_cache, meta, 0.25, window=window)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype):
     _check([1, 1, 9], [40, 3, 25], 16, 9, 3, head_dim=32, dtype=dtype, num_splits=2)
@@ -128,7 +159,7 @@ def test_decode_reads_only_device_state():
     meta.seq_lens.copy_(other.seq_lens)
     meta.block_tables.copy_(other.block_tables[:, : meta.block_tables.shape[1]])
     got = triton_attention.paged_attention_triton(q, kv_cache, meta, scale, num_splits=2)
-    expected = _sdpa_decode(q, kv_cache, other, scale)  # the reference over the new lengths
+    expected = sdpa_decode(q, kv_cache, other, scale)  # the reference over the new lengths
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got, first)
 

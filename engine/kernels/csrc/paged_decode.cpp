@@ -109,6 +109,24 @@ KV_AVX2 inline __m256 exp256(__m256 x) {  // Cephes-style expf, relative error ~
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
+// softcap * tanh(s / softcap) on n scores, 8 at a time: tanh(x) = sign(x) (1 - e) / (1 + e),
+// e = exp(-2|x|) (no overflow); the tail uses std::tanh. Which of the two a score gets depends
+// only on its index, so on the sequence's length and window, never on the batch.
+KV_AVX2 void softcap_scores_avx2(float* s, int64_t n, float softcap) {
+  if (softcap <= 0.f) return;
+  const __m256 cap = _mm256_set1_ps(softcap), one = _mm256_set1_ps(1.f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f), minus_two = _mm256_set1_ps(-2.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(s + i), cap);
+    const __m256 e = exp256(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign_bit, x)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 signed_t = _mm256_or_ps(t, _mm256_and_ps(sign_bit, x));
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(cap, signed_t));
+  }
+  softcap_scores(s + i, n - i, softcap);
+}
+
 KV_AVX2 inline __m256 hsum8(const __m256* a) {  // lane u = sum of a[u]'s lanes
   const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -165,7 +183,7 @@ KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const flo
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(kp[t] + i), _mm256_loadu_ps(qg + i), acc);
       sg[t] = hsum1(acc);
     }
-    softcap_scores(sg, len, softcap);
+    softcap_scores_avx2(sg, len, softcap);
     float mx = -std::numeric_limits<float>::infinity();  // softmax over this head's scores
     for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
     const __m256 mxv = _mm256_set1_ps(mx);
