@@ -62,7 +62,29 @@ def tiny_qwen3_config(vocab_size: int) -> Any:
     )
 
 
-TINY_CONFIGS = {"llama": tiny_llama_config, "qwen3": tiny_qwen3_config}
+def tiny_mistral_config(vocab_size: int) -> Any:
+    """e5-mistral's structure in miniature: a sliding window shorter than most test texts."""
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=6,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+
+
+TINY_CONFIGS = {
+    "llama": tiny_llama_config,
+    "mistral": tiny_mistral_config,
+    "qwen3": tiny_qwen3_config,
+}
 
 
 def write_embedding_folder(
