@@ -39,13 +39,21 @@ _SEPARATE = {  # q, k, v and gate, up stored apart: fused here in this order
     "ffn_up": ("mlp.gate_up_weight", 1),
     "ffn_down": ("mlp.down_weight", 0),
 }
+_FUSED = {  # Phi-3's checkpoint fuses them (qkv_proj, gate_up_proj); llama.cpp keeps them fused
+    "attn_qkv": ("self_attn.qkv_weight", 0),
+    "attn_output": ("self_attn.o_weight", 0),
+    "ffn_up": ("mlp.gate_up_weight", 0),
+    "ffn_down": ("mlp.down_weight", 0),
+}
 # The architectures served as stored, by GGUF `general.architecture`; others are requantized from
-# the float weights transformers dequantized. Only llama.cpp's llama arch permutes q/k: qwen2 and
-# qwen3 write the checkpoint's rows as they are (their q/k norms and biases are float tensors).
+# the float weights transformers dequantized. Only llama.cpp's llama arch permutes q/k: qwen2,
+# qwen3 and phi3 write the checkpoint's rows as they are (q/k norms, biases and rope factors are
+# float tensors).
 GGUF_ARCHS = {
     "llama": GGUFArch(_SEPARATE, unpermute_qk=True),
     "qwen2": GGUFArch(_SEPARATE, unpermute_qk=False),
     "qwen3": GGUFArch(_SEPARATE, unpermute_qk=False),
+    "phi3": GGUFArch(_FUSED, unpermute_qk=False),
 }
 
 

@@ -195,15 +195,18 @@ def gguf_source(model_dir: Path) -> Path | None:
 def _write_converted(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from engine.models.gguf_config import gguf_config
+
     folder, name = str(gguf.parent), gguf.name
     logger.info("dequantizing %s", name)
-    model, info = AutoModelForCausalLM.from_pretrained(
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
         folder,
         gguf_file=name,
         config=gguf_config(gguf),
         dtype=torch.float32,
         output_loading_info=True,
     )
+    model, info = loaded
     # transformers re-initializes (randomly) a tensor that does not fit its config: never serve that.
     unfit = sorted(str(k) for k in (*info["missing_keys"], *info["mismatched_keys"]))
     if unfit:
@@ -225,23 +228,6 @@ def _write_converted(gguf: Path, out: Path) -> None:
         gen = None
     if gen is not None and not (out / "generation_config.json").exists():
         gen.save_pretrained(out)
-
-
-def gguf_config(gguf: Path) -> Any:
-    """transformers' config for a GGUF file, with the shape facts its metadata mapping leaves out
-    filled from the file: `head_dim` from `<arch>.attention.key_length` (Qwen3 writes its own
-    head_dim there; transformers' qwen3 mapping drops it and assumes 128)."""
-    from gguf import GGUFReader
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    fields = GGUFReader(gguf).fields
-    arch_field = fields.get("general.architecture")
-    arch = str(arch_field.contents()) if arch_field is not None else ""
-    key_length = fields.get(f"{arch}.attention.key_length")
-    if key_length is not None and hasattr(config, "head_dim"):
-        config.head_dim = int(key_length.contents())
-    return config
 
 
 # ---------------------------------------------------------------- loading

@@ -7,7 +7,7 @@ greedy tokens on the dequantized weights equal transformers' generate on the sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,31 @@ HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 PROMPTS = ["Hello there", "The capital of France is", "def f(x):"]
 # Per layer, the block type of each llama.cpp matmul ("F32": a float tensor). Layer 1's attn_v
 # differs from its attn_q/attn_k, so its fused qkv cannot be served as stored (packed as Q8_0).
-LAYER_TYPES = [
+SEPARATE_TYPES = [
     {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
      "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
     {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "F32",
      "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
 ]  # fmt: skip
+# Our fused weight -> its llama.cpp parts, in fused row order.
+SEPARATE_PARTS = {
+    "self_attn.qkv_weight": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_weight": ("attn_output",),
+    "mlp.gate_up_weight": ("ffn_gate", "ffn_up"),
+    "mlp.down_weight": ("ffn_down",),
+}
+# Phi-3 stores q/k/v as one attn_qkv and gate/up as one ffn_up (its checkpoint's qkv_proj and
+# gate_up_proj, as they are).
+FUSED_TYPES = [
+    {"attn_qkv": "Q4_0", "attn_output": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
+    {"attn_qkv": "Q8_0", "attn_output": "F32", "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
+]
+FUSED_PARTS = {
+    "self_attn.qkv_weight": ("attn_qkv",),
+    "self_attn.o_weight": ("attn_output",),
+    "mlp.gate_up_weight": ("ffn_up",),
+    "mlp.down_weight": ("ffn_down",),
+}
 FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1"}  # GGUF type -> kvserve's block format (Q4_0 as Q4_1)
 
 
@@ -55,10 +74,24 @@ class Family:
     hf_architecture: str  # the class kvserve must have registered
     config: Any  # a tiny transformers config
     tied: bool
+    layer_types: list[dict[str, str]] = field(default_factory=lambda: SEPARATE_TYPES)
+    parts: dict[str, tuple[str, ...]] = field(default_factory=lambda: SEPARATE_PARTS)
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or HIDDEN // HEADS
+
+    def num_as_stored(self) -> int:
+        """Fused weights all of whose parts share one block type."""
+        return sum(
+            len({types[p] for p in parts}) == 1 and types[parts[0]] in FORMATS
+            for types in self.layer_types
+            for parts in self.parts.values()
+        )
 
 
 def _families(vocab: int) -> list[Family]:
-    from transformers import Qwen2Config, Qwen3Config
+    from transformers import Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab,
@@ -75,15 +108,31 @@ def _families(vocab: int) -> list[Family]:
     )
     qwen2 = Qwen2Config(**common, tie_word_embeddings=False)
     qwen3 = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)  # head_dim != hidden/heads
+    # Phi-4-mini's shape: a quarter of each head not rotated, LongRoPE factors (the short ones
+    # apply up to original_max_position_embeddings, which the served context stays within).
+    rotary_half = int(HIDDEN // HEADS * 0.5) // 2
+    phi3 = Phi3Config(
+        **common | {"max_position_embeddings": 256},
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=256,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.5 * i for i in range(rotary_half)],
+            "long_factor": [2.0 + i for i in range(rotary_half)],
+        },
+    )
     return [
         Family("qwen2", "Qwen2ForCausalLM", qwen2, tied=False),
         Family("qwen3", "Qwen3ForCausalLM", qwen3, tied=True),
+        Family("phi3", "Phi3ForCausalLM", phi3, False, FUSED_TYPES, FUSED_PARTS),
     ]
 
 
 def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> dict[str, str]:
-    """The checkpoint's tensors under llama.cpp's names for the family, quantized per LAYER_TYPES;
-    returns {HF name: GGUF name}."""
+    """The checkpoint's tensors under llama.cpp's names and metadata keys for the family, quantized
+    per its layer types; returns {HF name: GGUF name}."""
     from transformers import AutoModelForCausalLM
 
     cfg = family.config
@@ -98,12 +147,12 @@ def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> di
     written: dict[str, str] = {}
     bundled = GGUFReader(find_bundled_model())
     writer = GGUFWriter(path, family.arch)
-    for key, field in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
+    for key, entry in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
         if key.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
-    head_dim = getattr(cfg, "head_dim", None) or HIDDEN // HEADS
+            kind = entry.types[0]
+            sub = entry.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, entry.contents(), kind, sub_type=sub)
+    head_dim = family.head_dim
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(HIDDEN)
@@ -111,10 +160,18 @@ def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> di
     writer.add_block_count(LAYERS)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_key_length(key_length or head_dim)
-    writer.add_value_length(key_length or head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if family.arch == "phi3":  # as llama.cpp's Phi3MiniModel: rotary width, LongRoPE factors
+        rope = cfg.rope_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        for which in ("long", "short"):
+            factors = np.asarray(rope[f"{which}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{which}.weight", factors)
+    else:  # llama.cpp writes a config's head_dim as the key/value length
+        writer.add_key_length(key_length or head_dim)
+        writer.add_value_length(key_length or head_dim)
     arch_enum = next(a for a, name in MODEL_ARCH_NAMES.items() if name == family.arch)
     names = get_tensor_name_map(arch_enum, LAYERS)
     for hf_name, tensor in model.state_dict().items():
@@ -124,7 +181,7 @@ def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> di
         assert name is not None, hf_name
         written[hf_name] = name
         w = tensor.numpy().astype(np.float32)
-        kind = _type_of(name)
+        kind = _type_of(family, name)
         if kind == "F32":
             writer.add_tensor(name, w)
         else:
@@ -151,10 +208,10 @@ def _reference(family: Family, path: Path, written: dict[str, str]) -> Any:
     return model
 
 
-def _type_of(gguf_name: str) -> str:
+def _type_of(family: Family, gguf_name: str) -> str:
     pieces = gguf_name.split(".")
-    if pieces[0] == "blk" and pieces[-1] == "weight" and pieces[2] in LAYER_TYPES[0]:
-        return LAYER_TYPES[int(pieces[1])][pieces[2]]
+    if pieces[0] == "blk" and pieces[-1] == "weight" and pieces[2] in family.layer_types[0]:
+        return family.layer_types[int(pieces[1])][pieces[2]]
     if gguf_name in ("token_embd.weight", "output.weight"):
         return "Q8_0"
     return "F32"  # norms, biases
@@ -167,7 +224,7 @@ def _dequantized(reader: GGUFReader, name: str) -> torch.Tensor:
 
 
 def _family_ids() -> list[str]:
-    return ["qwen2", "qwen3"]
+    return ["qwen2", "qwen3", "phi3"]
 
 
 @pytest.fixture(scope="module", params=_family_ids())
@@ -189,7 +246,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_the_architecture_is_served_as_stored(served: tuple) -> None:
     family, _, stored, _, _ = served
-    assert stored.engine.model.head_dim == (getattr(family.config, "head_dim", None) or 16)
+    assert stored.engine.model.head_dim == family.head_dim
     assert family.arch in GGUF_ARCHS and not GGUF_ARCHS[family.arch].unpermute_qk
 
 
@@ -198,16 +255,10 @@ def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
     model, float_model = stored.engine.model, floats.engine.model
     reader = GGUFReader(path)
     float_params = dict(float_model.named_parameters())
-    fused = {
-        "self_attn.qkv_weight": ("attn_q", "attn_k", "attn_v"),
-        "self_attn.o_weight": ("attn_output",),
-        "mlp.gate_up_weight": ("ffn_gate", "ffn_up"),
-        "mlp.down_weight": ("ffn_down",),
-    }
     kept = 0
-    for i, types in enumerate(LAYER_TYPES):
+    for i, types in enumerate(family.layer_types):
         layer = model.layers[i]
-        for ours, parts in fused.items():
+        for ours, parts in family.parts.items():
             owner, attr = ours.split(".")
             weight = getattr(getattr(layer, owner), attr)
             expected = float_params[f"layers.{i}.{ours}"]  # what transformers dequantized
@@ -220,7 +271,7 @@ def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
             assert torch.equal(weight.dequantize(), theirs), (i, ours)  # gguf's own dequantization
             assert torch.equal(theirs, expected), (i, ours)
             kept += 1
-    assert kept == 6
+    assert kept == family.num_as_stored() >= 6
     head = model.lm_head_weight
     assert isinstance(head, BlockQ8Weight)
     head_name = "token_embd.weight" if family.tied else "output.weight"
