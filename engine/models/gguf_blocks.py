@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,9 +25,16 @@ class GGUFArch:
 
     layer_parts: dict[str, tuple[str, int]]  # llama.cpp name -> (our weight, its part, fused order)
     unpermute_qk: bool  # llama.cpp's converter reordered q/k rows for its rotary (llama only)
+    # 3-D tensors of all experts ([experts, rows, cols]) -> (each expert's weight, its part)
+    expert_parts: dict[str, tuple[str, int]] = field(default_factory=dict)
 
-    def num_parts(self, ours: str) -> int:
-        return sum(1 for weight, _ in self.layer_parts.values() if weight == ours)
+    def num_parts(self, name: str) -> int:
+        """How many llama.cpp tensors fill our weight `name` (`layers.N.<weight>`)."""
+        if ".experts." in name:
+            suffix = name.rsplit(".", 1)[-1]
+            return sum(1 for weight, _ in self.expert_parts.values() if weight == suffix)
+        ours = name.split(".", 2)[-1] if name.startswith("layers.") else ""
+        return max(1, sum(1 for weight, _ in self.layer_parts.values() if weight == ours))
 
 
 _SEPARATE = {  # q, k, v and gate, up stored apart: fused here in this order
@@ -49,11 +56,17 @@ _FUSED = {  # Phi-3's checkpoint fuses them (qkv_proj, gate_up_proj); llama.cpp 
 # the float weights transformers dequantized. Only llama.cpp's llama arch permutes q/k: qwen2,
 # qwen3 and phi3 write the checkpoint's rows as they are (q/k norms, biases and rope factors are
 # float tensors).
+_EXPERTS = {  # Qwen3-MoE's experts, one tensor per matrix kind (ffn_gate_inp, the router, is float)
+    "ffn_gate_exps": ("gate_up_weight", 0),
+    "ffn_up_exps": ("gate_up_weight", 1),
+    "ffn_down_exps": ("down_weight", 0),
+}
 GGUF_ARCHS = {
     "llama": GGUFArch(_SEPARATE, unpermute_qk=True),
     "qwen2": GGUFArch(_SEPARATE, unpermute_qk=False),
     "qwen3": GGUFArch(_SEPARATE, unpermute_qk=False),
     "phi3": GGUFArch(_FUSED, unpermute_qk=False),
+    "qwen3moe": GGUFArch(_SEPARATE, unpermute_qk=False, expert_parts=_EXPERTS),
 }
 
 
@@ -80,21 +93,28 @@ def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
     parts: dict[str, dict[int, BlockValues]] = {}
     for tensor in tensors:
         kind = _GGUF_TYPES.get(tensor.type_id)
-        if kind not in GGUF_BLOCK_BYTES or len(tensor.shape) != 2:
+        if kind not in GGUF_BLOCK_BYTES or len(tensor.shape) not in (2, 3):
             continue
-        k, n = tensor.shape  # GGUF lists the fastest dimension first
+        k, n = tensor.shape[:2]  # GGUF lists the fastest dimension first
+        experts = tensor.shape[2] if len(tensor.shape) == 3 else 1
         name, part = _our_name(tensor.name, model, arch)
-        if name is None or k % 32:
+        if name is None or k % 32 or ("{}" in name) != (len(tensor.shape) == 3):
             continue
-        size = n * (k // 32) * GGUF_BLOCK_BYTES[kind]
-        values = from_gguf_blocks(kind, data[tensor.offset : tensor.offset + size], (n, k))
+        size = experts * n * (k // 32) * GGUF_BLOCK_BYTES[kind]
+        raw = data[tensor.offset : tensor.offset + size]
+        values = from_gguf_blocks(kind, raw, (experts * n, k))  # experts one after another
+        if len(tensor.shape) == 3:  # `name` is a pattern with the expert's index to fill in
+            for e in range(experts):
+                rows = values.rows(torch.arange(e * n, (e + 1) * n))
+                parts.setdefault(name.format(e), {})[part] = rows
+            continue
         if arch.unpermute_qk and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = model.num_heads if "attn_q" in tensor.name else model.num_kv_heads
             values = values.rows(_unpermute_rows(n, heads))
         parts.setdefault(name, {})[part] = values
     found = {}
     for name, by_part in parts.items():
-        want = arch.num_parts(name.split(".", 2)[-1]) if name.startswith("layers.") else 1
+        want = arch.num_parts(name)
         kinds = {values.kind for values in by_part.values()}
         if len(kinds) > 1:  # e.g. Q8_0 attn_v beside Q4_0 attn_q/k: one fused weight holds one
             logger.info("%s: GGUF parts stored as %s; packing it from floats", name, sorted(kinds))
@@ -109,12 +129,12 @@ def _our_name(gguf_name: str, model: Any, arch: GGUFArch) -> tuple[str | None, i
     if gguf_name == "output.weight":
         return ("lm_head_weight" if not model.tie_word_embeddings else None), 0
     pieces = gguf_name.split(".")
-    if (
-        len(pieces) == 4
-        and pieces[0] == "blk"
-        and pieces[3] == "weight"
-        and pieces[2] in arch.layer_parts
-    ):
+    if len(pieces) != 4 or pieces[0] != "blk" or pieces[3] != "weight":
+        return None, 0
+    if pieces[2] in arch.expert_parts:  # one name per expert: "{}" is its index
+        ours, part = arch.expert_parts[pieces[2]]
+        return f"layers.{int(pieces[1])}.mlp.experts.{{}}.{ours}", part
+    if pieces[2] in arch.layer_parts:
         ours, part = arch.layer_parts[pieces[2]]
         return f"layers.{int(pieces[1])}.{ours}", part
     return None, 0

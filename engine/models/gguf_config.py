@@ -16,6 +16,8 @@ def gguf_config(gguf: Path) -> Any:
     """transformers' config for `gguf`, completed from the file:
     - `head_dim` from `<arch>.attention.key_length` (Qwen3 states its own head_dim there;
       transformers' qwen3 mapping drops it and keeps Qwen3Config's default of 128);
+    - an expert's width from `<arch>.expert_feed_forward_length` (`moe_intermediate_size`, which
+      transformers' qwen3moe mapping drops);
     - for phi3, partial rotary from `rope.dimension_count` (Phi-4-mini rotates 3/4 of each head)
       and LongRoPE from the `rope_factors_short` / `rope_factors_long` tensors with
       `rope.scaling.original_context_length`, none of which transformers' phi3 mapping reads."""
@@ -34,6 +36,9 @@ def gguf_config(gguf: Path) -> Any:
     key_length = value(f"{arch}.attention.key_length")
     if key_length is not None and hasattr(config, "head_dim"):
         config.head_dim = int(key_length)
+    expert_width = value(f"{arch}.expert_feed_forward_length")
+    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(expert_width)
     if arch == "phi3":
         _complete_phi3(config, reader, value)
     return config

@@ -65,6 +65,21 @@ FUSED_PARTS = {
     "mlp.gate_up_weight": ("ffn_up",),
     "mlp.down_weight": ("ffn_down",),
 }
+# Qwen3-MoE: attention as above; all experts of a layer in one tensor per matrix kind. Layer 1's
+# gate and up experts differ in type (each expert's gate_up is then packed from floats).
+EXPERT_TYPES = [
+    {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
+     "ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0"},
+    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "F32",
+     "ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q4_0"},
+]  # fmt: skip
+NUM_EXPERTS = 4
+EXPERT_PARTS = {
+    "self_attn.qkv_weight": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_weight": ("attn_output",),
+    **{f"mlp.experts.{e}.gate_up_weight": ("ffn_gate_exps", "ffn_up_exps") for e in range(4)},
+    **{f"mlp.experts.{e}.down_weight": ("ffn_down_exps",) for e in range(4)},
+}
 FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1"}  # GGUF type -> kvserve's block format (Q4_0 as Q4_1)
 
 
@@ -91,7 +106,7 @@ class Family:
 
 
 def _families(vocab: int) -> list[Family]:
-    from transformers import Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab,
@@ -123,16 +138,28 @@ def _families(vocab: int) -> list[Family]:
             "long_factor": [2.0 + i for i in range(rotary_half)],
         },
     )
+    qwen3moe = Qwen3MoeConfig(
+        **common,
+        head_dim=32,
+        moe_intermediate_size=64,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,  # as llama.cpp runs qwen3moe
+        tie_word_embeddings=False,
+    )
     return [
         Family("qwen2", "Qwen2ForCausalLM", qwen2, tied=False),
         Family("qwen3", "Qwen3ForCausalLM", qwen3, tied=True),
         Family("phi3", "Phi3ForCausalLM", phi3, False, FUSED_TYPES, FUSED_PARTS),
+        Family("qwen3moe", "Qwen3MoeForCausalLM", qwen3moe, False, EXPERT_TYPES, EXPERT_PARTS),
     ]
 
 
-def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> dict[str, str]:
+def _write_gguf(
+    family: Family, path: Path, key_length: int | None = None
+) -> dict[str, tuple[str, ...]]:
     """The checkpoint's tensors under llama.cpp's names and metadata keys for the family, quantized
-    per its layer types; returns {HF name: GGUF name}."""
+    per its layer types; returns {HF name: the GGUF tensors it is made of, in order}."""
     from transformers import AutoModelForCausalLM
 
     cfg = family.config
@@ -144,7 +171,7 @@ def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> di
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0, 0.05 if "embed" in name or "lm_head" in name else 0.1)
-    written: dict[str, str] = {}
+    written: dict[str, tuple[str, ...]] = {}
     bundled = GGUFReader(find_bundled_model())
     writer = GGUFWriter(path, family.arch)
     for key, entry in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
@@ -172,21 +199,28 @@ def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> di
     else:  # llama.cpp writes a config's head_dim as the key/value length
         writer.add_key_length(key_length or head_dim)
         writer.add_value_length(key_length or head_dim)
+    if family.arch == "qwen3moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     arch_enum = next(a for a, name in MODEL_ARCH_NAMES.items() if name == family.arch)
     names = get_tensor_name_map(arch_enum, LAYERS)
     for hf_name, tensor in model.state_dict().items():
         if family.tied and hf_name == "lm_head.weight":
             continue  # llama.cpp writes a tied head once, as token_embd
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        written[hf_name] = name
-        w = tensor.numpy().astype(np.float32)
-        kind = _type_of(family, name)
-        if kind == "F32":
-            writer.add_tensor(name, w)
-        else:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(name, gguf_quantize(w, qtype), raw_dtype=qtype)
+        pieces = [(hf_name, tensor)]
+        if hf_name.endswith("experts.gate_up_proj"):  # [E, 2 * inter, hidden]: gate, up apart
+            gate, up = tensor.chunk(2, dim=1)
+            prefix = hf_name.removesuffix("gate_up_proj")
+            pieces = [(prefix + "gate_proj", gate), (prefix + "up_proj", up)]
+        parts = []
+        for piece_name, piece in pieces:
+            name = names.get_name(piece_name, try_suffixes=(".weight", ".bias"))
+            assert name is not None, piece_name
+            name = name if name.endswith((".weight", ".bias")) else name + ".weight"
+            parts.append(name)
+            _add_tensor(writer, name, piece.contiguous().numpy(), _type_of(family, name))
+        written[hf_name] = tuple(parts)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -194,7 +228,16 @@ def _write_gguf(family: Family, path: Path, key_length: int | None = None) -> di
     return written
 
 
-def _reference(family: Family, path: Path, written: dict[str, str]) -> Any:
+def _add_tensor(writer: GGUFWriter, name: str, w: np.ndarray, kind: str) -> None:
+    w = w.astype(np.float32)
+    if kind == "F32":
+        writer.add_tensor(name, w)
+    else:
+        qtype = GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf_quantize(w, qtype), raw_dtype=qtype)
+
+
+def _reference(family: Family, path: Path, written: dict[str, tuple[str, ...]]) -> Any:
     """transformers' model of the family with every weight the gguf package's dequantization of
     the file's tensor (an independent check of kvserve's conversion of the file)."""
     from transformers import AutoModelForCausalLM
@@ -203,8 +246,9 @@ def _reference(family: Family, path: Path, written: dict[str, str]) -> Any:
     model = AutoModelForCausalLM.from_config(family.config).to(torch.float32).eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for hf_name, gguf_name in written.items():
-            params[hf_name].copy_(_dequantized(reader, gguf_name).view(params[hf_name].shape))
+        for hf_name, gguf_names in written.items():
+            parts = [_dequantized(reader, name) for name in gguf_names]
+            params[hf_name].copy_(torch.cat(parts, dim=-2).view(params[hf_name].shape))
     return model
 
 
@@ -224,7 +268,7 @@ def _dequantized(reader: GGUFReader, name: str) -> torch.Tensor:
 
 
 def _family_ids() -> list[str]:
-    return ["qwen2", "qwen3", "phi3"]
+    return ["qwen2", "qwen3", "phi3", "qwen3moe"]
 
 
 @pytest.fixture(scope="module", params=_family_ids())
@@ -259,15 +303,19 @@ def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
     for i, types in enumerate(family.layer_types):
         layer = model.layers[i]
         for ours, parts in family.parts.items():
-            owner, attr = ours.split(".")
-            weight = getattr(getattr(layer, owner), attr)
+            owner, attr = ours.rsplit(".", 1)
+            weight = getattr(layer.get_submodule(owner), attr)
             expected = float_params[f"layers.{i}.{ours}"]  # what transformers dequantized
             formats = {FORMATS.get(types[p]) for p in parts}
             if None in formats or len(formats) > 1:  # not runnable as stored: Q8_0 from floats
                 assert isinstance(weight, BlockQ8Weight), (i, ours)
                 continue
             assert weight.kind == formats.pop(), (i, ours)
-            theirs = torch.cat([_dequantized(reader, f"blk.{i}.{p}.weight") for p in parts])
+            stored_parts = [_dequantized(reader, f"blk.{i}.{p}.weight") for p in parts]
+            if ".experts." in ours:  # [experts, rows, cols]: this expert's rows
+                expert = int(ours.split(".")[2])
+                stored_parts = [t[expert] for t in stored_parts]
+            theirs = torch.cat(stored_parts)
             assert torch.equal(weight.dequantize(), theirs), (i, ours)  # gguf's own dequantization
             assert torch.equal(theirs, expected), (i, ours)
             kept += 1
