@@ -248,7 +248,8 @@ def _reference(family: Family, path: Path, written: dict[str, tuple[str, ...]]) 
     with torch.no_grad():
         for hf_name, gguf_names in written.items():
             parts = [_dequantized(reader, name) for name in gguf_names]
-            params[hf_name].copy_(torch.cat(parts, dim=-2).view(params[hf_name].shape))
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # gate, up rows
+            params[hf_name].copy_(whole.view(params[hf_name].shape))
     return model
 
 
