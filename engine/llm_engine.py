@@ -80,6 +80,7 @@ class LLMEngine:
                 loaded.max_model_len,
                 loaded.max_model_len,
             )
+        self.model.limit_context(self.max_model_len)
 
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks(block_size)

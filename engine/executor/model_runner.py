@@ -69,6 +69,9 @@ class ModelRunner:
         if use_graphs and not triton_importable():
             logger.warning("CUDA graphs need the triton package (decode kernel); running eagerly")
             use_graphs = False
+        if use_graphs and not getattr(model, "supports_cuda_graphs", True):
+            logger.info("%s runs decode steps eagerly (no CUDA graphs)", type(model).__name__)
+            use_graphs = False
         # With CUDA graphs, one extra block (never handed out by the cache manager) takes the
         # K/V that padding rows write.
         self.kv_caches = allocate_kv_cache(

@@ -1,15 +1,38 @@
-"""Models and their weights: plain-torch Llama and BERT, shared layers, weight quantization, and
-loading Hugging Face folders or GGUF files. The registry maps config.json architectures to classes."""
+"""Models and their weights: plain-torch decoders (one shared decoder, a small file per family) and
+BERT, shared layers, weight quantization, and loading Hugging Face folders or GGUF files. The
+registry maps config.json architectures to classes."""
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from collections.abc import Callable
+from typing import Any
 
-# Mistral, Qwen2 and SmolLM share the Llama decoder; Qwen2 differs only by q/k/v bias (read from config).
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+import torch
+
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+# Mistral, Qwen2 and SmolLM are Llama configs; Qwen2 differs only by q/k/v bias (read from config).
+# A family class is built from (hf_config, dtype, device).
+ModelClass = Callable[[Any, torch.dtype, torch.device], DecoderForCausalLM]
+MODEL_REGISTRY: dict[str, ModelClass] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its text tower
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixtures of experts: the decoder with sparse expert blocks (engine.models.moe_decoder).
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -17,7 +40,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
+def get_model_class(architectures: list[str]) -> ModelClass:
     """The class for the first supported name in config.json's `architectures`."""
     for name in architectures:
         if name in MODEL_REGISTRY:
@@ -29,4 +52,13 @@ def get_model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
     )
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class", "supported_architectures"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "DecoderForCausalLM",
+    "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3ForCausalLM",
+    "get_model_class",
+    "supported_architectures",
+]

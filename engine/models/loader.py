@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.decoder import DecoderForCausalLM
     from engine.models.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ _CONVERTED_MARKER = ".kvserve-converted"
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     hf_config: Any  # transformers.PretrainedConfig
     dtype: torch.dtype
     device: torch.device
@@ -313,7 +313,7 @@ def load_model(
         logger.warning("%s", warning)
     torch_dtype = weight_format.dtype
     start = time.perf_counter()
-    model = model_cls(hf_config, dtype=torch_dtype, device=torch_device)
+    model = model_cls(hf_config, torch_dtype, torch_device)
     model.load_weights(iter_weights(model_dir))
     model.eval()
     logger.info(
@@ -329,7 +329,7 @@ def load_model(
         hf_config=hf_config,
         dtype=torch_dtype,
         device=torch_device,
-        max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)),
+        max_model_len=int(model.max_position_embeddings),
         eos_token_ids=_eos_token_ids(model_dir, hf_config),
         weight_format=weight_format,
         gguf_file=gguf_file,
@@ -348,6 +348,9 @@ def _as_id_set(value: object) -> set[int]:
 
 def _eos_token_ids(model_dir: Path, hf_config: Any) -> set[int]:
     ids = _as_id_set(getattr(hf_config, "eos_token_id", None))
+    text_config = getattr(hf_config, "text_config", None)  # a multimodal folder's text model
+    if text_config is not None:
+        ids |= _as_id_set(getattr(text_config, "eos_token_id", None))
     gen_file = model_dir / "generation_config.json"
     if gen_file.is_file():
         try:

@@ -222,7 +222,7 @@ def test_backend_choice_and_override(monkeypatch):
 def test_fused_rope_and_kv_write_equal_the_torch_ops(dtype):
     """Rotary inside the fused qkv and the cache write: bitwise what apply_rotary + write_kv give."""
     from engine.kernels.attention import write_kv
-    from engine.models.layers import apply_rotary
+    from engine.models.rotary import apply_rotary
 
     torch.manual_seed(7)
     n, heads, kv_heads, d = 5, 6, 2, 16

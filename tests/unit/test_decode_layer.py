@@ -10,7 +10,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
 from engine.kernels.attention import AttentionMetadata
-from engine.models import llama
+from engine.models import decoder_cpu
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
 
@@ -39,7 +39,7 @@ def test_decode_layer_equals_the_python_layer(tiny_llama_dir, quantization, monk
     monkeypatch.setattr(cpu_kernels, "decode_layer", counting)
     fused = _run(llm)
     assert calls, "pure decode steps should run the one-call layer"
-    monkeypatch.setattr(llama, "_decode_layer_args", lambda layer: None)
+    monkeypatch.setattr(decoder_cpu, "decode_layer_args", lambda layer: None)
     llm.engine.model.weights_changed()
     calls.clear()
     python = _run(llm)

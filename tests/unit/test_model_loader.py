@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from engine.kernels.attention import AttentionMetadata, allocate_kv_cache
-from engine.models.layers import rope_parameters
 from engine.models.loader import (
     find_bundled_embedding_model,
     find_bundled_model,
@@ -20,6 +19,7 @@ from engine.models.loader import (
     resolve_dtype,
     resolve_model,
 )
+from engine.models.rotary import rope_parameters
 
 PROMPT = [1, 17, 223, 410, 88, 2, 305, 77, 12, 480, 5, 6, 70, 31, 31, 31]  # < every tiny vocab
 
@@ -279,10 +279,13 @@ def test_rope_scaling_matches_transformers(tmp_path: Path, rope: dict):
 def test_unsupported_rope_type_is_a_clear_error(tmp_path: Path):
     from transformers import LlamaConfig
 
-    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    config = LlamaConfig(**tiny_kwargs(rope_parameters=rope), architectures=["LlamaForCausalLM"])
-    with pytest.raises(ValueError, match="rope scaling type 'dynamic'"):
-        load_model(save_tiny(tmp_path, config), "float32", "cpu")
+    config = LlamaConfig(**tiny_kwargs(), architectures=["LlamaForCausalLM"])
+    folder = save_tiny(tmp_path, config)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "made_up", "factor": 2.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="rope scaling type 'made_up' is not supported"):
+        load_model(folder, "float32", "cpu")
 
 
 def test_old_style_rope_config_keys():

@@ -1,0 +1,414 @@
+"""The decoder every family shares (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), in plain torch over
+the paged KV cache. A family file reads its config into a `DecoderSpec` (which optional parts a
+block has) and maps its checkpoint names; q/k/v and gate/up are fused into single matmuls."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from engine.kernels import cpu_kernels
+from engine.kernels.attention import AttentionMetadata, paged_attention, uses_cpu_kernels
+from engine.models import decoder_cpu
+from engine.models.layers import GatedMLP, RMSNorm, empty_param, optional_param, softcap
+from engine.models.quantization import linear
+from engine.models.rotary import RotaryEmbedding, apply_rotary, rotary_dim
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What one decoder family's blocks contain, read from its config by the family file."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # independent of hidden_size / num_heads (Qwen3, Gemma 3)
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_scale: float
+    rope: tuple[dict, ...] = field(hash=False)  # rope parameters of each rotary table
+    layer_rope: tuple[int, ...] = ()  # per layer, its rotary table (default: table 0)
+    layer_windows: tuple[int | None, ...] = ()  # per layer, its sliding window (None: full)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # (1 + weight) RMSNorms, and norms after attention and MLP too
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+
+def common_spec(cfg: Any) -> dict[str, Any]:
+    """The DecoderSpec fields every Llama-like config spells the same way."""
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        attention_scale=head_dim**-0.5,
+        layer_windows=tuple(layer_windows_of(cfg)),
+    )
+
+
+def layer_windows_of(cfg: Any) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it: configs with `layer_types` (Qwen2/3
+    build them from `use_sliding_window` and `max_window_layers`; Gemma 3 from its pattern) slide
+    where a type says "sliding_attention"; Mistral and any other config with `sliding_window`
+    slide everywhere. A window no shorter than max_position_embeddings never drops a key, so it
+    is reported as None."""
+    num_layers = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return [None] * num_layers
+    if window >= cfg.max_position_embeddings:
+        return [None] * num_layers
+    types = getattr(cfg, "layer_types", None)
+    if getattr(cfg, "model_type", "") == "mistral" or not types:
+        return [int(window)] * num_layers
+    return [int(window) if t == "sliding_attention" else None for t in types[:num_layers]]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        hidden = spec.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        )  # fmt: skip
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = spec.attention_scale
+        self.rope_index = spec.layer_rope[layer] if spec.layer_rope else 0
+        self.window = spec.layer_windows[layer] if spec.layer_windows else None
+        self.softcap = spec.attn_softcap
+        self.partial_rotary = rotary_dim(self.head_dim, spec.rope[self.rope_index]) != self.head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.qkv_weight = empty_param(out, hidden, dtype=dtype, device=device)  # [q+k+v, hidden]
+        self.qkv_bias = optional_param(out, dtype=dtype, device=device, enabled=spec.qkv_bias)
+        self.o_weight = empty_param(hidden, self.q_size, dtype=dtype, device=device)
+        self.o_bias = optional_param(hidden, dtype=dtype, device=device, enabled=spec.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if spec.qk_norm:
+            eps, gemma = spec.rms_norm_eps, spec.gemma_norms
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, unit_offset=gemma)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype, device, unit_offset=gemma)
+
+    def project_qkv(
+        self,
+        x: torch.Tensor,  # [n, hidden], normalized
+        cos: torch.Tensor,  # [n, 1, rotary_dim // 2]
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, heads, d] and k, v [n, kv_heads, d], rotary applied: pure tensor code."""
+        n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(n, heads, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, kv_heads, d))
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        # q and k sit side by side in qkv, so one rotation covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, d)
+        q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [n, heads, d] -> [n, hidden]
+        return linear(out.reshape(out.shape[0], self.q_size), self.o_weight, self.o_bias)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, residuals around each; Gemma also normalizes each output
+    (`post_attention_layernorm` then is that, and `pre_feedforward_layernorm` the MLP's input)."""
+
+    def __init__(self, spec: DecoderSpec, index: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        eps, hidden, gemma = spec.rms_norm_eps, spec.hidden_size, spec.gemma_norms
+        self.index = index
+        self.sandwich = gemma
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, unit_offset=gemma)
+        self.self_attn = Attention(spec, index, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, unit_offset=gemma)
+        self.mlp = GatedMLP(
+            hidden, spec.intermediate_size, spec.activation, spec.mlp_bias, dtype, device
+        )
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device, unit_offset=True)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device, unit_offset=True)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        dense: DenseFns | None = None,
+    ) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        # The paged attention stays eager; the dense halves around it may be compiled (`dense`).
+        pre, post = dense or (_pre_attention, _post_attention)
+        q, k, v = pre(self, h, *rope)
+        attn = self.self_attn
+        out = paged_attention(
+            q, k, v, kv_cache, meta, attn.scale, window=attn.window, softcap=attn.softcap
+        )  # [n, heads, d]
+        return post(self, h, out)
+
+
+def _pre_attention(
+    layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer.self_attn.project_qkv(layer.input_layernorm(h), cos, sin)
+
+
+def _post_attention(layer: DecoderLayer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    attended = layer.self_attn.project_out(out)  # [n, hidden]
+    if layer.sandwich:
+        h = h + layer.post_attention_layernorm(attended)
+        mlp_out = layer.mlp(layer.pre_feedforward_layernorm(h))
+        return h + layer.post_feedforward_layernorm(mlp_out)
+    h = h + attended
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+DenseFns = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+class DecoderForCausalLM(nn.Module):
+    """A causal LM over the shared decoder; families subclass it with their spec and names."""
+
+    def __init__(self, hf_config: Any, spec: DecoderSpec, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = hf_config
+        self.spec = spec
+        self.dtype = dtype
+        self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
+        self.num_layers = spec.num_layers
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        self.max_position_embeddings = spec.max_position_embeddings
+        self.layer_windows: list[int | None] = list(spec.layer_windows or [None] * spec.num_layers)
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, params, dtype, device)
+            for params in spec.rope
+        )
+        embedding = torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(
+            spec.vocab_size, spec.hidden_size, _weight=embedding, _freeze=True
+        )
+        # Gemma scales in the model dtype (sqrt(3072) = 55.4256 is 55.5 in bfloat16), as transformers.
+        self.embed_scale: torch.Tensor | None = None
+        if spec.embed_scale is not None:
+            self.embed_scale = torch.tensor(spec.embed_scale).to(dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, dtype, device) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(
+            spec.hidden_size, spec.rms_norm_eps, dtype, device, unit_offset=spec.gemma_norms
+        )
+        self.dense: DenseFns | None = None  # compiled dense halves of a layer (compile_dense)
+        self._decode_args: list[decoder_cpu.DecodeLayerArgs | None] | None = None
+        self.lm_head_weight: torch.Tensor | None = optional_param(
+            spec.vocab_size, spec.hidden_size, dtype=dtype, device=device,
+            enabled=not spec.tie_word_embeddings,
+        )  # fmt: skip
+        self._layer_tensors = self.layer_tensor_names()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] int64 -> [num_tokens, hidden_size]
+        h = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        ropes = [cast(RotaryEmbedding, r).lookup(positions) for r in self.rotaries]
+        fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
+        if fused and uses_cpu_kernels(meta, h.device, h.dtype):
+            return self._forward_cpu_kernels(ropes, h, kv_caches, meta)
+        for module, kv_cache in zip(self.layers, kv_caches, strict=True):
+            layer = cast(DecoderLayer, module)
+            rope = ropes[layer.self_attn.rope_index]
+            h = layer(rope, h, kv_cache, meta.for_layer(layer.index), self.dense)
+        return self.norm(h)
+
+    def _forward_cpu_kernels(
+        self,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        h: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cos_sins = [(cos.squeeze(1), sin.squeeze(1)) for cos, sin in ropes]  # [n, r // 2] each
+        calls = self._decode_calls() if meta.num_decode_seqs == meta.num_seqs else None
+        for i, kv_cache in enumerate(kv_caches):
+            layer = cast(DecoderLayer, self.layers[i])
+            cos, sin = cos_sins[layer.self_attn.rope_index]
+            lmeta = meta.for_layer(i)
+            args = calls[i] if calls is not None else None
+            if args is None:
+                h = decoder_cpu.fused_layer(layer, (cos, sin), h, kv_cache, lmeta)
+                continue
+            w, kinds, eps, heads, kv_heads, scale, window, cap = args
+            h = cpu_kernels.decode_layer(
+                h, w, kinds, eps, cos, sin, kv_cache, lmeta.slot_mapping, lmeta.block_tables,
+                lmeta.seq_lens, heads, kv_heads, scale, window, cap,
+            )  # fmt: skip
+        return decoder_cpu.norm(self.norm, h)
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The longest context the engine serves (LongRoPE picks its factors by it)."""
+        for rotary in self.rotaries:
+            cast(RotaryEmbedding, rotary).limit_context(max_model_len)
+
+    def _decode_calls(self) -> list[decoder_cpu.DecodeLayerArgs | None]:
+        """Per layer, the one-call decode layer's arguments (built once: weights_changed resets)."""
+        if self._decode_args is None:
+            self._decode_args = [
+                decoder_cpu.decode_layer_args(cast(DecoderLayer, layer)) for layer in self.layers
+            ]
+        return self._decode_args
+
+    def weights_changed(self) -> None:
+        """Called after matmul weights were replaced (quantization): forget what was derived."""
+        self._decode_args = None
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weights_changed()
+
+    def compile_dense(self) -> None:
+        """torch.compile the per-layer dense code (norms, projections, rotary, MLP, residuals) once,
+        shared by every layer, with a dynamic token count; paged attention stays eager."""
+        self.dense = (
+            torch.compile(_pre_attention, dynamic=True, fullgraph=True),
+            torch.compile(_post_attention, dynamic=True, fullgraph=True),
+        )
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        weight = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+        return softcap(linear(hidden, weight), self.spec.final_softcap).float()
+
+    def quantizable_weights(self) -> list[tuple[Any, str]]:
+        """(module, attribute) of every matmul weight, for engine.models.quantization. A tied head gets
+        its own reference to the embedding, so the head can be packed while lookups stay exact."""
+        if self.lm_head_weight is None:
+            self.lm_head_weight = self.embed_tokens.weight
+        found: list[tuple[Any, str]] = [(self, "lm_head_weight")]
+        for layer in self.layers:
+            found += [(layer.self_attn, "qkv_weight"), (layer.self_attn, "o_weight")]
+            found += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
+        return found
+
+    # ------------------------------------------------------------ weight loading
+
+    def layer_tensor_names(self) -> dict[str, tuple[str, int]]:
+        """A layer's checkpoint tensor (name after `layers.N.`) -> (our parameter in that layer,
+        first row inside it): separate q/k/v and gate/up land in the fused matmuls. Families with
+        other names add theirs."""
+        q, kv, inter = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, 0
+        inter = self.spec.intermediate_size
+        names: dict[str, tuple[str, int]] = {}
+        for kind in ("weight", "bias"):
+            names |= {
+                f"self_attn.q_proj.{kind}": (f"self_attn.qkv_{kind}", 0),
+                f"self_attn.k_proj.{kind}": (f"self_attn.qkv_{kind}", q),
+                f"self_attn.v_proj.{kind}": (f"self_attn.qkv_{kind}", q + kv),
+                f"self_attn.o_proj.{kind}": (f"self_attn.o_{kind}", 0),
+                f"mlp.gate_proj.{kind}": (f"mlp.gate_up_{kind}", 0),
+                f"mlp.up_proj.{kind}": (f"mlp.gate_up_{kind}", inter),
+                f"mlp.down_proj.{kind}": (f"mlp.down_{kind}", 0),
+            }
+        for norm in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+            "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+        ):  # fmt: skip
+            names[f"{norm}.weight"] = (f"{norm}.weight", 0)
+        return names
+
+    def checkpoint_name(self, hf_name: str) -> str | None:
+        """A checkpoint tensor's name as the decoder sees it (`layers.0...`, `embed_tokens.weight`),
+        `lm_head.weight`, or None to skip it quietly (a vision tower beside the text model)."""
+        return hf_name.removeprefix("model.")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors into our (fused) parameters; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}  # parameter -> rows written, to know fused ones are complete
+        for hf_name, tensor in weights:
+            target = self._map_name(hf_name)
+            if target is None:
+                continue
+            name, row_offset = target
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name} does not fit this model's configuration"
+                )
+            param = params[name]
+            rows = tensor.shape[0]
+            dest = param.data[row_offset : row_offset + rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)} from config.json"
+                )
+            dest.copy_(tensor)
+            filled[name] = filled.get(name, 0) + rows
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"checkpoint is missing weights for {len(missing)} parameters: {shown}"
+            )
+        self.weights_changed()
+
+    def _map_name(self, hf_name: str) -> tuple[str, int] | None:
+        """HF tensor name -> (our parameter name, first row inside it), or None to skip."""
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        name = self.checkpoint_name(hf_name)
+        if name is None:
+            return None
+        if name == "lm_head.weight":
+            return None if self.tie_word_embeddings else ("lm_head_weight", 0)
+        if name in ("embed_tokens.weight", "norm.weight"):
+            return name, 0
+        match = _LAYER_NAME.fullmatch(name)
+        part = self._layer_tensors.get(match[2]) if match else None
+        if match is None or part is None:
+            logger.warning("ignoring unexpected checkpoint tensor %s", hf_name)
+            return None
+        ours, offset = part
+        return f"layers.{match[1]}.{ours}", offset
+
+
+_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")

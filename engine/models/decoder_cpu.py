@@ -1,0 +1,110 @@
+"""The decoder layer on the C++ CPU kernels: one-pass RMSNorms, rotary fused with the KV-cache write,
+paged attention in place (`fused_layer`), and the arguments of the one-call C++ layer that pure
+decode steps run (`decode_layer_args`, csrc/decode_layer.cpp)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kernels import cpu_kernels
+from engine.kernels.attention import AttentionMetadata, attend_cached, write_kv
+from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
+from engine.models.layers import RMSNorm
+from engine.models.quantization import linear
+from engine.models.rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from engine.models.decoder import Attention, DecoderLayer
+
+
+def norm(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The norm in one pass per row where the kernel gives its values, else the torch module."""
+    weight = module.kernel_weight()
+    return module(x) if weight is None else cpu_kernels.rms_norm(x, weight, module.eps)
+
+
+def _qk_norm_in_place(qkv: torch.Tensor, attn: Attention) -> None:
+    """Per-head RMSNorm of the q and k heads inside the fused qkv [n, q + 2 * kv]."""
+    assert attn.q_norm is not None and attn.k_norm is not None
+    n, d = qkv.shape[0], attn.head_dim
+    for module, start, size in (
+        (attn.q_norm, 0, attn.q_size),
+        (attn.k_norm, attn.q_size, attn.kv_size),
+    ):
+        part = qkv[:, start : start + size]  # [n, heads * d], rows strided
+        part.copy_(norm(module, part.reshape(-1, d)).view(n, size))
+
+
+def fused_layer(
+    layer: DecoderLayer,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],  # [n, rotary_dim // 2] each
+    h: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """The CPU-kernel layer: the same values as the torch ops, in fewer passes and dispatches."""
+    attn = layer.self_attn
+    n, d, heads, kv_heads = h.shape[0], attn.head_dim, attn.num_heads, attn.num_kv_heads
+    qkv = linear(norm(layer.input_layernorm, h), attn.qkv_weight, attn.qkv_bias)
+    if attn.q_norm is not None:
+        _qk_norm_in_place(qkv, attn)
+    if not attn.partial_rotary:
+        cpu_kernels.rope_write_kv(qkv, *cos_sin, kv_cache, meta.slot_mapping, heads, kv_heads)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=1)
+    q, k, v = q.view(n, heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d)
+    if attn.partial_rotary:  # the kernel rotates whole heads: rotate in torch, then store
+        cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+    out = attend_cached(
+        q, k, v, kv_cache, meta, attn.scale, window=attn.window, softcap=attn.softcap
+    )
+    attended = attn.project_out(out)
+    if layer.sandwich:
+        h = h + norm(layer.post_attention_layernorm, attended)
+        mlp_out = layer.mlp(norm(layer.pre_feedforward_layernorm, h))
+        return h + norm(layer.post_feedforward_layernorm, mlp_out)
+    h = h + attended
+    return h + layer.mlp(norm(layer.post_attention_layernorm, h))
+
+
+# (tensors, kinds, eps, heads, kv_heads, scale, window, softcap)
+DecodeLayerArgs = tuple[
+    list[torch.Tensor], list[int], float, int, int, float, int | None, float | None
+]
+
+
+def decode_layer_args(layer: DecoderLayer) -> DecodeLayerArgs | None:
+    """What csrc/decode_layer.cpp takes for this layer besides the step's tensors: its norms' and
+    matmuls' tensors, their kinds, eps, heads, KV heads, scale, window and softcap; None if it
+    cannot run it (it runs the Llama block: no q/k norm, whole-head rotary, SiLU)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    plain = not (layer.sandwich or mlp.gelu or attn.partial_rotary or attn.q_norm is not None)
+    if not plain:
+        return None
+    if norm1.eps != norm2.eps or norm1.unit_offset or norm2.unit_offset:
+        return None
+    tensors: list[torch.Tensor] = [norm1.weight, norm2.weight]
+    kinds: list[int] = []
+    for weight, bias in (
+        (attn.qkv_weight, attn.qkv_bias),
+        (attn.o_weight, attn.o_bias),
+        (mlp.gate_up_weight, mlp.gate_up_bias),
+        (mlp.down_weight, mlp.down_bias),
+    ):
+        if isinstance(weight, BlockQ4Weight):
+            tensors += [weight.qs, weight.d, weight.m]
+            kinds += [1, int(bias is not None), weight.out_features]
+        elif isinstance(weight, BlockQ8Weight):
+            tensors += [weight.qs, weight.d]
+            kinds += [2, int(bias is not None), weight.out_features]
+        else:
+            tensors.append(weight)
+            kinds += [0, int(bias is not None), weight.shape[0]]
+        if bias is not None:
+            tensors.append(bias)
+    heads, kv_heads = attn.num_heads, attn.num_kv_heads
+    return tensors, kinds, norm1.eps, heads, kv_heads, attn.scale, attn.window, attn.softcap
