@@ -54,8 +54,8 @@ _FUSED = {  # Phi-3's checkpoint fuses them (qkv_proj, gate_up_proj); llama.cpp 
 }
 # The architectures served as stored, by GGUF `general.architecture`; others are requantized from
 # the float weights transformers dequantized. Only llama.cpp's llama arch permutes q/k: qwen2,
-# qwen3 and phi3 write the checkpoint's rows as they are (q/k norms, biases and rope factors are
-# float tensors).
+# qwen3, phi3, gemma3 and qwen3moe write the checkpoint's rows as they are (q/k norms, biases and
+# rope factors are float tensors).
 _EXPERTS = {  # Qwen3-MoE's experts, one tensor per matrix kind (ffn_gate_inp, the router, is float)
     "ffn_gate_exps": ("gate_up_weight", 0),
     "ffn_up_exps": ("gate_up_weight", 1),
@@ -66,6 +66,7 @@ GGUF_ARCHS = {
     "qwen2": GGUFArch(_SEPARATE, unpermute_qk=False),
     "qwen3": GGUFArch(_SEPARATE, unpermute_qk=False),
     "phi3": GGUFArch(_FUSED, unpermute_qk=False),
+    "gemma3": GGUFArch(_SEPARATE, unpermute_qk=False),  # its norms (stored as 1 + w) are floats
     "qwen3moe": GGUFArch(_SEPARATE, unpermute_qk=False, expert_parts=_EXPERTS),
 }
 

@@ -80,7 +80,8 @@ EXPERT_PARTS = {
     **{f"mlp.experts.{e}.gate_up_weight": ("ffn_gate_exps", "ffn_up_exps") for e in range(4)},
     **{f"mlp.experts.{e}.down_weight": ("ffn_down_exps",) for e in range(4)},
 }
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1"}  # GGUF type -> kvserve's block format (Q4_0 as Q4_1)
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1"}
+NORM_SHIFT = 1.0  # GGUF type -> kvserve's block format (Q4_0 as Q4_1)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Family:
 
 
 def _families(vocab: int) -> list[Family]:
-    from transformers import Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab,
@@ -147,11 +148,20 @@ def _families(vocab: int) -> list[Family]:
         norm_topk_prob=True,  # as llama.cpp runs qwen3moe
         tie_word_embeddings=False,
     )
+    # Gemma 3's block: q/k norms, four (1 + w) norms, GELU-tanh, sliding layers (a window shorter
+    # than prompt + output), embeddings scaled by sqrt(hidden); tied, as every Gemma.
+    gemma3 = Gemma3TextConfig(
+        **common | {"rms_norm_eps": 1e-6},
+        head_dim=32,
+        sliding_window=8,
+        tie_word_embeddings=True,
+    )
     return [
         Family("qwen2", "Qwen2ForCausalLM", qwen2, tied=False),
         Family("qwen3", "Qwen3ForCausalLM", qwen3, tied=True),
         Family("phi3", "Phi3ForCausalLM", phi3, False, FUSED_TYPES, FUSED_PARTS),
         Family("qwen3moe", "Qwen3MoeForCausalLM", qwen3moe, False, EXPERT_TYPES, EXPERT_PARTS),
+        Family("gemma3", "Gemma3ForCausalLM", gemma3, tied=True),
     ]
 
 
@@ -199,6 +209,8 @@ def _write_gguf(
     else:  # llama.cpp writes a config's head_dim as the key/value length
         writer.add_key_length(key_length or head_dim)
         writer.add_value_length(key_length or head_dim)
+    if family.arch == "gemma3":
+        writer.add_sliding_window(cfg.sliding_window)
     if family.arch == "qwen3moe":
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
@@ -219,6 +231,8 @@ def _write_gguf(
             assert name is not None, piece_name
             name = name if name.endswith((".weight", ".bias")) else name + ".weight"
             parts.append(name)
+            if family.arch == "gemma3" and name.endswith("norm.weight"):
+                piece = piece + NORM_SHIFT  # llama.cpp stores Gemma's (1 + w) norms whole
             _add_tensor(writer, name, piece.contiguous().numpy(), _type_of(family, name))
         written[hf_name] = tuple(parts)
     writer.write_header_to_file()
@@ -248,6 +262,8 @@ def _reference(family: Family, path: Path, written: dict[str, tuple[str, ...]]) 
     with torch.no_grad():
         for hf_name, gguf_names in written.items():
             parts = [_dequantized(reader, name) for name in gguf_names]
+            if family.arch == "gemma3" and gguf_names[0].endswith("norm.weight"):
+                parts = [t - NORM_SHIFT for t in parts]  # as transformers reads them back
             whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # gate, up rows
             params[hf_name].copy_(whole.view(params[hf_name].shape))
     return model
@@ -269,7 +285,7 @@ def _dequantized(reader: GGUFReader, name: str) -> torch.Tensor:
 
 
 def _family_ids() -> list[str]:
-    return ["qwen2", "qwen3", "phi3", "qwen3moe"]
+    return ["qwen2", "qwen3", "phi3", "qwen3moe", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=_family_ids())
@@ -328,20 +344,25 @@ def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(served: tuple) -> None:
-    from transformers import AutoTokenizer
-
     family, path, stored, floats, reference = served
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # Token ids, not text: SmolLM2's BPE vocabulary under a Gemma tokenizer converter tokenizes
+    # differently per reader; the weights are what is under test.
+    prompts = [list(floats.tokenizer.encode(p)) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in floats.generate(PROMPTS, params)]
-    for prompt, tokens in zip(PROMPTS, ours, strict=True):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ours = [o.outputs[0].token_ids for o in floats.generate(prompts, params)]
+    for ids, tokens in zip(prompts, ours, strict=True):
         with torch.no_grad():
-            out = reference.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert list(tokens) == out[0, ids.shape[1] :].tolist(), prompt
+            out = reference.generate(  # an explicit mask: an id equal to pad_token_id is text here
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=12,
+                do_sample=False,
+                min_new_tokens=12,
+            )
+        assert list(tokens) == out[0, len(ids) :].tolist(), ids
     assert len({tuple(t) for t in ours}) > 1  # the prompts lead to different continuations
-    alone = [stored.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
-    together = [o.outputs[0].token_ids for o in stored.generate(PROMPTS, params)]
+    alone = [stored.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in stored.generate(prompts, params)]
     assert together == alone and all(len(t) == 12 for t in alone)
 
 
