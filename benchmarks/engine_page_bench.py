@@ -93,7 +93,7 @@ def _cost_per_event(engine: AsyncLLMEngine, repeats: int = 200) -> float:
     limits = {"max_queued_requests": engine.max_queued_requests, "max_queued_tokens": None}
     start = time.perf_counter()
     for _ in range(repeats):
-        snap = engine.core.build_snapshot(detail=True)
+        snap = engine.core.publish(detail=True)
         json.dumps(page_payload(snap, limits, snap.num_steps - 10))  # ~10 new steps an event
     return (time.perf_counter() - start) / repeats
 

@@ -106,6 +106,7 @@ def measure(concurrency: int, args: argparse.Namespace, log_dir: Path) -> dict[s
         pid = server.proc.pid
         config = BenchConfig(
             base_url=server.base_url,
+            endpoint=args.endpoint,
             input_len=args.input_len,
             output_len=args.output_len,
             num_requests=args.requests_per_level * concurrency,
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--requests-per-level", type=int, default=4, help="requests per concurrency")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     p.add_argument("--kvserve-args", default="", help="extra arguments for `kvserve serve`")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)

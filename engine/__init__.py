@@ -1,4 +1,8 @@
-"""kvserve engine: paged KV cache, chunked prefill and continuous batching on a torch model runner."""
+"""kvserve engine: paged KV cache, chunked prefill and continuous batching on a torch model runner.
+
+Its face is what an application embedding the engine needs: `LLM` (offline), `AsyncLLMEngine` (the
+EngineClient an API front end serves from), configs, sampling params, outputs, errors, snapshots
+and stats. Text helpers a front end shares (tool plans, schema checks) are engine.text's face."""
 
 from __future__ import annotations
 
@@ -15,22 +19,29 @@ from engine.core.config import (
 )
 from engine.core.engine_client import EngineClient
 from engine.core.errors import (
+    ConstraintError,
     ContextLengthError,
+    EngineDeadError,
     InvalidRequestError,
     PromptError,
+    QueueFullError,
+    RequestError,
     SamplingParamsError,
+    WrongTaskError,
 )
 from engine.core.outputs import (
     CompletionOutput,
     EmbeddingOutput,
-    EngineDeadError,
-    QueueFullError,
-    RequestError,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import OutputKind, SamplingParams, StructuredOutputs
+from engine.core.sampling_params import (
+    OutputKind,
+    ReasoningFormat,
+    SamplingParams,
+    StructuredOutputs,
+)
 from engine.core.scoring import NORMALIZATIONS, ChoiceScore, ScoreResult, summarize_scores
 from engine.core.snapshot import (
     BlockHolders,
@@ -41,10 +52,6 @@ from engine.core.snapshot import (
     StepRecord,
 )
 from engine.embeddings.prompts import EmbeddingPrompts
-from engine.text.schema_regex import ecma_pattern_error
-from engine.text.score_inputs import ScoreInputs, build_score_inputs
-from engine.text.tool_parsers import TOOL_PARSERS, ToolCallStreamer, ToolParser
-from engine.text.tool_use import ToolPlan, plan_tool_use, render_messages
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
@@ -84,6 +91,7 @@ __all__ = [
     "LLMEngine",
     "AsyncLLMEngine",
     "BlockHolders",
+    "ConstraintError",
     "ContextLengthError",
     "EngineClient",
     "EngineHealth",
@@ -113,17 +121,10 @@ __all__ = [
     "SamplingParamsError",
     "SchedulerConfig",
     "StructuredOutputs",
-    "TOOL_PARSERS",
-    "ScoreInputs",
+    "WrongTaskError",
+    "ReasoningFormat",
     "ScoreResult",
     "TokenLogprob",
-    "build_score_inputs",
-    "ecma_pattern_error",
     "resolve_model",
-    "ToolCallStreamer",
-    "ToolParser",
-    "ToolPlan",
-    "plan_tool_use",
-    "render_messages",
     "summarize_scores",
 ]

@@ -13,17 +13,18 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.core.errors import InvalidRequestError
-from engine.core.outputs import (
-    EmbeddingOutput,
+from engine.core.errors import (
     EngineDeadError,
+    InvalidRequestError,
     QueueFullError,
     RequestError,
-    RequestOutput,
+    WrongTaskError,
 )
+from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.core.pending import AbortRequest, AddRequest, PendingWork
 from engine.core.sampling_params import SamplingParams
 from engine.core.snapshot import EngineHealth, EngineSnapshot
@@ -38,6 +39,7 @@ from engine.text.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _Output = RequestOutput | EmbeddingOutput
+_O = TypeVar("_O", RequestOutput, EmbeddingOutput)
 _QueueItem = _Output | BaseException
 
 
@@ -53,6 +55,8 @@ class AsyncLLMEngine:
         self._pending = PendingWork()  # adds and aborts applied between steps
         self._detail_waiters: list[asyncio.Future[EngineSnapshot]] = []
         self._wakeup: asyncio.Event | None = None
+        # Set while the loop waits for work (nothing to step, nothing pending): no step runs then.
+        self.idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # The core steps on one dedicated thread (never the event loop's); _stopping ends its run.
         self._executor: ThreadPoolExecutor | None = None
@@ -128,38 +132,23 @@ class AsyncLLMEngine:
             return EngineHealth("dead", str(self.dead_error))
         return EngineHealth("ready" if self._task is not None else "starting")
 
-    @property
-    def is_ready(self) -> bool:
-        return self.health().ready
-
-    @property
-    def errored(self) -> bool:
-        return self.dead_error is not None
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._queues)
-
     # -- requests --------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int:
         return self.core.validate(prompt_token_ids, params)
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs as the engine produces them; closing the iterator aborts it."""
+        """The request's outputs as the engine produces them; closing the iterator aborts it."""
         self._check_alive()
         if self.task != "generate":
-            raise InvalidRequestError(
-                "this server runs an embedding model: use /v1/embeddings, not text generation"
-            )
-        async for out in self._submit(request_id, prompt_token_ids, params, prompt):
-            assert isinstance(out, RequestOutput)
-            yield out
+            raise WrongTaskError(self.task, "generate")
+        item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
+        return self._submit(item, RequestOutput)
 
     async def score(
         self,
@@ -172,51 +161,35 @@ class AsyncLLMEngine:
         """Score every choice as the continuation of the context (LLMEngine.add_score_request): the
         finished output once all choices are scored. Cancelling the call aborts the request."""
         self._check_alive()
-        core = self.core
-        if not isinstance(core, LLMEngine):
-            raise InvalidRequestError(
-                "this server runs an embedding model: scoring needs a generative model"
-            )
-        core.validate_score(context_token_ids, choices)
+        if self.task != "generate":
+            raise WrongTaskError(self.task, "generate")
         item = AddRequest(
             request_id, context_token_ids, None, prompt, time.monotonic(), choices, num_top_logprobs
         )
-        stream = self._submit(item)
+        stream = self._submit(item, RequestOutput)
         try:
             async for out in stream:
                 if out.finished:
-                    assert isinstance(out, RequestOutput)
                     return out
         finally:
             await stream.aclose()
         raise RequestError("the engine ended the score request without output")
 
-    async def _submit(
-        self,
-        request_id: str | AddRequest,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams | None = None,
-        prompt: str | None = None,
-    ) -> AsyncGenerator[_Output, None]:
-        """Queue an add (a request id and its fields, or a ready AddRequest, already validated) and
-        yield the request's outputs."""
-        if isinstance(request_id, AddRequest):
-            item = request_id
-        else:
-            assert prompt_token_ids is not None
-            self.core.validate(prompt_token_ids, params)
-            item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
+    async def _submit(self, item: AddRequest, kind: type[_O]) -> AsyncGenerator[_O, None]:
+        """Queue an add and yield the request's outputs (of `kind`). The front end validated the
+        request (validate()) when it planned it; the core's add guards it once more, and its
+        refusal comes out of this stream."""
         request_id = item.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if item.params is not None and item.params.structured_outputs is not None:
-            assert isinstance(self.core, LLMEngine)
             # Compiled in a worker thread: this request waits for its grammar, the others step on.
             await asyncio.to_thread(self.core.compile_constraint, item.params.structured_outputs)
         self._admit(item.num_tokens)
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
-        # Arrival is now: time spent here until the next step applies the add counts as queue time.
+        # Arrival was stamped when the add was made: the grammar compile above and the wait for the
+        # next step to apply the add count as queue time.
         self._pending.add(item)
         self._wake()
         finished = False
@@ -228,9 +201,10 @@ class AsyncLLMEngine:
                     raise got
                 if got.error is not None:
                     finished = True
-                    if got.error_param is not None:
-                        raise InvalidRequestError(got.error, got.error_param)
+                    if isinstance(got, RequestOutput) and got.fault is not None:
+                        raise got.fault
                     raise RequestError(got.error)
+                assert isinstance(got, kind)
                 finished = got.finished
                 yield got
                 if finished:
@@ -245,11 +219,9 @@ class AsyncLLMEngine:
         """The input's pooled, normalized vector; batched with other requests by the engine."""
         self._check_alive()
         if self.task != "embed":
-            raise InvalidRequestError(
-                "this server runs a generative model: /v1/embeddings needs an embedding model (--task embed)"
-            )
-        async for out in self._submit(request_id, prompt_token_ids, None, None):
-            assert isinstance(out, EmbeddingOutput)
+            raise WrongTaskError(self.task, "embed")
+        item = AddRequest(request_id, prompt_token_ids, None, None, time.monotonic())
+        async for out in self._submit(item, EmbeddingOutput):
             return out
         raise RequestError("the engine returned no embedding")
 
@@ -307,7 +279,7 @@ class AsyncLLMEngine:
             else:
                 self._add_to_core(item)
         if items:
-            self.core.snapshot = self.core.build_snapshot()
+            self.core.publish()
 
     def _add_to_core(self, item: AddRequest) -> None:
         queue = self._queues.get(item.request_id)
@@ -317,7 +289,6 @@ class AsyncLLMEngine:
             self._add_hook(item)
         try:
             if item.choices is not None:
-                assert isinstance(self.core, LLMEngine), "checked by score()"
                 self.core.add_score_request(
                     item.request_id,
                     item.prompt_token_ids,
@@ -352,7 +323,9 @@ class AsyncLLMEngine:
                     if not self._pending:
                         self._flush_log_window()  # the busy period's last stats line, then silence
                         self._wakeup.clear()
+                        self.idle.set()
                         await self._wakeup.wait()
+                        self.idle.clear()
                         self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                     continue
                 await loop.run_in_executor(self._executor, self._step_while_running, loop)
@@ -424,7 +397,7 @@ class AsyncLLMEngine:
 
     def _log_stats(self, elapsed: float) -> None:
         w = self._log_window
-        prompt = sum(s.num_prefill_tokens for s in w)
+        prompt = sum(s.num_new_prompt_tokens for s in w)  # what kvserve_prompt_tokens counts
         gen = sum(s.num_generation_tokens for s in w)
         queries = sum(s.prefix_cache_queries for s in w)
         hits = sum(s.prefix_cache_hits for s in w)
@@ -456,8 +429,7 @@ class AsyncLLMEngine:
         return dataclasses.replace(await waiter, num_unfinished_requests=len(self._queues))
 
     def _publish_detail(self) -> None:
-        snapshot = self.core.build_snapshot(detail=True)
-        self.core.snapshot = snapshot
+        snapshot = self.core.publish(detail=True)
         waiters, self._detail_waiters = self._detail_waiters, []
         for waiter in waiters:
             if not waiter.done():

@@ -11,6 +11,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.scoring import Normalize, ScoreResult, summarize_scores
 from engine.llm_engine import LLMEngine
+from engine.text.reasoning import get_reasoning_parser
 from engine.text.score_inputs import Choice, build_score_inputs
 
 Prompt = str | list[int]
@@ -103,7 +104,21 @@ class LLM:
         return results
 
     def chat(
-        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+        self,
+        messages: list[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        reasoning_parser: str = "auto",
+        chat_template_kwargs: dict[str, object] | None = None,
     ) -> RequestOutput:
-        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        """One chat turn. With a reasoning parser (`auto`: from the chat template), each output's
+        `reasoning` holds the thinking and `text` the answer, as the server returns them."""
+        text = self.tokenizer.render_chat_template(
+            messages, add_generation_prompt=True, template_kwargs=chat_template_kwargs
+        )
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        parser = get_reasoning_parser(reasoning_parser, self.tokenizer.chat_template)
+        params = params or SamplingParams()
+        if parser is not None:
+            params = dataclasses.replace(params, reasoning=parser.format_for(text))
         return self.generate([token_ids], params)[0]

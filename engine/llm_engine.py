@@ -64,9 +64,8 @@ class LLMEngine:
         loaded = load_model(self.model_dir, mc.dtype, mc.device, mc.quantization)
         self.model = loaded.model
         quantization = loaded.weight_format.quantization if loaded.weight_format else None
-        prepare_model(
-            self.model, mc, quantization, loaded.gguf_file
-        )  # threads, quantization, compile
+        # Threads, quantization and compilation.
+        prepare_model(self.model, mc, quantization, loaded.gguf_file)
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)
@@ -101,7 +100,7 @@ class LLMEngine:
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
         self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
-        self.snapshot = self.build_snapshot()
+        self.publish()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
             self.model_dir.name,
@@ -146,13 +145,21 @@ class LLMEngine:
         params.validate_for_vocab(self.vocab_size)
         num_prompt = len(prompt_token_ids)
         max_tokens = resolve_max_tokens(num_prompt, params.max_tokens, self.max_model_len)
-        needed = self.kv.blocks_needed(num_prompt + max_tokens)
+        self._check_fits_pool(num_prompt + max_tokens, "prompt")
+        return max_tokens
+
+    def _check_fits_pool(self, num_tokens: int, param: str) -> None:
+        """The one check only the engine can make: a request's whole length fits the KV cache pool."""
+        needed = self.kv.blocks_needed(num_tokens)
         if needed > self.kv.num_blocks:
             raise ContextLengthError(
-                f"This request needs {needed} KV cache blocks ({num_prompt + max_tokens} tokens) but the pool holds "
-                f"only {self.kv.num_blocks}; shorten it or start the server with a larger KV cache."
+                f"This request needs {needed} KV cache blocks ({num_tokens} tokens) but the pool "
+                f"holds only {self.kv.num_blocks}",
+                param,
+                limit=self.kv.num_blocks * self.kv.block_size,
+                needed=num_tokens,
+                kv_pool=True,
             )
-        return max_tokens
 
     def compile_constraint(self, constraint: StructuredOutputs) -> None:
         """Compile (and cache) a constraint; blocking, so the async engine calls it off the step
@@ -202,6 +209,7 @@ class LLMEngine:
                 params.skip_special_tokens,
                 params.stop,
                 params.include_stop_str_in_output,
+                params.reasoning,
             )
             group.seqs.append(seq)
         self.groups[request_id] = group
@@ -227,14 +235,10 @@ class LLMEngine:
                 f"context ({len(context_token_ids)} tokens) plus the longest choice ({longest} tokens) "
                 f"is {total} tokens. Please shorten the context or the choices.",
                 param="choices",
+                limit=self.max_model_len,
+                needed=total,
             )
-        needed = self.kv.blocks_needed(total)
-        if needed > self.kv.num_blocks:
-            raise ContextLengthError(
-                f"This request needs {needed} KV cache blocks ({total} tokens) but the pool holds only "
-                f"{self.kv.num_blocks}; shorten it or start the server with a larger KV cache.",
-                param="choices",
-            )
+        self._check_fits_pool(total, "choices")
 
     def add_score_request(
         self,
@@ -274,11 +278,10 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        preemptions_before = self.scheduler.num_preemptions
         queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.snapshot = self.build_snapshot()
+            self.publish()
             return []
         stats = self._new_step_stats(sched)
         now = time.monotonic()
@@ -310,7 +313,7 @@ class LLMEngine:
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage
-        stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+        stats.num_preemptions = len(sched.preempted)  # the schedule's own report
         stats.prefix_cache_queries = self.kv.stats.queries - queries_before
         stats.prefix_cache_hits = self.kv.stats.hits - hits_before
         for (
@@ -318,8 +321,14 @@ class LLMEngine:
         ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
             s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
         self._accumulate(stats)
-        self.snapshot = self.build_snapshot()  # one store: readers see the old or the new whole
+        self.publish()
         return outputs
+
+    def publish(self, detail: bool = False) -> EngineSnapshot:
+        """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
+        on other threads see the old or the new whole)."""
+        self.snapshot = self.build_snapshot(detail)
+        return self.snapshot
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         """The state now, for readers on other threads; call it only where steps run (or between them)."""

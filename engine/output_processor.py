@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from engine.core.errors import ConstraintError, InvalidRequestError
 from engine.core.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
@@ -47,9 +48,8 @@ class OutputProcessor:
                 self.scheduler.release_followers(group)
             if seq.seq_id not in result.sampled:
                 if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
-                    self.scheduler.finish(
-                        seq, SequenceStatus.FINISHED_LENGTH
-                    )  # scoring only (echo)
+                    # Scoring only (echo with no tokens to generate): done once the prompt is.
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 continue
             self._append_token(
                 seq, result.sampled[seq.seq_id], result.logprobs.get(seq.seq_id), now, stats
@@ -124,8 +124,10 @@ class OutputProcessor:
         if status is not None:
             self.scheduler.finish(seq, status)
 
-    def _fail_group(self, group: RequestGroup, message: str, param: str | None = None) -> None:
-        group.error, group.error_param = message, param
+    def _fail_group(
+        self, group: RequestGroup, message: str, fault: InvalidRequestError | None = None
+    ) -> None:
+        group.error, group.fault = message, fault
         for seq in group.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
 
@@ -133,9 +135,8 @@ class OutputProcessor:
         constraint = group.requested.structured_outputs
         source = constraint.source if constraint is not None else "structured_outputs"
         why = why.strip().splitlines()[0] if why.strip() else "unknown error"
-        self._fail_group(
-            group, f"the constrained decoder cannot follow {source}: {why}", param=source
-        )
+        fault = ConstraintError(why, source)
+        self._fail_group(group, str(fault), fault)
 
     def _finished_stats(self, group: RequestGroup, now: float) -> FinishedRequestStats:
         m = group.metrics
@@ -169,7 +170,7 @@ class OutputProcessor:
                 num_cached_tokens=group.num_cached_tokens,
                 metrics=group.metrics,
                 error=group.error,
-                error_param=group.error_param,
+                fault=group.fault,
             )
         if group.kind == "score":
             return self._score_output(group) if finished else None
@@ -239,15 +240,20 @@ class OutputProcessor:
         start = seq.num_emitted_tokens if delta else 0
         if delta and start >= seq.num_output_tokens and not finished:
             return None
+        reasoning: str | None = None
         if delta:
             text = detok.take_delta(finished)
-            if not text and not finished and not want_logprobs:
+            if detok.reasoning is not None:
+                reasoning = detok.take_reasoning_delta(finished)
+            if not text and not reasoning and not finished and not want_logprobs:
                 return None  # e.g. half of a multi-byte character: wait for visible text
         elif finished:
             detok.take_delta(finished=True)  # flush held text, as streaming does, so both agree
-            text = detok.text
+            text = detok.answer_text
+            reasoning = detok.visible_reasoning(finished=True)
         else:
             text = detok.visible_text()
+            reasoning = detok.visible_reasoning()
         token_ids = seq.token_ids[seq.num_prompt_tokens + start :]  # the new ones only, not all
         logprobs = seq.logprobs[start:] if want_logprobs else None
         seq.num_emitted_tokens = seq.num_output_tokens
@@ -261,4 +267,6 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
             cumulative_logprob=seq.cumulative_logprob,
             num_output_tokens=seq.num_output_tokens,
+            reasoning=reasoning,
+            num_reasoning_tokens=detok.num_reasoning_tokens,
         )

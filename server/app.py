@@ -215,7 +215,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of prompt or messages.", "prompt")
     if body.messages is not None:
-        tokens = apply_template(tokenizer, body.messages, body.add_generation_prompt is not False)
+        kwargs = dict(state.config.chat_template_kwargs or {})
+        add_generation_prompt = body.add_generation_prompt is not False
+        tokens, _ = apply_template(tokenizer, body.messages, add_generation_prompt, None, kwargs)
     else:
         assert body.prompt is not None  # exactly one of the two is given
         tokens = list(

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from server.logging_setup import configure_logging
 from server.settings import add_serve_arguments, build_configs, build_ray_config, resolve
 
 if TYPE_CHECKING:
@@ -42,15 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-        force=True,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,13 +15,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import (
+    ConstraintError,
     ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
     PromptError,
     QueueFullError,
     RequestError,
+    WrongTaskError,
 )
+from server.field_map import COMPLETION_FIELDS, FieldMap
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,29 @@ def context_length_exceeded(message: str, param: str) -> APIError:
     return APIError(message, status=400, param=param, code="context_length_exceeded")
 
 
+def context_length_message(exc: ContextLengthError) -> str:
+    """The engine's words, with what a client of this server can do about a request over the pool."""
+    if exc.kv_pool:
+        return f"{exc}; shorten it or start the server with a larger KV cache."
+    return str(exc)
+
+
+def wrong_task(served: str) -> APIError:
+    """A 400 when the route needs a different kind of model than the one served."""
+    if served == "embed":
+        message = (
+            "This server runs an embedding model: use POST /v1/embeddings. Text generation and "
+            "scoring (/v1/completions, /v1/chat/completions, /v1/score) need a server started with "
+            "a generative model."
+        )
+    else:
+        message = (
+            "This server runs a text generation model: /v1/embeddings needs a server started with "
+            "an embedding model (kvserve serve --task embed [MODEL])."
+        )
+    return APIError(message, status=400, code="unsupported_task")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
         f"The model {model!r} does not exist; GET /v1/models lists the served model.",
@@ -116,10 +142,11 @@ def service_unavailable(message: str) -> APIError:
     return APIError(message, status=503, type="server_error", code="service_unavailable")
 
 
-def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
+def to_api_error(exc: BaseException, fields: FieldMap = COMPLETION_FIELDS) -> APIError:
     """Map an exception raised while serving a request to the error the client sees. Only the engine's
-    InvalidRequestError family blames the request (400; a PromptError names `prompt_param`, this API's
-    field for the prompt); any other exception, a plain ValueError too, is a bug: a logged 500."""
+    InvalidRequestError family blames the request (400, its field named through `fields`, this API's
+    names; a PromptError names the API's prompt field); any other exception, a plain ValueError too,
+    is a bug: a logged 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
@@ -134,11 +161,16 @@ def to_api_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"The engine is not running: {exc}")
     if isinstance(exc, ContextLengthError):
-        return context_length_exceeded(str(exc), prompt_param)
+        return context_length_exceeded(context_length_message(exc), fields.prompt)
     if isinstance(exc, PromptError):
-        return invalid_request(str(exc), param=prompt_param)
+        return invalid_request(str(exc), param=fields.prompt)
+    if isinstance(exc, ConstraintError):
+        name = fields.name(exc.param)
+        return invalid_request(f"the constrained decoder cannot follow {name}: {exc.reason}", name)
+    if isinstance(exc, WrongTaskError):
+        return wrong_task(exc.served)
     if isinstance(exc, InvalidRequestError):
-        return invalid_request(str(exc), param=exc.param)
+        return invalid_request(str(exc), param=fields.name(exc.param) if exc.param else None)
     if isinstance(exc, RequestError):
         return APIError(str(exc), status=500, type="server_error", code="internal_error")
     logger.exception("unexpected error while serving a request", exc_info=exc)
@@ -251,13 +283,18 @@ def _union_error(errors: list[dict[str, Any]]) -> tuple[dict[str, Any], str | No
     return best, f"Input should be {wanted}"
 
 
-def validation_error(errors: list[dict[str, Any]], content_type: str | None = None) -> APIError:
-    """Turn pydantic errors into one 400 naming the first offending field."""
+def validation_error(
+    errors: list[dict[str, Any]], content_type: str | None = None, fields: FieldMap | None = None
+) -> APIError:
+    """Turn pydantic errors into one 400 naming the first offending field (through `fields` when the
+    request validated is the chat-shaped plan of another surface's request)."""
     if not errors:
         return invalid_request("Invalid request.")
     first = errors[0]
     kind = first.get("type", "")
     param = _loc_to_param(tuple(first.get("loc", ())))
+    if fields is not None and param is not None:
+        param = fields.name(param)
     if kind in ("json_invalid", "json_type"):
         return invalid_request(
             "The request body is not valid JSON: " + str(first.get("msg", "")).strip(),
@@ -288,6 +325,9 @@ def validation_error(errors: list[dict[str, Any]], content_type: str | None = No
         field, _, _ = _split_union(tuple(best["loc"])) or ((), "", ())
         param = _loc_to_param(field)
         where = _loc_to_param(tuple(best["loc"]))
+        if fields is not None:
+            param = fields.name(param) if param is not None else None
+            where = fields.name(where) if where is not None else None
         message = override or str(best.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]

@@ -18,11 +18,13 @@ from engine import (
     InvalidRequestError,
     OutputKind,
     QueueFullError,
+    ReasoningFormat,
     RequestOutput,
     SamplingParams,
     StructuredOutputs,
 )
 from server.errors import invalid_request, to_api_error
+from server.field_map import FieldMap
 from server.protocol import SamplingFields
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ def build_sampling_params(
     prompt_logprobs: int | None,
     output_kind: OutputKind,
     structured_outputs: StructuredOutputs | None = None,
+    reasoning: ReasoningFormat | None = None,
 ) -> SamplingParams:
     """SamplingParams from the API fields; the engine's range checks (SamplingParamsError) become
     400s naming the field, through the error handlers."""
@@ -88,6 +91,7 @@ def build_sampling_params(
         prompt_logprobs=prompt_logprobs,
         output_kind=output_kind,
         structured_outputs=structured_outputs,
+        reasoning=reasoning,
     )
 
 
@@ -95,15 +99,15 @@ def check_prompts(
     engine: EngineClient,
     prompts: Sequence[list[int]],
     params: SamplingParams | None,
-    prompt_param: str,
+    fields: FieldMap,
 ) -> None:
     """The engine's own checks of each prompt (tokens, context length, the params against the
-    vocabulary) before anything starts, so a bad prompt is a 400 naming this API's prompt field."""
+    vocabulary) before anything starts, so a bad prompt is a 400 naming this API's fields."""
     try:
         for ids in prompts:
             engine.validate(ids, params)
     except InvalidRequestError as e:
-        raise to_api_error(e, prompt_param) from None
+        raise to_api_error(e, fields) from None
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -174,11 +178,11 @@ async def merge_outputs(
 
 
 async def first_output(
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None], prompt_param: str = "prompt"
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None], fields: FieldMap
 ) -> tuple[int, RequestOutput] | None:
     """Await the first (stream index, output) before answering, so that a refused request (queue full,
     bad params) still gets an HTTP error status; closes `outputs` on any failure but a disconnect. An
-    engine PromptError names `prompt_param`, this API's field for the prompt."""
+    engine error names the field through `fields`, this API's names."""
     try:
         return await anext(outputs)
     except StopAsyncIteration:
@@ -187,7 +191,7 @@ async def first_output(
         raise
     except InvalidRequestError as e:
         await outputs.aclose()
-        raise to_api_error(e, prompt_param) from None
+        raise to_api_error(e, fields) from None
     except BaseException:
         await outputs.aclose()
         raise
@@ -270,10 +274,3 @@ def start_streams(
             asyncio.ensure_future(stream.aclose())
         raise
     return streams
-
-
-def finish_reason(reason: str | None) -> str | None:
-    """Engine finish reasons -> OpenAI's ("abort"/"error" never reach a client as a normal finish)."""
-    if reason is None:
-        return None
-    return reason if reason in ("stop", "length", "content_filter", "tool_calls") else "stop"

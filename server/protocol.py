@@ -201,6 +201,10 @@ class ChatMessage(StrictModel):
     function_call: None = None
     refusal: str | None = None
     audio: None = None
+    # A reply's reasoning, as this server returns it (either name): given to the template as
+    # `reasoning_content`, which templates that show it render (most drop earlier turns').
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # An SDK's model_dump() of a reply carries these back: citations are kept by no template, so
     # they are accepted and left out of the prompt.
     annotations: list[dict[str, Any]] | None = None
@@ -275,6 +279,9 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
     # Extensions.
     add_generation_prompt: bool | None = True
+    # Extra chat template variables (vLLM's field), e.g. {"enable_thinking": false}; they override
+    # the server's --chat-template-kwargs.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Not implemented: any value is a 400.
     functions: None = None
     audio: None = None
@@ -434,42 +441,6 @@ class ChatCompletionResponse(OpenModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
-
-
-class ChatDeltaToolCallFunction(OpenModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ChatDeltaToolCall(OpenModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: ChatDeltaToolCallFunction | None = None
-
-
-class ChatDelta(OpenModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ChatDeltaToolCall] | None = None
-
-
-class ChatChunkChoice(OpenModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(OpenModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
     system_fingerprint: str | None = None
 
 

@@ -56,11 +56,37 @@ class ToolResultBlock(StrictModel):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlock(StrictModel):
+    """An earlier reply's thinking, replayed as history: accepted and left out of the prompt
+    (chat templates drop the reasoning of earlier turns)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None  # redacted_thinking's
+    cache_control: CacheControl | None = None
+
+
+class ThinkingConfig(StrictModel):
+    """`thinking`: enabled (or adaptive) / disabled -> the chat template's `enable_thinking`; the
+    budget is not enforced (max_tokens bounds reasoning and answer together)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
 if TYPE_CHECKING:
-    ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+    ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 else:
     ContentBlock = typed_union(
-        {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock}
+        {
+            "text": TextBlock,
+            "tool_use": ToolUseBlock,
+            "tool_result": ToolResultBlock,
+            "thinking": ThinkingBlock,
+            "redacted_thinking": ThinkingBlock,
+        }
     )
 
 
@@ -75,7 +101,13 @@ class Message(StrictModel):
         if isinstance(value, list):
             for i, block in enumerate(value):
                 kind = block.get("type") if isinstance(block, dict) else None
-                if isinstance(kind, str) and kind not in ("text", "tool_use", "tool_result"):
+                if isinstance(kind, str) and kind not in (
+                    "text",
+                    "tool_use",
+                    "tool_result",
+                    "thinking",
+                    "redacted_thinking",
+                ):
                     raise ValueError(
                         "only text, tool_use and tool_result blocks are supported, "
                         f"but block {i} has type {kind!r}"
@@ -157,8 +189,8 @@ class MessagesInput(StrictModel):
     output_format: JsonOutputFormat | None = None  # the older name of output_config.format
     cache_control: CacheControl | None = None
     speed: Literal["standard"] | None = None
+    thinking: ThinkingConfig | None = None
     # Not implemented: any value is a 400.
-    thinking: None = None
     mcp_servers: None = None
     inference_geo: None = None
     diagnostics: None = None

@@ -89,11 +89,24 @@ class FunctionCallOutputItem(StrictModel):
     _check_parts = field_validator("output", mode="before")(_text_parts_only)
 
 
+class ReasoningItem(StrictModel):
+    """A reasoning item of an earlier response, passed back as history: accepted and left out of
+    the prompt (chat templates drop the reasoning of earlier turns)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 if TYPE_CHECKING:
-    InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+    InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 else:
     InputItem = typed_union(
         {
+            "reasoning": ReasoningItem,
             "message": MessageItem,
             "function_call": FunctionCallItem,
             "function_call_output": FunctionCallOutputItem,

@@ -1,54 +1,57 @@
-"""POST /v1/chat/completions: chat template, n, chat-format logprobs with bytes, SSE with role deltas,
-structured outputs and tool calls (planned and parsed by server/tool_calling.py)."""
+"""POST /v1/chat/completions: the chat request as a GenerationPlan (chat template, tools, structured
+outputs), rendered from turn events as chat.completion objects and SSE chunks (role deltas, content and
+tool-call deltas, chat-format logprobs with bytes). Responses and Messages are planned through it."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import EngineClient, InvalidRequestError, RequestOutput, SamplingParams, ToolPlan
+from engine import InvalidRequestError, RequestOutput
+from engine.text import ToolPlan
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import invalid_request
-from server.generation import (
-    ClientDisconnected,
-    build_sampling_params,
-    check_prompts,
-    check_stream_options,
-    finish_reason,
-    first_output,
-    merge_outputs,
-    start_streams,
-)
+from server.field_map import CHAT_FIELDS, FieldMap
+from server.generation import build_sampling_params, check_prompts, check_stream_options
 from server.logprobs import chat_logprobs
+from server.plan import GenerationPlan
 from server.protocol import ChatCompletionRequest, ChatMessage
-from server.sse import sse_response
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
-from server.tool_calling import (
-    ToolCallDeltas,
-    check_tool_messages,
-    parse_tool_calls,
-    template_messages,
-    tool_plan,
+from server.tool_calling import check_tool_messages, template_messages, tool_plan
+from server.turn import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStart,
+    TurnDelta,
+    TurnStep,
 )
 
 if TYPE_CHECKING:
-    from engine import Tokenizer
-    from server.chat_translation import FieldNames
+    from engine import Tokenizer, TokenLogprob
 
-# The SSE frames of a streamed response from its first output and the rest of the outputs.
-StreamFrames = Callable[
-    [tuple[int, RequestOutput] | None, AsyncGenerator[tuple[int, RequestOutput], None]],
-    AsyncIterator[str],
-]
+
+# Variables the server itself gives the chat template; chat_template_kwargs cannot set them.
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "chat_template", "tokenize")
+
+
+def template_kwargs(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
+    """The server's --chat-template-kwargs overridden by the request's chat_template_kwargs."""
+    own = dict(req.chat_template_kwargs or {})
+    for key in own:
+        if key in _TEMPLATE_OWN:
+            raise invalid_request(
+                f"chat_template_kwargs cannot set {key!r}: the server gives the template that "
+                "variable itself",
+                "chat_template_kwargs",
+            )
+    return {**(state.config.chat_template_kwargs or {}), **own}
 
 
 def apply_template(
@@ -56,75 +59,36 @@ def apply_template(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     plan: ToolPlan | None = None,
-) -> list[int]:
-    check_tool_messages(messages)
+    kwargs: dict[str, Any] | None = None,
+    fields: FieldMap = CHAT_FIELDS,
+) -> tuple[list[int], str]:
+    """The prompt's token ids and its text (which says where a reasoning block stands)."""
+    check_tool_messages(messages, fields)
     try:
         tools = plan.template_tools if plan is not None else None
-        return list(
-            tokenizer.apply_chat_template(
-                template_messages(messages, plan),
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-            )
+        text = tokenizer.render_chat_template(
+            template_messages(messages, plan),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=kwargs,
         )
+        # The rendered text already holds any BOS the template wants, like transformers does.
+        return list(tokenizer.encode(text, add_special_tokens=False)), text
     except InvalidRequestError as e:
         raise invalid_request(
             f"Cannot apply the chat template: {e}. Serve the model with --chat-template FILE.",
-            "messages",
+            fields.name("messages"),
         ) from None
 
 
-@dataclass(frozen=True)
-class ChatGeneration:
-    """A validated chat request ready for the engine: what every chat-shaped API surface runs."""
-
-    model: str
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    num_top: int  # top logprobs per token (0: none)
-    plan: ToolPlan | None = None  # the request's tools: how they are prompted, forced and parsed
-    parallel_tool_calls: bool | None = None
-
-    def open(
-        self, engine: EngineClient, raw: Request | None
-    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Start the engine request; the outputs stream aborts it when closed or when `raw` disconnects."""
-        streams = start_streams(
-            engine, self.request_id, [(None, self.prompt_ids)], self.params, raw
-        )
-        return merge_outputs(streams, raw)
-
-    async def respond(
-        self,
-        engine: EngineClient,
-        raw: Request,
-        stream: StreamFrames | None,
-        finish: Callable[[RequestOutput], Response],
-        prompt_param: str = "messages",
-        names: FieldNames | None = None,
-    ) -> Response:
-        """Run the request: refused, an HTTP error (fields renamed by `names`); streamed, the SSE frames
-        of `stream`; else `finish` of the last output. 499 once the client has gone."""
-        outputs = self.open(engine, raw)
-        try:
-            with names.renamed() if names is not None else contextlib.nullcontext():
-                first = await first_output(outputs, prompt_param)
-            if stream is not None:
-                return sse_response(stream(first, outputs))
-            final = first[1] if first is not None else None
-            async for _, output in outputs:
-                final = output
-        except ClientDisconnected:
-            return Response(status_code=499)
-        assert final is not None and final.outputs, "the engine ended a request without output"
-        return finish(final)
-
-
 def prepare_chat(
-    req: ChatCompletionRequest, state: ServerState, request_id: str | None = None
-) -> ChatGeneration:
-    """Check a chat request and turn it into prompt token ids and sampling params (400s name the field)."""
+    req: ChatCompletionRequest,
+    state: ServerState,
+    request_id: str | None = None,
+    fields: FieldMap = CHAT_FIELDS,
+) -> GenerationPlan:
+    """Check a chat(-shaped) request and plan it: prompt token ids, sampling params, constraint and
+    tools, every check done here once (400s name the field through `fields`, the surface's names)."""
     engine = state.require_engine()
     model = state.check_model(req.model)
     tokenizer = engine.tokenizer
@@ -136,14 +100,29 @@ def prepare_chat(
     )
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens == 0:
-        raise invalid_request(f"{param} must be at least 1 for chat completions", param)
-    constraint = request_constraint(req)
-    plan = tool_plan(req, tokenizer.chat_template, state.config.tool_call_parser, constraint)
+        name = fields.name(param)
+        raise invalid_request(f"{name} must be at least 1 for chat completions", name)
+    constraint = request_constraint(req, fields)
+    plan = tool_plan(
+        req,
+        tokenizer.chat_template,
+        state.config.tool_call_parser,
+        constraint,
+        fields,
+        tokenizer.added_tokens,
+    )
     if plan is not None:
         constraint = plan.constraint  # tool calls, the requested answer, or both
-    prompt_ids = apply_template(
-        tokenizer, req.messages, req.add_generation_prompt is not False, plan
+    prompt_ids, prompt_text = apply_template(
+        tokenizer,
+        req.messages,
+        req.add_generation_prompt is not False,
+        plan,
+        template_kwargs(req, state),
+        fields,
     )
+    reasoning = state.reasoning_parser(tokenizer.chat_template)
+    fmt = reasoning.format_for(prompt_text) if reasoning is not None else None
     num_top = req.top_logprobs or 0
     params = build_sampling_params(
         req,
@@ -154,120 +133,121 @@ def prepare_chat(
         prompt_logprobs=None,
         output_kind="delta" if req.stream else "final",
         structured_outputs=constraint,
+        reasoning=fmt,
     )
-    check_prompts(engine, [prompt_ids], params, "messages")
-    return ChatGeneration(
+    check_prompts(engine, [prompt_ids], params, fields)
+    return GenerationPlan(
+        engine,
         model,
         request_id or f"chatcmpl-{uuid.uuid4().hex}",
-        prompt_ids,
+        [(None, prompt_ids)],
         params,
+        fields,
         num_top,
         plan,
         req.parallel_tool_calls,
+        reasoning is not None,
     )
 
 
 async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, state: ServerState
 ) -> Response:
-    gen = prepare_chat(req, state)
-    engine = state.require_engine()
+    plan = prepare_chat(req, state)
+    tokenizer = plan.engine.tokenizer
     created = int(time.time())
     with_metrics = wants_metrics(req.return_metrics, raw)
     stream = None
     if req.stream:
-        stream = _ChatStream(
-            req,
-            engine.tokenizer,
-            gen.model,
-            gen.request_id,
-            created,
-            len(gen.prompt_ids),
-            gen.params.n,
-            gen.num_top,
-            gen.plan,
-            with_metrics,
-        ).frames
+        stream = _ChatStream(plan, req, tokenizer, created, with_metrics).frames
 
-    def finish(final: RequestOutput) -> Response:
-        body = _completion(req, gen, engine.tokenizer, final, created)
+    def finish(finals: list[RequestOutput]) -> Response:
+        body = _completion(req, plan, tokenizer, finals[0], created)
         if with_metrics:
-            body["metrics"] = cost_sheet([final])
+            body["metrics"] = cost_sheet(finals)
         return JSONResponse(body)
 
-    return await gen.respond(engine, raw, stream, finish)
+    return await plan.respond(raw, stream, finish)
 
 
 def _completion(
     req: ChatCompletionRequest,
-    gen: ChatGeneration,
+    plan: GenerationPlan,
     tokenizer: Tokenizer,
     final: RequestOutput,
     created: int,
 ) -> dict[str, Any]:
     """The chat.completion object of a finished request."""
     choices = []
-    completion_tokens = 0
+    completion_tokens = reasoning_tokens = 0
     for out in sorted(final.outputs, key=lambda o: o.index):
-        completion_tokens += out.num_output_tokens or len(out.token_ids)
+        turn = plan.final_turn(out)
+        completion_tokens += turn.output_tokens
+        reasoning_tokens += turn.reasoning_tokens
         logprobs = None
         if req.logprobs:
             logprobs = {
-                "content": chat_logprobs(tokenizer, out.logprobs or [], gen.num_top),
+                "content": chat_logprobs(tokenizer, out.logprobs or [], plan.num_top),
                 "refusal": None,
             }
-        content, tool_calls = parse_tool_calls(out.text, gen.plan, req.parallel_tool_calls)
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-        reason = finish_reason(out.finish_reason) or "length"
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-            reason = "tool_calls" if reason == "stop" else reason
+        message: dict[str, Any] = {"role": "assistant", "content": turn.content, "refusal": None}
+        if plan.thinking:  # both names: clients read either
+            message["reasoning_content"] = message["reasoning"] = turn.reasoning
+        if turn.tool_calls:
+            message["tool_calls"] = [call.chat_dict() for call in turn.tool_calls]
         choices.append(
             {
                 "index": out.index,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": reason,
-                "stop_reason": out.stop_reason,
+                "finish_reason": turn.end.value,
+                "stop_reason": turn.stop_reason,
             }
         )
     return {
-        "id": gen.request_id,
+        "id": plan.request_id,
         "object": "chat.completion",
         "created": created,
-        "model": gen.model,
+        "model": plan.model,
         "choices": choices,
-        "usage": usage_block(len(gen.prompt_ids), completion_tokens, final.num_cached_tokens),
+        "usage": usage_block(
+            plan.num_prompt_tokens,
+            completion_tokens,
+            final.num_cached_tokens,
+            reasoning_tokens if plan.thinking else None,
+        ),
         "system_fingerprint": None,
     }
 
 
+def _chat_delta(delta: TurnDelta) -> dict[str, Any]:
+    """A turn delta as chat's `delta`: content, a call's header, or a piece of its arguments."""
+    if isinstance(delta, TextDelta):
+        return {"content": delta.text}
+    if isinstance(delta, ToolCallStart):
+        call = {"name": delta.name, "arguments": ""}
+        header = {"index": delta.call, "id": delta.id, "type": "function", "function": call}
+        return {"tool_calls": [header]}
+    assert isinstance(delta, ToolCallArguments), "reasoning goes in a chunk of its own"
+    return {"tool_calls": [{"index": delta.call, "function": {"arguments": delta.text}}]}
+
+
 class _ChatStream(ChunkStream):
-    """Delta RequestOutputs -> chat.completion.chunk frames; the first delta of each choice has the role."""
+    """Turn events -> chat.completion.chunk frames; the first delta of each choice has the role."""
 
     object_name = "chat.completion.chunk"
-    error_param = "messages"
     req: ChatCompletionRequest
 
     def __init__(
         self,
+        plan: GenerationPlan,
         req: ChatCompletionRequest,
         tokenizer: Tokenizer,
-        model: str,
-        request_id: str,
         created: int,
-        prompt_tokens: int,
-        n: int,
-        num_top: int,
-        plan: ToolPlan | None = None,
         with_metrics: bool = False,
     ) -> None:
-        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics)
-        self.num_top = num_top
-        self.pending_logprobs: dict[int, list[Any]] = {}  # tokens whose text is still held back
-        self.tool_deltas: dict[int, ToolCallDeltas] | None = None
-        if plan is not None and plan.parse_calls:
-            self.tool_deltas = {i: ToolCallDeltas(plan, req.parallel_tool_calls) for i in range(n)}
+        super().__init__(plan, req, tokenizer, created, with_metrics)
+        self.pending_logprobs: dict[int, list[TokenLogprob]] = {}  # tokens whose text is held back
 
     def _opening_frames(self, first: RequestOutput | None) -> list[str]:
         roles = [
@@ -281,68 +261,71 @@ class _ChatStream(ChunkStream):
         ]
         return [self._chunk([role]) for role in roles]
 
+    def _logprobs(self, index: int) -> dict[str, Any] | None:
+        """The held logprobs of choice `index`, taken: they ride on its next frame."""
+        if not self.req.logprobs:
+            return None
+        pending, self.pending_logprobs[index] = self.pending_logprobs.get(index, []), []
+        return {
+            "content": chat_logprobs(self.tokenizer, pending, self.plan.num_top),
+            "refusal": None,
+        }
+
     def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
         frames = []
         self.cached[prompt_index] = output.num_cached_tokens
         for out in output.outputs:
-            self._count(out.index, out)
-            reason = finish_reason(out.finish_reason)
-            pending = self.pending_logprobs.setdefault(out.index, [])
-            pending.extend(out.logprobs or [])
-            if self.tool_deltas is not None:
-                frames.extend(self._tool_frames(out.index, out.text, reason, out.stop_reason))
+            turn, step = self._feed(out.index, out)
+            if step.logprobs:
+                self.pending_logprobs.setdefault(out.index, []).extend(step.logprobs)
+            deltas = step.deltas
+            if deltas and isinstance(deltas[0], ReasoningDelta):
+                frames.append(self._reasoning_frame(out.index, deltas[0]))  # a chunk of its own
+                deltas = deltas[1:]
+            if turn.parses_tools:
+                frames.extend(self._tool_frames(out.index, deltas, step))
                 continue
-            if not out.text and reason is None:
+            if not deltas and step.finish is None:
                 continue
-            delta = {"content": out.text} if out.text else {}
-            logprobs = None
-            if self.req.logprobs:
-                logprobs = {
-                    "content": chat_logprobs(self.tokenizer, pending, self.num_top),
-                    "refusal": None,
-                }
-            self.pending_logprobs[out.index] = []
-            choice = {
+            text = deltas[0] if deltas else None  # without tools: text, at most once
+            choice: dict[str, Any] = {
                 "index": out.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": reason,
+                "delta": {"content": text.text} if isinstance(text, TextDelta) else {},
+                "logprobs": self._logprobs(out.index) if self.req.logprobs else None,
+                "finish_reason": step.finish.end.value if step.finish else None,
             }
-            if reason is not None:
-                choice["stop_reason"] = out.stop_reason
+            if step.finish is not None:
+                choice["stop_reason"] = step.finish.stop_reason
             frames.append(self._chunk([choice]))
         return frames
 
-    def _tool_frames(
-        self, index: int, text: str, reason: str | None, stop_reason: Any
-    ) -> list[str]:
-        """Content and tool-call deltas of one choice; logprobs ride on its first frame."""
-        assert self.tool_deltas is not None
-        parser = self.tool_deltas[index]
-        deltas = parser.deltas(text, final=reason is not None)
-        if reason is not None:
-            if parser.called and reason == "stop":
-                reason = "tool_calls"
+    def _reasoning_frame(self, index: int, delta: ReasoningDelta) -> str:
+        """A reasoning delta (both names, as in the whole message); pending logprobs ride on it."""
+        reasoning = {"reasoning_content": delta.text, "reasoning": delta.text}
+        choice = {
+            "index": index,
+            "delta": reasoning,
+            "logprobs": self._logprobs(index) if self.req.logprobs else None,
+            "finish_reason": None,
+        }
+        return self._chunk([choice])
+
+    def _tool_frames(self, index: int, turn_deltas: list[TurnDelta], step: TurnStep) -> list[str]:
+        """Content and tool-call deltas of one choice, one frame each, then an empty delta with the
+        finish; logprobs ride on its first frame."""
+        deltas = [_chat_delta(d) for d in turn_deltas]
+        if step.finish is not None:
             deltas.append({})
         frames = []
         for k, delta in enumerate(deltas):
-            logprobs = None
-            if self.req.logprobs and k == 0:
-                logprobs = {
-                    "content": chat_logprobs(
-                        self.tokenizer, self.pending_logprobs.get(index, []), self.num_top
-                    ),
-                    "refusal": None,
-                }
-                self.pending_logprobs[index] = []
-            last = k == len(deltas) - 1 and reason is not None
+            last = k == len(deltas) - 1 and step.finish is not None
             choice: dict[str, Any] = {
                 "index": index,
                 "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": reason if last else None,
+                "logprobs": self._logprobs(index) if k == 0 else None,
+                "finish_reason": step.finish.end.value if last and step.finish else None,
             }
-            if last:
-                choice["stop_reason"] = stop_reason
+            if last and step.finish is not None:
+                choice["stop_reason"] = step.finish.stop_reason
             frames.append(self._chunk([choice]))
         return frames

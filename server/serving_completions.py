@@ -1,10 +1,10 @@
-"""POST /v1/completions: prompts (text, ids, or lists of them), n/best_of, echo, legacy logprobs, SSE."""
+"""POST /v1/completions: prompts (text, ids, or lists of them) as a GenerationPlan; n/best_of, echo,
+legacy logprobs; rendered from turn events as text_completion objects and SSE chunks."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -13,25 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from engine import CompletionOutput, RequestOutput
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import invalid_request
-from server.generation import (
-    ClientDisconnected,
-    build_sampling_params,
-    check_prompts,
-    check_stream_options,
-    finish_reason,
-    first_output,
-    merge_outputs,
-    start_streams,
-)
+from server.field_map import COMPLETION_FIELDS
+from server.generation import build_sampling_params, check_prompts, check_stream_options
 from server.logprobs import CompletionLogprobsBuilder
+from server.plan import GenerationPlan, Prompt
 from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
-from server.sse import sse_response
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
-
-Prompt = tuple[str | None, list[int]]  # (text if given as text, token ids)
-
 
 if TYPE_CHECKING:
     from engine import Tokenizer
@@ -48,14 +37,13 @@ def _prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[Prompt]:
     return [(None, list(ids)) for ids in p]
 
 
-async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
+def prepare_completion(req: CompletionRequest, state: ServerState) -> GenerationPlan:
+    """Check a completions request and plan it: one engine request per prompt (400s name the field)."""
     engine = state.require_engine()
     model = state.check_model(req.model)
-    tokenizer = engine.tokenizer
     check_stream_options(req)
-    n = req.n or 1
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    prompts = _prompts(req, tokenizer)
+    prompts = _prompts(req, engine.tokenizer)
     max_prompts = engine.max_queued_requests
     if len(prompts) > max_prompts:
         raise invalid_request(
@@ -65,49 +53,35 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     want_prompt_logprobs = bool(req.echo) and req.logprobs is not None
     params = build_sampling_params(
         req,
-        n=n,
+        n=req.n or 1,
         best_of=req.best_of,
         max_tokens=max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
         output_kind="delta" if req.stream else "final",
-        structured_outputs=request_constraint(req),
+        structured_outputs=request_constraint(req, COMPLETION_FIELDS),
     )
-    check_prompts(engine, [ids for _, ids in prompts], params, "prompt")
-    with_metrics = wants_metrics(req.return_metrics, raw)
+    check_prompts(engine, [ids for _, ids in prompts], params, COMPLETION_FIELDS)
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    return GenerationPlan(engine, model, request_id, prompts, params, COMPLETION_FIELDS)
+
+
+async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
+    plan = prepare_completion(req, state)
+    tokenizer = plan.engine.tokenizer
+    with_metrics = wants_metrics(req.return_metrics, raw)
     created = int(time.time())
-    outputs = merge_outputs(start_streams(engine, request_id, prompts, params, raw), raw)
-    try:
-        first = await first_output(outputs)
-    except ClientDisconnected:
-        return Response(status_code=499)
+    stream = None
     if req.stream:
-        stream = _CompletionStream(
-            req, tokenizer, model, request_id, created, prompts, n, with_metrics
-        )
-        return sse_response(stream.frames(first, outputs))
-    try:
-        finals = await _collect(first, outputs, len(prompts))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    body = _full_response(req, tokenizer, model, request_id, created, prompts, finals, n)
-    if with_metrics:
-        body["metrics"] = cost_sheet(finals)
-    return JSONResponse(body)
+        stream = _CompletionStream(plan, req, tokenizer, created, with_metrics).frames
 
+    def finish(finals: list[RequestOutput]) -> Response:
+        body = _full_response(req, tokenizer, plan, created, finals)
+        if with_metrics:
+            body["metrics"] = cost_sheet(finals)
+        return JSONResponse(body)
 
-async def _collect(
-    first: tuple[int, RequestOutput] | None,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-    count: int,
-) -> list[RequestOutput]:
-    latest: dict[int, RequestOutput] = {}
-    if first is not None:
-        latest[first[0]] = first[1]
-    async for index, output in outputs:
-        latest[index] = output
-    return [latest[i] for i in range(count)]
+    return await plan.respond(raw, stream, finish)
 
 
 def _prompt_text(prompt: Prompt, tokenizer: Tokenizer) -> str:
@@ -140,19 +114,18 @@ def _echo_logprobs(
 def _full_response(
     req: CompletionRequest,
     tokenizer: Tokenizer,
-    model: str,
-    request_id: str,
+    plan: GenerationPlan,
     created: int,
-    prompts: list[Prompt],
     finals: list[RequestOutput],
-    n: int,
 ) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
-    for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+    n = plan.params.n
+    for prompt_index, (prompt, final) in enumerate(zip(plan.prompts, finals, strict=True)):
         prompt_text = _prompt_text(prompt, tokenizer) if req.echo else ""
         for out in sorted(final.outputs, key=lambda o: o.index):
-            completion_tokens += out.num_output_tokens or len(out.token_ids)
+            turn = plan.final_turn(out)
+            completion_tokens += turn.output_tokens
             logprobs: dict[str, list[Any]] | None = None
             if req.logprobs is not None:
                 builder = _logprobs_builder(req, tokenizer, req.logprobs)
@@ -165,20 +138,19 @@ def _full_response(
                     "index": prompt_index * n + out.index,
                     "text": prompt_text + out.text,
                     "logprobs": logprobs,
-                    "finish_reason": finish_reason(out.finish_reason) or "length",
-                    "stop_reason": out.stop_reason,
+                    "finish_reason": turn.end.value,
+                    "stop_reason": turn.stop_reason,
                 }
             )
     choices.sort(key=lambda c: c["index"])
-    prompt_tokens = sum(len(ids) for _, ids in prompts)
     cached = sum(f.num_cached_tokens for f in finals)
     return {
-        "id": request_id,
+        "id": plan.request_id,
         "object": "text_completion",
         "created": created,
-        "model": model,
+        "model": plan.model,
         "choices": choices,
-        "usage": usage_block(prompt_tokens, completion_tokens, cached),
+        "usage": usage_block(plan.num_prompt_tokens, completion_tokens, cached),
         "system_fingerprint": None,
     }
 
@@ -191,18 +163,14 @@ class _CompletionStream(ChunkStream):
 
     def __init__(
         self,
+        plan: GenerationPlan,
         req: CompletionRequest,
         tokenizer: Tokenizer,
-        model: str,
-        request_id: str,
         created: int,
-        prompts: list[Prompt],
-        n: int,
-        with_metrics: bool,
+        with_metrics: bool = False,
     ) -> None:
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        super().__init__(req, tokenizer, model, request_id, created, prompt_tokens, n, with_metrics)
-        self.prompts = prompts
+        super().__init__(plan, req, tokenizer, created, with_metrics)
+        self.prompts = plan.prompts
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
         self.echoed: set[int] = set()
 
@@ -211,7 +179,7 @@ class _CompletionStream(ChunkStream):
         self.cached[prompt_index] = output.num_cached_tokens
         for out in output.outputs:
             index = prompt_index * self.n + out.index
-            self._count(index, out)
+            _, step = self._feed(index, out)
             text = out.text
             logprobs = None
             builder = self.builders.get(index)
@@ -228,7 +196,7 @@ class _CompletionStream(ChunkStream):
                     logprobs = _echo_logprobs(builder, prompt, prompt_text, output, out)
             elif builder is not None:
                 logprobs = builder.build(out.token_ids, out.logprobs)
-            reason = finish_reason(out.finish_reason)
+            reason = step.finish.end.value if step.finish is not None else None
             if not text and reason is None and not (logprobs and logprobs["tokens"]):
                 continue  # e.g. half a multi-byte character: nothing to show yet
             choice = {

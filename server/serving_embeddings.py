@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import EmbeddingOutput, EmbeddingPrompts, EngineClient, InvalidRequestError
-from server.errors import APIError, invalid_request, to_api_error
+from server.errors import invalid_request, to_api_error, wrong_task
+from server.field_map import EMBEDDING_FIELDS
 from server.generation import check_prompts, wait_for_disconnect
 from server.protocol import EmbeddingRequest
 from server.state import ServerState
@@ -27,21 +28,8 @@ if TYPE_CHECKING:
 
 def require_task(engine: EngineClient, task: str) -> None:
     """A 400 when the route needs a different kind of model than the one served."""
-    served = engine.task
-    if served == task:
-        return
-    if served == "embed":
-        message = (
-            "This server runs an embedding model: use POST /v1/embeddings. Text generation and "
-            "scoring (/v1/completions, /v1/chat/completions, /v1/score) need a server started with "
-            "a generative model."
-        )
-    else:
-        message = (
-            "This server runs a text generation model: /v1/embeddings needs a server started with "
-            "an embedding model (kvserve serve --task embed [MODEL])."
-        )
-    raise APIError(message, status=400, code="unsupported_task")
+    if engine.task != task:
+        raise wrong_task(engine.task)
 
 
 def _inputs(
@@ -58,7 +46,7 @@ def _inputs(
     try:
         prompt = prompts.text_for(req.prompt_name)
     except InvalidRequestError as e:
-        raise to_api_error(e) from e
+        raise to_api_error(e, EMBEDDING_FIELDS) from e
     if req.prompt_name is not None and not all(isinstance(item, str) for item in items):
         raise invalid_request(
             "prompt_name applies to text inputs; token-id inputs are embedded as given",
@@ -202,7 +190,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
     tokenizer = engine.tokenizer
     keep = _truncation(req, engine.max_model_len)
     inputs = _inputs(req, tokenizer, keep, engine.embedding_prompts)
-    check_prompts(engine, inputs, None, "input")
+    check_prompts(engine, inputs, None, EMBEDDING_FIELDS)
     _check_capacity(engine, inputs)
     request_id = f"embd-{uuid.uuid4().hex}"
     try:

@@ -13,18 +13,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.chat_translation import (
-    ChatTurn,
-    FieldNames,
-    TextDelta,
-    ToolCall,
-    ToolCallDelta,
-    TurnEvents,
-    chat_request,
-    final_turn,
-)
+from server.chat_translation import TurnEvents, plan_as_chat
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError, invalid_request
+from server.field_map import FieldMap
+from server.plan import GenerationPlan
 from server.protocol_messages import (
     CountTokensRequest,
     MessagesInput,
@@ -33,9 +26,18 @@ from server.protocol_messages import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from server.serving_chat import ChatGeneration, prepare_chat
 from server.sse import sse_event
 from server.state import ServerState
+from server.turn import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+    Turn,
+    TurnDelta,
+    TurnEnd,
+)
 
 CHAT_FIELD_NAMES = {
     "max_completion_tokens": "max_tokens",
@@ -73,11 +75,7 @@ def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
                 "content": _text([b for b in blocks if isinstance(b, TextBlock)]),
             }
             calls = [
-                {
-                    "id": b.id,
-                    "type": "function",
-                    "function": {"name": b.name, "arguments": json.dumps(b.input)},
-                }
+                ToolCall(b.id, b.name, json.dumps(b.input)).chat_dict()
                 for b in blocks
                 if isinstance(b, ToolUseBlock)
             ]
@@ -122,6 +120,8 @@ def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
 def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completions request these Messages fields mean (tools and tool_choice included)."""
     fields: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.thinking is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if isinstance(req, MessagesRequest):
         fields |= {
             "max_completion_tokens": req.max_tokens,
@@ -161,20 +161,20 @@ def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str,
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _prepare(
-    req: MessagesInput, state: ServerState, request_id: str
-) -> tuple[ChatGeneration, FieldNames]:
+def field_map(sources: list[str]) -> FieldMap:
+    """Chat's names -> Messages' (`messages[i]` of the chat request came from `sources[i]`)."""
+    return FieldMap("messages", CHAT_FIELD_NAMES, tuple(sources), {"parameters": "input_schema"})
+
+
+def _prepare(req: MessagesInput, state: ServerState, request_id: str) -> GenerationPlan:
     messages, sources = chat_messages(req)
-    names = FieldNames(CHAT_FIELD_NAMES, sources, "messages", {"parameters": "input_schema"})
-    chat = chat_request(chat_fields(req, messages), names)
-    with names.renamed():
-        return prepare_chat(chat, state, request_id=request_id), names
+    return plan_as_chat(chat_fields(req, messages), field_map(sources), state, request_id)
 
 
-def stop_reason(turn: ChatTurn) -> str:
-    if turn.end == "length":
+def stop_reason(turn: Turn) -> str:
+    if turn.end == TurnEnd.LENGTH:
         return "max_tokens"
-    if turn.end == "tool_calls":
+    if turn.end == TurnEnd.TOOL_CALLS:
         return "tool_use"
     return "stop_sequence" if turn.stop_string is not None else "end_turn"
 
@@ -190,8 +190,12 @@ def _tool_input(call: ToolCall) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def content_blocks(turn: ChatTurn) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": turn.text}] if turn.text else []
+def content_blocks(turn: Turn) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if turn.reasoning is not None:  # unsigned: the signature is empty
+        blocks.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
+    if turn.text:
+        blocks.append({"type": "text", "text": turn.text})
     for call in turn.tool_calls:
         blocks.append(
             {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call)}
@@ -199,22 +203,22 @@ def content_blocks(turn: ChatTurn) -> list[dict[str, Any]]:
     return blocks
 
 
-def _usage(gen: ChatGeneration, cached: int, output_tokens: int) -> dict[str, Any]:
+def _usage(plan: GenerationPlan, cached: int, output_tokens: int) -> dict[str, Any]:
     """Anthropic counts cache reads apart: input_tokens + cache_read_input_tokens is the whole prompt."""
     return {
-        "input_tokens": len(gen.prompt_ids) - cached,
+        "input_tokens": plan.num_prompt_tokens - cached,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
         "output_tokens": output_tokens,
     }
 
 
-def _message(gen: ChatGeneration, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict:
+def _message(plan: GenerationPlan, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict:
     return {
-        "id": gen.request_id,
+        "id": plan.request_id,
         "type": "message",
         "role": "assistant",
-        "model": gen.model,
+        "model": plan.model,
         "content": content,
         "stop_reason": None,
         "stop_sequence": None,
@@ -223,38 +227,36 @@ def _message(gen: ChatGeneration, content: list[dict[str, Any]], usage: dict[str
 
 
 async def create_message(req: MessagesRequest, raw: Request, state: ServerState) -> Response:
-    engine = state.require_engine()
-    gen, names = _prepare(req, state, f"msg_{uuid.uuid4().hex}")
+    plan = _prepare(req, state, f"msg_{uuid.uuid4().hex}")
 
-    def finish(final: RequestOutput) -> Response:
-        turn = final_turn(final.outputs[0], gen.plan, gen.parallel_tool_calls)
-        usage = _usage(gen, final.num_cached_tokens, turn.output_tokens)
-        body = _message(gen, content_blocks(turn), usage)
+    def finish(finals: list[RequestOutput]) -> Response:
+        final = finals[0]
+        turn = plan.final_turn(final.outputs[0])
+        usage = _usage(plan, final.num_cached_tokens, turn.output_tokens)
+        body = _message(plan, content_blocks(turn), usage)
         body |= {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
         if wants_metrics(req.return_metrics, raw):
-            body["metrics"] = cost_sheet([final])
+            body["metrics"] = cost_sheet(finals)
         return JSONResponse(body)
 
-    stream = _MessageStream(gen).frames if req.stream else None
-    return await gen.respond(engine, raw, stream, finish, "messages", names)
+    stream = _MessageStream(plan).frames if req.stream else None
+    return await plan.respond(raw, stream, finish)
 
 
 def count_tokens(req: CountTokensRequest, state: ServerState) -> dict[str, int]:
     """The prompt tokens a Messages request with these fields would have."""
-    gen, _ = _prepare(req, state, f"count-{uuid.uuid4().hex}")
-    return {"input_tokens": len(gen.prompt_ids)}
+    plan = _prepare(req, state, f"count-{uuid.uuid4().hex}")
+    return {"input_tokens": plan.num_prompt_tokens}
 
 
 class _MessageStream(TurnEvents):
     """Delta engine outputs -> message_start, content blocks (start, deltas, stop), message_delta, stop."""
 
-    def __init__(self, gen: ChatGeneration) -> None:
-        super().__init__(gen.plan, gen.parallel_tool_calls)
-        self.gen = gen
+    def __init__(self, plan: GenerationPlan) -> None:
+        super().__init__(plan)
         self.index = -1  # the last content block started, -1 before the first
         self.open = False  # whether that block is still open
         self.block_kind = "text"
-        self.cached = 0
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> str:
@@ -272,52 +274,55 @@ class _MessageStream(TurnEvents):
         self.open = False
         return [self._event("content_block_stop", index=self.index)]
 
-    def _frames_for(self, output: RequestOutput) -> list[str]:
+    def _delta_frames(self, delta: TurnDelta) -> list[str]:
         frames: list[str] = []
-        for out in output.outputs:
-            for delta in self.turns.feed(out):
-                if isinstance(delta, TextDelta):
-                    if not self.open or self.block_kind != "text":
-                        frames += self._start_block({"type": "text", "text": ""})
-                        self.block_kind = "text"
-                    frames.append(
-                        self._event(
-                            "content_block_delta",
-                            index=self.index,
-                            delta={"type": "text_delta", "text": delta.text},
-                        )
-                    )
-                else:
-                    frames += self._tool_frames(delta)
-        return frames
-
-    def _tool_frames(self, delta: ToolCallDelta) -> list[str]:
-        frames = []
-        if delta.id is not None:
-            block = {"type": "tool_use", "id": delta.id, "name": delta.name or "", "input": {}}
-            frames += self._start_block(block)
-            self.block_kind = "tool_use"
-        if delta.arguments and self.open and self.block_kind == "tool_use":
+        if isinstance(delta, ReasoningDelta):
+            if not self.open or self.block_kind != "thinking":
+                frames += self._start_block({"type": "thinking", "thinking": "", "signature": ""})
+                self.block_kind = "thinking"
             frames.append(
                 self._event(
                     "content_block_delta",
                     index=self.index,
-                    delta={"type": "input_json_delta", "partial_json": delta.arguments},
+                    delta={"type": "thinking_delta", "thinking": delta.text},
+                )
+            )
+        elif isinstance(delta, TextDelta):
+            if not self.open or self.block_kind != "text":
+                frames += self._start_block({"type": "text", "text": ""})
+                self.block_kind = "text"
+            frames.append(
+                self._event(
+                    "content_block_delta",
+                    index=self.index,
+                    delta={"type": "text_delta", "text": delta.text},
+                )
+            )
+        elif isinstance(delta, ToolCallStart):
+            block = {"type": "tool_use", "id": delta.id, "name": delta.name, "input": {}}
+            frames += self._start_block(block)
+            self.block_kind = "tool_use"
+        elif isinstance(delta, ToolCallArguments) and self.open and self.block_kind == "tool_use":
+            frames.append(
+                self._event(
+                    "content_block_delta",
+                    index=self.index,
+                    delta={"type": "input_json_delta", "partial_json": delta.text},
                 )
             )
         return frames
 
     def _opening_frames(self, first: RequestOutput | None) -> list[str]:
         self.cached = first.num_cached_tokens if first is not None else 0
-        start = _message(self.gen, [], _usage(self.gen, self.cached, 0))
+        start = _message(self.plan, [], _usage(self.plan, self.cached, 0))
         return [self._event("message_start", message=start), self._event("ping")]
 
     def _error_frame(self, error: APIError) -> str:
         return sse_event("error", error.anthropic_body())
 
-    def _turn_frames(self, turn: ChatTurn) -> list[str]:
+    def _turn_frames(self, turn: Turn) -> list[str]:
         delta = {"stop_reason": stop_reason(turn), "stop_sequence": turn.stop_string}
-        usage = _usage(self.gen, self.cached, turn.output_tokens)
+        usage = _usage(self.plan, self.cached, turn.output_tokens)
         return [
             *self._stop_block(),
             self._event("message_delta", delta=delta, usage=usage),

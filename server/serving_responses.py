@@ -12,29 +12,32 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.chat_translation import (
-    ChatTurn,
-    FieldNames,
-    TextDelta,
-    ToolCallDelta,
-    TurnEvents,
-    chat_request,
-    final_turn,
-)
+from server.chat_translation import TurnEvents, plan_as_chat
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError
+from server.field_map import FieldMap
+from server.plan import GenerationPlan
 from server.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
     MessageItem,
+    ReasoningItem,
     Refusal,
     ResponsesRequest,
 )
 from server.response_store import StoredResponse
-from server.serving_chat import ChatGeneration, prepare_chat
 from server.sse import sse_event
 from server.state import ServerState
+from server.turn import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    ToolCallStart,
+    Turn,
+    TurnDelta,
+    TurnEnd,
+)
 
 CHAT_FIELD_NAMES = {
     "max_completion_tokens": "max_output_tokens",
@@ -67,14 +70,12 @@ def input_messages(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], 
     messages: list[dict[str, Any]] = []
     sources: list[str] = []
     for i, item in enumerate(items):
+        if isinstance(item, ReasoningItem):
+            continue  # earlier reasoning: templates leave it out of the prompt
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _parts(item.content)})
         elif isinstance(item, FunctionCallItem):
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
+            call = ToolCall(item.call_id, item.name, item.arguments).chat_dict()
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 # One assistant turn: its text and the calls that followed it.
@@ -141,34 +142,33 @@ class _Context:
         new, sources = input_messages(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         self.conversation = [*history, *new]  # what a continuation starts from (no instructions)
-        self.names = FieldNames(
-            CHAT_FIELD_NAMES,
-            ["instructions"] * len(system) + ["previous_response_id"] * len(history) + sources,
+        names = FieldMap(
             "input",
+            CHAT_FIELD_NAMES,
+            (*["instructions"] * len(system), *["previous_response_id"] * len(history), *sources),
             {},  # function tools are flat: tools[i].parameters
         )
-        chat = chat_request(chat_fields(req, [*system, *self.conversation]), self.names)
         self.id = f"resp_{uuid.uuid4().hex}"
-        with self.names.renamed():
-            self.gen: ChatGeneration = prepare_chat(chat, state, request_id=self.id)
+        fields = chat_fields(req, [*system, *self.conversation])
+        self.plan: GenerationPlan = plan_as_chat(fields, names, state, self.id)
         self.created_at = int(time.time())
 
     def response(
         self,
         status: str,
         output: list[dict[str, Any]],
-        turn: ChatTurn | None = None,
+        turn: Turn | None = None,
         cached: int = 0,
     ) -> dict[str, Any]:
         req = self.req
         usage = None
         if turn is not None:
-            prompt = len(self.gen.prompt_ids)
+            prompt = self.plan.num_prompt_tokens
             usage = {
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": turn.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
                 "total_tokens": prompt + turn.output_tokens,
             }
         text_format = req.text.format if req.text is not None else None
@@ -185,7 +185,7 @@ class _Context:
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": None,
-            "model": self.gen.model,
+            "model": self.plan.model,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
@@ -219,21 +219,15 @@ class _Context:
             "metadata": dict(req.metadata or {}),
         }
 
-    def finish(self, turn: ChatTurn, output: list[dict[str, Any]], cached: int) -> dict[str, Any]:
+    def finish(self, turn: Turn, output: list[dict[str, Any]], cached: int) -> dict[str, Any]:
         """The finished response object; stored (with its conversation) unless `store` is false."""
-        status = "incomplete" if turn.end == "length" else "completed"
-        body = self.response(status, output, turn, cached)
+        body = self.response(status_of(turn), output, turn, cached)
         if self.req.store is not False:
             assistant: dict[str, Any] = {"role": "assistant", "content": turn.text}
+            if turn.reasoning is not None:
+                assistant["reasoning_content"] = turn.reasoning
             if turn.tool_calls:
-                assistant["tool_calls"] = [
-                    {
-                        "id": c.id,
-                        "type": "function",
-                        "function": {"name": c.name, "arguments": c.arguments},
-                    }
-                    for c in turn.tool_calls
-                ]
+                assistant["tool_calls"] = [c.chat_dict() for c in turn.tool_calls]
             conversation = [*self.conversation, assistant]
             self.state.responses.put(StoredResponse(body, conversation))
         return body
@@ -247,6 +241,19 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "role": "assistant",
         "status": status,
         "content": content if status != "in_progress" else [],
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The reasoning before the answer: no summary, the text itself as `reasoning_text` content."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": content,
+        "encrypted_content": None,
+        "status": status,
     }
 
 
@@ -267,11 +274,19 @@ def _new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(turn: ChatTurn) -> list[dict[str, Any]]:
+def status_of(turn: Turn) -> str:
+    """A turn cut off by max_output_tokens is an incomplete response (and its last item too)."""
+    return "incomplete" if turn.end == TurnEnd.LENGTH else "completed"
+
+
+def output_items(turn: Turn) -> list[dict[str, Any]]:
     """A turn as output items: a message (unless the turn is only tool calls), then its function calls."""
-    # A turn cut off by max_output_tokens leaves its last item (text or a call) incomplete.
-    last = "incomplete" if turn.end == "length" else "completed"
+    last = status_of(turn)
     items = []
+    if turn.reasoning is not None:
+        answered = bool(turn.text or turn.tool_calls)
+        status = "completed" if answered else last
+        items.append(_reasoning_item(_new_item_id("rs"), turn.reasoning, status))
     if turn.text or not turn.tool_calls:
         status = last if not turn.tool_calls else "completed"
         items.append(_message_item(_new_item_id("msg"), turn.text, status))
@@ -282,18 +297,18 @@ def output_items(turn: ChatTurn) -> list[dict[str, Any]]:
 
 
 async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Response:
-    engine = state.require_engine()
     ctx = _Context(req, state)
 
-    def finish(final: RequestOutput) -> Response:
-        turn = final_turn(final.outputs[0], ctx.gen.plan, ctx.gen.parallel_tool_calls)
+    def finish(finals: list[RequestOutput]) -> Response:
+        final = finals[0]
+        turn = ctx.plan.final_turn(final.outputs[0])
         body = ctx.finish(turn, output_items(turn), final.num_cached_tokens)
         if wants_metrics(req.return_metrics, raw):
-            body = {**body, "metrics": cost_sheet([final])}  # not kept in the response store
+            body = {**body, "metrics": cost_sheet(finals)}  # not kept in the response store
         return JSONResponse(body)
 
     stream = _ResponseStream(ctx).frames if req.stream else None
-    return await ctx.gen.respond(engine, raw, stream, finish, "input", ctx.names)
+    return await ctx.plan.respond(raw, stream, finish)
 
 
 def retrieve_response(response_id: str, state: ServerState) -> JSONResponse:
@@ -310,18 +325,16 @@ def delete_response(response_id: str, state: ServerState) -> JSONResponse:
 
 
 class _ResponseStream(TurnEvents):
-    """Delta engine outputs -> the Responses API's typed events, numbered by `sequence_number`."""
-
-    error_param = "input"
+    """Turn events -> the Responses API's typed events, numbered by `sequence_number`."""
 
     def __init__(self, ctx: _Context) -> None:
-        super().__init__(ctx.gen.plan, ctx.gen.parallel_tool_calls)
+        super().__init__(ctx.plan)
         self.ctx = ctx
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # output items, finished or open (the last one)
         self.open_text: list[str] | None = None  # text of the open message item
+        self.open_reasoning: list[str] | None = None  # text of the open reasoning item
         self.open_args: list[str] | None = None  # arguments of the open function_call item
-        self.cached = 0
 
     def _event(self, kind: str, **fields: Any) -> str:
         frame = sse_event(kind, {"type": kind, "sequence_number": self.sequence, **fields})
@@ -342,9 +355,33 @@ class _ResponseStream(TurnEvents):
             self._event("response.content_part.added", **self._where(), content_index=0, part=part),
         ]
 
+    def _open_reasoning(self) -> list[str]:
+        self.items.append(_reasoning_item(_new_item_id("rs"), "", "in_progress"))
+        self.open_reasoning = []
+        part = {"type": "reasoning_text", "text": ""}
+        return [
+            self._event(
+                "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
+            ),
+            self._event("response.content_part.added", **self._where(), content_index=0, part=part),
+        ]
+
     def _close_open_item(self, status: str) -> list[str]:
         frames = []
-        if self.open_text is not None:
+        if self.open_reasoning is not None:
+            text = "".join(self.open_reasoning)
+            item = _reasoning_item(self.items[-1]["id"], text, status)
+            part = item["content"][0]
+            frames += [
+                self._event(
+                    "response.reasoning_text.done", **self._where(), content_index=0, text=text
+                ),
+                self._event(
+                    "response.content_part.done", **self._where(), content_index=0, part=part
+                ),
+            ]
+            self.open_reasoning = None
+        elif self.open_text is not None:
             text = "".join(self.open_text)
             item = _message_item(self.items[-1]["id"], text, status)
             part = item["content"][0]
@@ -380,34 +417,41 @@ class _ResponseStream(TurnEvents):
         )
         return frames
 
-    def _frames_for(self, output: RequestOutput) -> list[str]:
-        self.cached = output.num_cached_tokens
-        frames: list[str] = []
-        for out in output.outputs:
-            for delta in self.turns.feed(out):
-                if isinstance(delta, TextDelta):
-                    if self.open_text is None:
-                        frames += self._close_open_item("completed") + self._open_message()
-                    assert self.open_text is not None
-                    self.open_text.append(delta.text)
-                    frames.append(
-                        self._event(
-                            "response.output_text.delta",
-                            **self._where(),
-                            content_index=0,
-                            delta=delta.text,
-                            logprobs=[],
-                        )
-                    )
-                else:
-                    frames += self._tool_call_frames(delta)
-        return frames
-
-    def _tool_call_frames(self, delta: ToolCallDelta) -> list[str]:
-        frames = []
-        if delta.id is not None:  # a new call begins
-            frames += self._close_open_item("completed")
-            item = _call_item(_new_item_id("fc"), delta.id, delta.name or "", "", "in_progress")
+    def _delta_frames(self, delta: TurnDelta) -> list[str]:
+        if isinstance(delta, ReasoningDelta):
+            frames = []
+            if self.open_reasoning is None:
+                frames += self._close_open_item("completed") + self._open_reasoning()
+            assert self.open_reasoning is not None
+            self.open_reasoning.append(delta.text)
+            frames.append(
+                self._event(
+                    "response.reasoning_text.delta",
+                    **self._where(),
+                    content_index=0,
+                    delta=delta.text,
+                )
+            )
+            return frames
+        if isinstance(delta, TextDelta):
+            frames = []
+            if self.open_text is None:
+                frames += self._close_open_item("completed") + self._open_message()
+            assert self.open_text is not None
+            self.open_text.append(delta.text)
+            frames.append(
+                self._event(
+                    "response.output_text.delta",
+                    **self._where(),
+                    content_index=0,
+                    delta=delta.text,
+                    logprobs=[],
+                )
+            )
+            return frames
+        if isinstance(delta, ToolCallStart):  # a new call begins
+            frames = self._close_open_item("completed")
+            item = _call_item(_new_item_id("fc"), delta.id, delta.name, "", "in_progress")
             self.items.append(item)
             self.open_args = []
             frames.append(
@@ -415,14 +459,13 @@ class _ResponseStream(TurnEvents):
                     "response.output_item.added", output_index=len(self.items) - 1, item=item
                 )
             )
-        if delta.arguments and self.open_args is not None:
-            self.open_args.append(delta.arguments)
-            frames.append(
-                self._event(
-                    "response.function_call_arguments.delta", **self._where(), delta=delta.arguments
-                )
-            )
-        return frames
+            return frames
+        if self.open_args is None:
+            return []
+        self.open_args.append(delta.text)
+        return [
+            self._event("response.function_call_arguments.delta", **self._where(), delta=delta.text)
+        ]
 
     def _opening_frames(self, first: RequestOutput | None) -> list[str]:
         started = self.ctx.response("in_progress", [])
@@ -434,11 +477,12 @@ class _ResponseStream(TurnEvents):
     def _error_frame(self, error: APIError) -> str:
         return self._event("error", code=error.code, message=error.message, param=error.param)
 
-    def _turn_frames(self, turn: ChatTurn) -> list[str]:
-        status = "incomplete" if turn.end == "length" else "completed"
+    def _turn_frames(self, turn: Turn) -> list[str]:
+        status = status_of(turn)
         frames = []
-        if not self.items:  # no text and no calls: still one (empty) message, as when not streamed
-            frames += self._open_message()
+        if all(item["type"] == "reasoning" for item in self.items):
+            # No text and no calls: still one (empty) message, as when not streamed.
+            frames += self._close_open_item(status) + self._open_message()
         frames += self._close_open_item(status)
         body = self.ctx.finish(turn, self.items, self.cached)
         return [*frames, self._event(f"response.{body['status']}", response=body)]

@@ -15,11 +15,16 @@ from engine import (
     ContextLengthError,
     InvalidRequestError,
     ScoreResult,
-    build_score_inputs,
     summarize_scores,
 )
+from engine.text import build_score_inputs
 from server.cost_sheet import cost_sheet, wants_metrics
-from server.errors import APIError, context_length_exceeded, invalid_request
+from server.errors import (
+    APIError,
+    context_length_exceeded,
+    context_length_message,
+    invalid_request,
+)
 from server.generation import wait_for_disconnect
 from server.protocol import ScoreRequest
 from server.state import ServerState
@@ -81,7 +86,7 @@ async def create_score(req: ScoreRequest, raw: Request, state: ServerState) -> R
 def _score_error(e: InvalidRequestError) -> APIError:
     """The engine's refusal, naming the score request's own field (prompt or choices)."""
     if isinstance(e, ContextLengthError):
-        return context_length_exceeded(str(e), e.param or "choices")
+        return context_length_exceeded(context_length_message(e), e.param or "choices")
     return invalid_request(str(e), e.param)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -15,12 +16,12 @@ from typing import Any
 from engine import (
     DTYPES,
     POOLINGS,
-    TOOL_PARSERS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
+from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
 
@@ -61,6 +62,19 @@ def parse_size(text: str) -> int:
 
 def parse_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+parse_json_object.__name__ = "JSON object"  # argparse says "invalid JSON object value: ..."
 
 
 def parse_optional_str(text: str) -> str | None:
@@ -151,6 +165,22 @@ OPTIONS: tuple[Option, ...] = (
         "tool-call format to parse (and force): auto = from the chat template (hermes when it "
         "has no tool support; the tools are then described in the prompt)",
         choices=("auto", *TOOL_PARSERS),
+    ),
+    Option(
+        "reasoning-parser",
+        "server.reasoning_parser",
+        str,
+        "reasoning format of chat outputs, returned apart from the answer: auto = from the chat "
+        "template (qwen3 when it writes <think> tags or takes enable_thinking); none = off",
+        choices=REASONING_PARSER_NAMES,
+    ),
+    Option(
+        "chat-template-kwargs",
+        "server.chat_template_kwargs",
+        parse_json_object,
+        'default variables for the chat template, a JSON object (e.g. \'{"enable_thinking": '
+        "false}'); a request's chat_template_kwargs override them",
+        metavar="JSON",
     ),
     Option(
         "max-score-choices",
@@ -379,6 +409,8 @@ def _convert(opt: Option, value: Any, source: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             result = value
+        elif isinstance(value, dict):  # a config file's mapping (chat-template-kwargs)
+            result = opt.parse(json.dumps(value))
         elif isinstance(value, (list, tuple)):
             result = tuple(str(v) for v in value)
         elif isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from engine import EngineClient
+from engine.text import ReasoningParser, get_reasoning_parser
 from server.errors import model_not_found, service_unavailable
 from server.response_store import ResponseStore
 
@@ -23,6 +26,9 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     tool_call_parser: str = "auto"  # auto: from the chat template (see engine.text.tool_parsers)
+    reasoning_parser: str = "auto"  # auto: from the chat template (see engine.text.reasoning)
+    # Variables for every chat template render (a request's chat_template_kwargs override them).
+    chat_template_kwargs: Mapping[str, Any] | None = None
     max_score_choices: int = 64  # choices one /v1/score request may hold
     responses_store_size: int = 1024
     engine_page: bool = True  # serve the live /engine page and its snapshot stream
@@ -38,6 +44,10 @@ class ServerConfig:
             raise ValueError("shutdown_timeout must not be negative")
         if self.responses_store_size < 0:
             raise ValueError("responses_store_size must not be negative")
+        if self.chat_template_kwargs is not None and not isinstance(
+            self.chat_template_kwargs, Mapping
+        ):
+            raise ValueError("chat_template_kwargs must be a JSON object of template variables")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
 
@@ -69,6 +79,10 @@ class ServerState:
         if health.state == "dead":
             raise service_unavailable(f"The engine is not running: {health.error}")
         return self.engine
+
+    def reasoning_parser(self, chat_template: str | None) -> ReasoningParser | None:
+        """The configured reasoning parser for this chat template (None: reasoning not parsed)."""
+        return get_reasoning_parser(self.config.reasoning_parser, chat_template)
 
     @property
     def model_name(self) -> str:

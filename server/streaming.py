@@ -10,27 +10,37 @@ from typing import TYPE_CHECKING, Any
 from engine import CompletionOutput, RequestOutput
 from server.cost_sheet import cost_sheet
 from server.errors import APIError, to_api_error
+from server.field_map import FieldMap
 from server.generation import ClientDisconnected
 from server.sse import DONE_FRAME, sse_frame, to_json
+from server.turn import TurnStep, TurnStream
 
 if TYPE_CHECKING:
     from engine import Tokenizer
+    from server.plan import GenerationPlan
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
+def usage_block(
+    prompt_tokens: int, completion_tokens: int, cached: int, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; with a reasoning parser on, how many completion tokens reasoned."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class FrameStream:
     """Base of a streamed response: delta engine outputs (index of the engine request, output) -> SSE
-    frames; a failure after the 200 status is one in-band error frame, and ends the stream."""
+    frames; a failure after the 200 status is one in-band error frame (naming the request's fields
+    through `fields`), and ends the stream."""
 
-    error_param = "prompt"  # the request field a prompt error names
+    fields: FieldMap  # the surface's names for the fields an error blames
 
     def _opening_frames(self, first: RequestOutput | None) -> Iterable[str]:
         return ()
@@ -65,7 +75,7 @@ class FrameStream:
         except ClientDisconnected:
             return
         except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield self._error_frame(to_api_error(e, self.error_param))
+            yield self._error_frame(to_api_error(e, self.fields))
             return
         finally:
             await outputs.aclose()
@@ -81,33 +91,31 @@ class ChunkStream(FrameStream):
 
     def __init__(
         self,
+        plan: GenerationPlan,
         req: Any,
         tokenizer: Tokenizer,
-        model: str,
-        request_id: str,
         created: int,
-        prompt_tokens: int,
-        n: int,
         with_metrics: bool = False,
     ) -> None:
+        self.plan = plan
+        self.fields = plan.fields
         self.req = req
         self.tokenizer = tokenizer
-        self.model = model
-        self.request_id = request_id
-        self.created = created
-        self.prompt_tokens = prompt_tokens
-        self.n = n
+        self.n = plan.params.n
+        self.prompt_tokens = plan.num_prompt_tokens
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.turns: dict[int, TurnStream] = {}  # choice index -> its turn so far
         self.output_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
+        self.reasoning_tokens: dict[int, int] = {}  # choice index -> of those, reasoning
+        self.thinking = plan.thinking  # a reasoning parser is on (usage counts reasoning tokens)
         self.cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the cache
         self.with_metrics = with_metrics
-        self.finals: dict[
-            int, RequestOutput
-        ] = {}  # prompt index -> its engine request's last output
+        # Prompt index -> its engine request's last output.
+        self.finals: dict[int, RequestOutput] = {}
         # Every chunk starts alike: serialise that head once, not per token.
         self._head = (
-            f'data: {{"id":{to_json(request_id)},"object":{to_json(self.object_name)},'
-            f'"created":{to_json(created)},"model":{to_json(model)},"choices":'
+            f'data: {{"id":{to_json(plan.request_id)},"object":{to_json(self.object_name)},'
+            f'"created":{to_json(created)},"model":{to_json(plan.model)},"choices":'
         )
 
     def _chunk(
@@ -123,10 +131,13 @@ class ChunkStream(FrameStream):
             frame += ',"metrics":' + to_json(metrics)
         return frame + "}\n\n"
 
-    def _count(self, index: int, out: CompletionOutput) -> None:
-        """Track choice `index`'s output tokens (the engine's count when it gives one)."""
-        counted = self.output_tokens.get(index, 0) + len(out.token_ids)
-        self.output_tokens[index] = out.num_output_tokens or counted
+    def _feed(self, index: int, out: CompletionOutput) -> tuple[TurnStream, TurnStep]:
+        """Choice `index`'s next engine output as a turn step (its tokens counted)."""
+        turn = self.turns.get(index) or self.turns.setdefault(index, self.plan.turn_stream())
+        step = turn.feed(out)
+        self.output_tokens[index] = step.output_tokens
+        self.reasoning_tokens[index] = step.reasoning_tokens
+        return turn, step
 
     def _frames_for(self, prompt_index: int, output: RequestOutput) -> list[str]:
         raise NotImplementedError
@@ -145,7 +156,10 @@ class ChunkStream(FrameStream):
             metrics = cost_sheet([self.finals[i] for i in sorted(self.finals)])
         if self.include_usage or metrics is not None:
             usage = usage_block(
-                self.prompt_tokens, sum(self.output_tokens.values()), sum(self.cached.values())
+                self.prompt_tokens,
+                sum(self.output_tokens.values()),
+                sum(self.cached.values()),
+                sum(self.reasoning_tokens.values()) if self.thinking else None,
             )
             frames.append(self._chunk([], usage, metrics))
         return [*frames, DONE_FRAME]

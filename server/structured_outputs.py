@@ -7,8 +7,10 @@ import functools
 import json
 from typing import Any
 
-from engine import StructuredOutputs, ecma_pattern_error
+from engine import StructuredOutputs
+from engine.text import ecma_pattern_error
 from server.errors import invalid_request
+from server.field_map import FieldMap
 from server.protocol import (
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
@@ -54,10 +56,11 @@ def check_json_schema(schema: Any, param: str) -> str:
     return json.dumps(schema, sort_keys=True)
 
 
-def request_constraint(req: SamplingFields) -> StructuredOutputs | None:
-    """The constraint a request asks for, or None; both fields at once is a 400."""
+def request_constraint(req: SamplingFields, fields: FieldMap) -> StructuredOutputs | None:
+    """The constraint a request asks for, or None; both fields at once is a 400. Its `source` is the
+    request field it came from (the engine's label for it; errors name it through `fields`)."""
     rf, so = req.response_format, req.structured_outputs
-    from_format = _from_response_format(rf)
+    from_format = _from_response_format(rf, fields)
     from_so = _from_structured_outputs(so) if so is not None else None
     if from_format is not None and from_so is not None:
         raise invalid_request(
@@ -67,15 +70,16 @@ def request_constraint(req: SamplingFields) -> StructuredOutputs | None:
     return from_format or from_so
 
 
-def _from_response_format(rf: Any) -> StructuredOutputs | None:
+def _from_response_format(rf: Any, fields: FieldMap) -> StructuredOutputs | None:
     if isinstance(rf, ResponseFormatJsonObject):
         return StructuredOutputs(json_object=True, source="response_format")
     if isinstance(rf, ResponseFormatJsonSchema):
-        param = "response_format.json_schema.schema"
+        source = "response_format.json_schema.schema"
+        param = fields.name(source)
         schema = rf.json_schema.json_schema
         if schema is None:
             raise invalid_request("json_schema needs a schema", param)
-        return StructuredOutputs(json=check_json_schema(schema, param), source=param)
+        return StructuredOutputs(json=check_json_schema(schema, param), source=source)
     return None  # text, or absent
 
 

@@ -1,41 +1,32 @@
-"""Tool calling for the OpenAI-style APIs: request checks (400s naming the field), the tool plan,
-chat history -> template messages, and engine text -> `message.tool_calls`, whole or as stream deltas.
-
-Reusable by every API surface that translates to chat (chat completions, Responses, Messages).
-"""
+"""Tool calling for the chat-shaped plan of every API surface (chat completions, Responses,
+Messages): request checks (400s naming the surface's field), the tool plan, and chat history ->
+template messages. Engine text -> tool calls is server/turn.py's."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
-from engine import (
-    StructuredOutputs,
-    ToolCallStreamer,
-    ToolPlan,
-    plan_tool_use,
-    render_messages,
-)
+from engine import StructuredOutputs
+from engine.text import ToolPlan, plan_tool_use, render_messages
 from server.errors import invalid_request
+from server.field_map import FieldMap
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.structured_outputs import check_json_schema
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def check_tool_messages(messages: list[ChatMessage]) -> None:
+def check_tool_messages(messages: list[ChatMessage], fields: FieldMap) -> None:
     """Each tool message answers a call of an earlier assistant message (OpenAI's rule)."""
     call_ids: set[str] = set()
     for i, m in enumerate(messages):
         for call in m.tool_calls or []:
             call_ids.add(call.id)
         if m.role == "tool" and m.tool_call_id not in call_ids:
+            where = fields.name(f"messages[{i}]")
+            param = fields.name(f"messages[{i}].tool_call_id")
             raise invalid_request(
-                f"messages[{i}] is a tool message answering tool_call_id {m.tool_call_id!r}, but no "
+                f"{where} is a tool message answering tool_call_id {m.tool_call_id!r}, but no "
                 "earlier assistant message has a tool call with that id",
-                f"messages[{i}].tool_call_id",
+                param,
             )
 
 
@@ -44,6 +35,8 @@ def tool_plan(
     chat_template: str | None,
     parser_name: str,
     answer: StructuredOutputs | None,
+    fields: FieldMap,
+    token_ids: dict[str, int] | None = None,
 ) -> ToolPlan | None:
     """Validate tools/tool_choice and plan them; None when the request uses no tools. `answer`: the
     request's response_format/structured_outputs constraint, which a reply that calls no tool
@@ -59,11 +52,12 @@ def tool_plan(
         fn = tool.function
         if fn.name in names:
             raise invalid_request(
-                f"tools has two functions named {fn.name!r}", f"tools[{i}].function.name"
+                f"tools has two functions named {fn.name!r}",
+                fields.name(f"tools[{i}].function.name"),
             )
         names.add(fn.name)
         if fn.parameters is not None:
-            check_json_schema(fn.parameters, f"tools[{i}].function.parameters")
+            check_json_schema(fn.parameters, fields.name(f"tools[{i}].function.parameters"))
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise invalid_request(
             f"tool_choice names the function {choice.function.name!r}, which is not in tools",
@@ -81,6 +75,7 @@ def tool_plan(
             chat_template,
             parser_name,
             answer=answer,
+            token_ids=token_ids,
         )
     except ValueError as e:
         raise invalid_request(str(e), "tools") from None
@@ -106,6 +101,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None and m.role == "assistant":
+            entry["reasoning_content"] = reasoning
         out.append(entry)
     return out
 
@@ -117,64 +115,3 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> lis
         if m.get("content") is None:
             m["content"] = ""
     return rendered
-
-
-def parse_tool_calls(
-    text: str, plan: ToolPlan | None, parallel: bool | None
-) -> tuple[str | None, list[dict[str, Any]]]:
-    """(message content, OpenAI tool_calls) of a finished choice's text."""
-    if plan is None or not plan.parse_calls:
-        return text, []
-    parsed = plan.parser.parse(text, final=True)
-    calls = parsed.tool_calls if parallel is not False else parsed.tool_calls[:1]
-    tool_calls = [
-        {
-            "id": new_call_id(),
-            "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments},
-        }
-        for c in calls
-        if c.name is not None
-    ]
-    return parsed.content, tool_calls
-
-
-class ToolCallDeltas:
-    """One choice's streamed text -> chat deltas: content, or tool calls (index, id, type and name
-    first, then argument fragments). Joined, they equal `parse_tool_calls` of the whole text."""
-
-    def __init__(self, plan: ToolPlan, parallel: bool | None) -> None:
-        self.streamer = ToolCallStreamer(plan.parser)
-        self.max_calls = 1 if parallel is False else None
-        self.ids: dict[int, str] = {}
-
-    @property
-    def called(self) -> bool:
-        return bool(self.ids)
-
-    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
-        step = self.streamer.feed(text, final=final)
-        out: list[dict[str, Any]] = []
-        if step.content:
-            out.append({"content": step.content})
-        for index, name, arguments in step.calls:
-            if self.max_calls is not None and index >= self.max_calls:
-                continue
-            if name is not None:
-                self.ids[index] = new_call_id()
-                header = {"name": name, "arguments": ""}
-                out.append(
-                    {
-                        "tool_calls": [
-                            {
-                                "index": index,
-                                "id": self.ids[index],
-                                "type": "function",
-                                "function": header,
-                            }
-                        ]
-                    }
-                )
-            if arguments:
-                out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
-        return out

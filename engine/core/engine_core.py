@@ -1,6 +1,7 @@
-"""What the async front drives (no torch): a synchronous core that takes adds and aborts between
-steps and publishes an EngineSnapshot at the end of each step. LLMEngine (generation) and
-EmbeddingEngine implement it."""
+"""What the async front drives (no torch): a synchronous core that takes adds (generation, scoring)
+and aborts between steps, compiles constraints off the step thread, and publishes an EngineSnapshot
+at the end of each step and whenever the front asks. LLMEngine (generation) and EmbeddingEngine
+implement it; a request the core's task cannot serve is a WrongTaskError."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.core.config import EngineConfig
 from engine.core.outputs import EmbeddingOutput, RequestOutput
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.core.snapshot import EngineSnapshot
 from engine.core.stats import StepStats
 
@@ -25,8 +26,8 @@ class EngineCore(Protocol):
     vocab_size: int
     tokenizer: Tokenizer
     last_step: StepStats | None
-    # Replaced whole (one attribute store) at the end of each step and after adds/aborts, so a
-    # reader on another thread always sees one consistent snapshot.
+    # Written only by the core itself (publish(), step()), replaced whole (one attribute store), so
+    # a reader on another thread always sees one consistent snapshot.
     snapshot: EngineSnapshot
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None) -> int: ...
@@ -38,9 +39,23 @@ class EngineCore(Protocol):
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> None: ...
+    def add_score_request(
+        self,
+        request_id: str,
+        context_token_ids: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None: ...
+    def compile_constraint(self, constraint: StructuredOutputs) -> None:
+        """Compile (and cache) a constraint; blocking, safe off the step thread."""
+        ...
+
     def abort_request(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> Sequence[RequestOutput | EmbeddingOutput]: ...
-    def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
-        """The current state; call it only from the thread that steps (or between steps)."""
+    def publish(self, detail: bool = False) -> EngineSnapshot:
+        """Build the current state and publish it as `snapshot`; call it only from the thread that
+        steps (or between steps)."""
         ...

@@ -1,8 +1,10 @@
-"""Contract types the engine hands to its callers: per-request outputs, logprobs and errors."""
+"""Contract types the engine hands to its callers: per-request outputs and logprobs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.core.errors import InvalidRequestError
 
 
 @dataclass
@@ -12,9 +14,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     rank: int  # 1-based rank of token_id in the distribution
-    top: list[tuple[int, float]] = field(
-        default_factory=list
-    )  # top-N (token_id, logprob), best first
+    # The top-N (token_id, logprob), best first.
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -26,7 +27,12 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float = 0.0
-    num_output_tokens: int = 0  # total generated so far (also in delta mode)
+    # Total generated so far, also in delta mode (the engine always sets it; 0 for a score choice).
+    num_output_tokens: int = 0
+    # With SamplingParams.reasoning: the reasoning (cumulative or delta like `text`; None when the
+    # output opened no reasoning block), apart from `text`, which is then the answer only.
+    reasoning: str | None = None
+    num_reasoning_tokens: int = 0  # of num_output_tokens, those up to the end of the reasoning
 
     @property
     def finished(self) -> bool:
@@ -59,7 +65,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
-    error_param: str | None = None  # set when that failure is the request's fault (that field)
+    fault: InvalidRequestError | None = None  # set when that failure is the request's own fault
+
+    @property
+    def error_param(self) -> str | None:
+        """The request field a failure blames (a constraint the decoder gave up on), if it does."""
+        return self.fault.param if self.fault is not None else None
 
 
 @dataclass
@@ -68,21 +79,4 @@ class EmbeddingOutput:
     embedding: list[float]
     num_prompt_tokens: int
     error: str | None = None  # set when the request failed inside the engine
-    error_param: str | None = None  # never set: an embedding has no constraint to blame
     finished: bool = True
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop died; no further requests can be served."""
-
-
-class QueueFullError(RuntimeError):
-    """Admission control refused the request; retry after `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class RequestError(RuntimeError):
-    """One request failed inside the engine (others keep running)."""

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestMetrics, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 
@@ -67,7 +68,6 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     stop_reason: str | int | None = None
-    error: str | None = None
     # Output bookkeeping for delta outputs.
     num_emitted_tokens: int = 0
     final_emitted: bool = False  # its finish_reason has been sent (delta outputs)
@@ -87,10 +87,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_prefill_done(self) -> bool:
@@ -141,9 +137,9 @@ class RequestGroup:
     prompt_logprobs_emitted: bool = False
     followers_released: bool = False
     error: str | None = None
-    # The request field the error blames (a constraint the decoder gave up on): then it is the
-    # request's fault, a 400, not the engine's.
-    error_param: str | None = None
+    # Set when the error is the request's own fault (a constraint the decoder gave up on): a 400,
+    # not the engine's.
+    fault: InvalidRequestError | None = None
     kind: RequestKind = "generate"
 
     @classmethod

@@ -3,6 +3,7 @@ engine and API share: prompt tokens, context length, seeds (no torch). Each rule
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,6 +20,18 @@ MAX_SEED = 2**64 - 1
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # The name by which a grammar refers to its `answer` constraint (Lark: `@answer`).
 ANSWER_GRAMMAR = "answer"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """Where a reasoning block stands in the generated text: from `start` to `end`, first. With
+    `starts_inside` the prompt opened it (the output starts in reasoning; a leading `start` is
+    skipped); else the output opens one only by starting with `start`, and is otherwise all answer.
+    Stop strings and the structured-output constraint apply to the answer, after the block."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    starts_inside: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,8 @@ class StructuredOutputs:
     # Regex of the whitespace allowed between JSON tokens; None -> none (compact JSON, ", " and ": ").
     whitespace_pattern: str | None = None
     answer: StructuredOutputs | None = None  # only with `grammar`; itself without an answer
+    # The output reasons first (freely, up to the block's end); the constraint applies after it.
+    reasoning: ReasoningFormat | None = None
     source: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
@@ -46,30 +61,34 @@ class StructuredOutputs:
         if len(given) != 1:
             found = ", ".join(given) if given else "none"
             raise SamplingParamsError(
-                self.source,
                 f"give exactly one constraint of {', '.join(_CONSTRAINT_KINDS)} (found: {found})",
+                self.source,
             )
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise SamplingParamsError(
-                    self.source, "choice must be a non-empty list of non-empty strings"
+                    "choice must be a non-empty list of non-empty strings", self.source
                 )
         if self.json is not None:
             try:
                 schema = json.loads(self.json)
             except ValueError as e:
                 raise SamplingParamsError(
-                    self.source, f"the JSON schema is not JSON: {e}"
+                    f"the JSON schema is not JSON: {e}", self.source
                 ) from None
             if not isinstance(schema, (dict, bool)):
-                raise SamplingParamsError(self.source, "a JSON schema must be an object")
+                raise SamplingParamsError("a JSON schema must be an object", self.source)
         if self.whitespace_pattern is not None and self.json is None and not self.json_object:
             raise SamplingParamsError(
-                self.source, "whitespace_pattern applies only to json and json_object constraints"
+                "whitespace_pattern applies only to json and json_object constraints", self.source
             )
-        if self.answer is not None and (self.grammar is None or self.answer.answer is not None):
+        if self.answer is not None and (
+            self.grammar is None
+            or self.answer.answer is not None
+            or self.answer.reasoning is not None
+        ):
             raise SamplingParamsError(
-                self.source, "an answer constraint goes only in a grammar, and only one level deep"
+                "an answer constraint goes only in a grammar, and only one level deep", self.source
             )
 
     @property
@@ -104,8 +123,14 @@ class SamplingParams:
     output_kind: OutputKind = "final"
     # Constrained decoding: every sampled token keeps the output inside this constraint.
     structured_outputs: StructuredOutputs | None = None
+    # The output's reasoning block (chat requests of a thinking model): outputs carry it apart from
+    # the answer, and stop strings and `structured_outputs` apply only to the answer.
+    reasoning: ReasoningFormat | None = None
 
     def __post_init__(self) -> None:
+        so = self.structured_outputs
+        if self.reasoning is not None and so is not None and so.reasoning != self.reasoning:
+            self.structured_outputs = dataclasses.replace(so, reasoning=self.reasoning)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
@@ -115,7 +140,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def fail(param: str, message: str) -> None:
-            raise SamplingParamsError(param, message)
+            raise SamplingParamsError(message, param)
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", f"n must be at least 1, got {self.n}")
@@ -186,14 +211,14 @@ class SamplingParams:
         for token_id in self.logit_bias or {}:
             if token_id >= vocab_size:
                 raise SamplingParamsError(
-                    "logit_bias",
                     f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                    "logit_bias",
                 )
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 raise SamplingParamsError(
-                    "stop_token_ids",
                     f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                    "stop_token_ids",
                 )
 
     @property
@@ -225,14 +250,18 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
             raise ContextLengthError(
                 f"This model's maximum context length is {max_model_len} tokens. However, the prompt "
                 f"has {num_prompt_tokens} tokens, which leaves none to generate. Please reduce the "
-                "length of the prompt."
+                "length of the prompt.",
+                limit=max_model_len,
+                needed=num_prompt_tokens + 1,
             )
         return max_model_len - num_prompt_tokens
     if num_prompt_tokens + max_tokens > max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-            "for the completion). Please reduce the length of the prompt or the completion."
+            "for the completion). Please reduce the length of the prompt or the completion.",
+            limit=max_model_len,
+            needed=num_prompt_tokens + max_tokens,
         )
     return max_tokens
 
@@ -244,6 +273,8 @@ def check_input_length(num_tokens: int, max_model_len: int, param: str = "input"
             f"This model's maximum context length is {max_model_len} tokens. However, your input has "
             f"{num_tokens} tokens. Shorten it or ask for truncation (truncate_prompt_tokens).",
             param,
+            limit=max_model_len,
+            needed=num_tokens,
         )
 
 

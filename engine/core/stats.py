@@ -36,9 +36,8 @@ class StepStats:
     prefix_cache_hits: int = 0
     # Seconds since the previous token of sample 0, for every request that got a non-first token.
     inter_token_latencies: list[float] = field(default_factory=list)
-    first_tokens: list[tuple[str, float]] = field(
-        default_factory=list
-    )  # (request_id, ttft seconds)
+    # (request_id, seconds to its first token) for every request that got its first token.
+    first_tokens: list[tuple[str, float]] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 

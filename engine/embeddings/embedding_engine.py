@@ -11,9 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.config import EngineConfig
-from engine.core.errors import InvalidRequestError
+from engine.core.errors import InvalidRequestError, WrongTaskError
 from engine.core.outputs import EmbeddingOutput
-from engine.core.sampling_params import SamplingParams, check_input_length, check_token_ids
+from engine.core.sampling_params import (
+    SamplingParams,
+    StructuredOutputs,
+    check_input_length,
+    check_token_ids,
+)
 from engine.core.snapshot import EngineSnapshot, RequestProgress
 from engine.core.stats import EngineTotals, FinishedRequestStats, StepStats
 from engine.embeddings.embedding_model import EmbeddingModel
@@ -47,7 +52,7 @@ class EmbeddingEngine:
         self.live: dict[str, _EmbedRequest] = {}  # the waiting requests not aborted
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
-        self.snapshot = self.build_snapshot()
+        self.publish()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         if params is not None:
@@ -79,6 +84,25 @@ class EmbeddingEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
+
+    def add_score_request(
+        self,
+        request_id: str,
+        context_token_ids: list[int],
+        choices: list[list[int]],
+        num_top_logprobs: int = 0,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        raise WrongTaskError(self.task, "generate")
+
+    def compile_constraint(self, constraint: StructuredOutputs) -> None:
+        raise WrongTaskError(self.task, "generate")
+
+    def publish(self, detail: bool = False) -> EngineSnapshot:
+        """Build the state now and publish it: the one writer of `snapshot`."""
+        self.snapshot = self.build_snapshot(detail)
+        return self.snapshot
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         """Counts and rows of the waiting inputs (nothing stays running between steps; no KV)."""
@@ -121,13 +145,13 @@ class EmbeddingEngine:
         t0 = time.monotonic()
         batch = self._schedule()
         if not batch:
-            self.snapshot = self.build_snapshot()
+            self.publish()
             return []
         try:
             vectors = self.model.embed([r.token_ids for r in batch])  # [batch, hidden] float32
         except Exception as e:  # fail this batch's requests, keep serving
             logger.exception("embedding step failed for %d requests", len(batch))
-            self.snapshot = self.build_snapshot()
+            self.publish()
             return [
                 EmbeddingOutput(r.request_id, [], len(r.token_ids), error=f"embedding failed: {e}")
                 for r in batch
@@ -154,5 +178,5 @@ class EmbeddingEngine:
         self.totals.num_prompt_tokens += num_tokens
         self.totals.num_finished += len(batch)
         self.last_step = stats
-        self.snapshot = self.build_snapshot()
+        self.publish()
         return outputs

@@ -57,7 +57,7 @@ class SamplingRow:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def prompt_token_ids(self) -> list[int]:  # a copy: only penalties need it
+    def prompt_token_ids(self) -> list[int]:  # a copy; the repetition penalty reads token_ids whole
         return self.token_ids[: self.num_prompt_tokens]
 
     @property

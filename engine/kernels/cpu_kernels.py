@@ -19,11 +19,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (
-    Path(__file__).with_name("csrc") / "paged_decode.cpp",
-    Path(__file__).with_name("csrc") / "block_matmul.cpp",
-    Path(__file__).with_name("csrc") / "decode_layer.cpp",
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = tuple(
+    _CSRC / name
+    for name in (
+        "paged_decode.cpp",
+        "block_matmul.cpp",
+        "block_matmul_avx2.cpp",
+        "block_matmul_vnni.cpp",
+        "block_paths.cpp",
+        "decode_layer.cpp",
+    )
 )
+_HEADERS = (_CSRC / "block_matmul.h",)
 _DISABLE_ENV = "KVSERVE_CPU_KERNELS"  # "0" turns the C++ kernels off (pure-torch paths only)
 
 
@@ -36,7 +44,7 @@ def cache_dir() -> Path:
 def library_path() -> Path:
     """Where this source, built against this torch and Python, lives: rebuilt when either changes."""
     key = hashlib.sha256()
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(f"{torch.__version__}|{sys.version_info[:2]}|{sysconfig.get_platform()}".encode())
     return cache_dir() / f"kvserve_cpu_{key.hexdigest()[:16]}.so"

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.models.weight_format import resolve_dtype as resolve_dtype  # re-exported
+
 if TYPE_CHECKING:
     from engine.models.decoder import DecoderForCausalLM
     from engine.models.weight_format import WeightFormat
@@ -233,39 +235,10 @@ def _write_converted(gguf: Path, out: Path) -> None:
 # ---------------------------------------------------------------- loading
 
 
-def resolve_dtype(
-    dtype: str, device: torch.device, checkpoint_dtype: str | None = None
-) -> torch.dtype:
-    """ "auto" follows the checkpoint, as vLLM does: its own bfloat16/float16 where the device runs
-    it natively, float32 stays float32 on CPU (on CUDA it becomes bfloat16, the fast path).
-
-    Reduced precision rounds every activation, so greedy output then depends on what else shares
-    the batch; a float32 checkpoint (such as the converted bundled GGUF) keeps greedy results
-    identical alone and under any concurrency. `--dtype bfloat16` trades that for ~2x CPU speed.
-    """
-    if dtype == "auto":
-        checkpoint = str(checkpoint_dtype or "float32").removeprefix("torch.")
-        if device.type == "cuda":
-            return torch.float16 if checkpoint == "float16" else torch.bfloat16
-        if checkpoint == "bfloat16" and _cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}")
-    return table[dtype]
-
-
 def checkpoint_dtype(hf_config: Any) -> str | None:
     """The dtype a checkpoint was saved in (config.json "torch_dtype", or "dtype" in newer files)."""
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return None if value is None else str(value)
-
-
-def _cpu_has_native_bf16() -> bool:
-    from engine.models.cpu_features import detect_cpu
-
-    return detect_cpu().native_bf16
 
 
 def resolve_device(device: str) -> torch.device:

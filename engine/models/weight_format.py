@@ -1,7 +1,8 @@
 """Choose the weight format (quantization + activation dtype) for the device and CPU at hand: `auto`
 picks the fastest format whose quality is within bounds (a GGUF file's own blocks, else int8 blocks,
 where the CPU runs the vectorized block kernels); explicit choices that are slower than float32 on
-this CPU are warned about (portable block loops, emulated bf16/fp16), with the reason."""
+this CPU are warned about (portable block loops, emulated bf16/fp16), with the reason; and the
+activation dtype "auto" resolves to."""
 
 from __future__ import annotations
 
@@ -44,8 +45,6 @@ def choose_weight_format(
     bfloat16 | float16; `gguf_source`: the model was converted from a .gguf file; `kernels`:
     whether kvserve's C++ kernels load (None: try now). Raises ValueError for a combination this
     device cannot serve."""
-    from engine.models.loader import resolve_dtype
-
     quantization = None if quantization in (None, "none") else quantization
     if quantization not in (None, "auto", "int8", "int4", "gguf"):
         raise ValueError(
@@ -107,15 +106,21 @@ def _auto_quantization(dtype: str, cpu: CpuFeatures, gguf_source: bool) -> tuple
     if gguf_source:
         return "gguf", (
             "auto: the GGUF file's own Q4_0/Q4_1/Q8_0 blocks, served exactly as stored (others as "
-            "Q8_0), on the AVX2 block kernels with int8 activations per row and block of 32: batch-invariant "
+            f"Q8_0), on the {_kernels(cpu)} block kernels with int8 activations per row and block of "
+            "32: batch-invariant "
             "(--quantization none serves its dequantized float32 weights)"
         )
     return "int8", (
-        "auto: int8 Q8_0 blocks on the AVX2 block kernels, activations in int8 per row and block: "
-        "several "
+        f"auto: int8 Q8_0 blocks on the {_kernels(cpu)} block kernels, activations in int8 per row "
+        "and block: several "
         "times faster than float32 here, batch-invariant, perplexity within 1% of float32 "
         "(--quantization none keeps float32 exact)"
     )
+
+
+def _kernels(cpu: CpuFeatures) -> str:
+    """The block-kernel path that runs (the loaded kernels' choice), else what the flags allow."""
+    return cpu.kernel_path or "AVX2"
 
 
 def _slow_dtype_warnings(dtype: torch.dtype, cpu: CpuFeatures) -> tuple[str, ...]:
@@ -127,3 +132,30 @@ def _slow_dtype_warnings(dtype: torch.dtype, cpu: CpuFeatures) -> tuple[str, ...
     if dtype == torch.float16:
         return ("float16 matmuls on CPU are slower than float32; use --dtype auto",)
     return ()
+
+
+def resolve_dtype(
+    dtype: str, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """ "auto" follows the checkpoint, as vLLM does: its own bfloat16/float16 where the device runs
+    it natively, float32 stays float32 on CPU (on CUDA it becomes bfloat16, the fast path).
+
+    Reduced precision rounds every activation, so greedy output then depends on what else shares
+    the batch; a float32 checkpoint (such as the converted bundled GGUF) keeps greedy results
+    identical alone and under any concurrency. `--dtype bfloat16` trades that for ~2x CPU speed.
+    """
+    if dtype == "auto":
+        checkpoint = str(checkpoint_dtype or "float32").removeprefix("torch.")
+        if device.type == "cuda":
+            return torch.float16 if checkpoint == "float16" else torch.bfloat16
+        if checkpoint == "bfloat16" and _cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}")
+    return table[dtype]
+
+
+def _cpu_has_native_bf16() -> bool:
+    return detect_cpu().native_bf16

@@ -1,4 +1,5 @@
-"""Incremental detokenization of one output sequence, with stop strings and stream hold-back.
+"""Incremental detokenization of one output sequence, with stop strings, stream hold-back and the
+split of a reasoning block from the answer (stop strings match in the answer only).
 
 Byte-level tokenizers step `tokenizers`' DecodeStream (one Rust call per token); others decode a
 small window of tokens (prefix offset / read offset) twice per token. Both cost O(1) per token.
@@ -6,6 +7,8 @@ small window of tokens (prefix offset / read offset) twice per token. Both cost 
 
 from __future__ import annotations
 
+from engine.core.sampling_params import ReasoningFormat
+from engine.text.reasoning import ReasoningTracker
 from engine.text.tokenizer import Tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
@@ -22,6 +25,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         stop: list[str],
         include_stop_str_in_output: bool,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -38,6 +42,11 @@ class IncrementalDetokenizer:
         self._sent_offset = 0  # chars of `text` already returned by take_delta
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._stream_step = tokenizer.decode_stream(context, skip_special_tokens)
+        # With a reasoning format, `text` holds both parts; the tracker says where each one is.
+        self.reasoning = ReasoningTracker(reasoning) if reasoning is not None else None
+        self._sent_reasoning = 0  # raw index of `text` up to which reasoning was returned
+        self._num_tokens = 0
+        self.num_reasoning_tokens = 0  # output tokens up to the one that closed the reasoning
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Consume new tokens; return the stop string if one now matched, else None."""
@@ -45,28 +54,75 @@ class IncrementalDetokenizer:
             if self.stop_matched is not None:
                 break
             self._tokens.append(token_id)
+            self._num_tokens += 1
+            # The token that closes the block counts as reasoning too.
+            thinking = self.reasoning is not None and self.reasoning.in_reasoning
             self._append_text(self._decode_pending(final=False))
+            if self.reasoning is not None and (thinking or self.reasoning.in_reasoning):
+                self.num_reasoning_tokens = self._num_tokens
         return self.stop_matched
 
     def take_delta(self, finished: bool) -> str:
-        """New text that is safe to send; with finished=True everything still held is released."""
+        """New answer text that is safe to send; with finished=True everything still held is
+        released. With a reasoning format, `take_reasoning_delta` gives the reasoning part."""
         if finished and self.stop_matched is None and self._read_offset < len(self._tokens):
             self._append_text(self._decode_pending(final=True))  # flush incomplete UTF-8 as-is
-        end = len(self.text)
-        if not finished and self.stop_matched is None:
-            end -= self._partial_stop_len()
-        if end <= self._sent_offset:
+        start, end = self._content_span(finished)
+        start = max(start, self._sent_offset)
+        if end <= start:
             return ""
-        delta = self.text[self._sent_offset : end]
         self._sent_offset = end
-        return delta
+        return self.text[start:end]
+
+    def take_reasoning_delta(self, finished: bool) -> str:
+        """New reasoning text that is safe to send (call it after take_delta)."""
+        if self.reasoning is None:
+            return ""
+        start, end = self.reasoning.reasoning_span(self.text, finished or self._final)
+        start = max(start, self._sent_reasoning)
+        if end <= start:
+            return ""
+        self._sent_reasoning = end
+        return self.text[start:end]
 
     def visible_text(self) -> str:
-        """All text that is safe to show while running (cumulative streaming): `text` minus the
+        """All answer text that is safe to show while running (cumulative streaming): minus a
         held-back stop-string prefix. Does not move take_delta's position."""
-        if self.stop_matched is not None:
-            return self.text
-        return self.text[: len(self.text) - self._partial_stop_len()]
+        start, end = self._content_span(False)
+        return self.text[start:end]
+
+    def visible_reasoning(self, finished: bool = False) -> str | None:
+        """All reasoning text that is safe to show; None without a reasoning block."""
+        if self.reasoning is None or not self.reasoning.opened:
+            return None
+        start, end = self.reasoning.reasoning_span(self.text, finished or self._final)
+        return self.text[start:end]
+
+    @property
+    def answer_text(self) -> str:
+        """The whole answer of a finished sequence (after take_delta(finished=True))."""
+        start, end = self._content_span(True)
+        return self.text[start:end]
+
+    @property
+    def _final(self) -> bool:
+        return self.stop_matched is not None
+
+    def _content_span(self, finished: bool) -> tuple[int, int]:
+        """[start, end) of `text` that is answer and safe to show."""
+        final = finished or self.stop_matched is not None
+        start = 0
+        if self.reasoning is not None:
+            if final:  # (_append_text advances it as text arrives)
+                self.reasoning.advance(self.text, final)
+            content_start = self.reasoning.content_start(self.text, final)
+            if content_start is None:
+                return len(self.text), len(self.text)
+            start = content_start
+        end = len(self.text)
+        if not final:
+            end -= self._partial_stop_len()
+        return start, max(start, end)
 
     def _decode_pending(self, final: bool) -> str:
         """Text of tokens past read_offset, or "" while it ends in an incomplete character."""
@@ -95,6 +151,13 @@ class IncrementalDetokenizer:
         # A match must end inside new_text, so it starts no earlier than this.
         search_from = max(len(self.text) - self._max_stop_len + 1, 0)
         self.text += new_text
+        if self.reasoning is not None:
+            was_answering = self.reasoning.answer_start is not None
+            self.reasoning.advance(self.text)
+            answer_start = self.reasoning.answer_start
+            if answer_start is None:
+                return  # still reasoning: a stop string there does not stop
+            search_from = max(search_from, answer_start) if was_answering else answer_start
         if self.stop:
             self._check_stop(search_from)
 

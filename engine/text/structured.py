@@ -10,13 +10,20 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
-from engine.core.sampling_params import ANSWER_GRAMMAR, SamplingParamsError, StructuredOutputs
+from engine.core.sampling_params import (
+    ANSWER_GRAMMAR,
+    ReasoningFormat,
+    SamplingParamsError,
+    StructuredOutputs,
+)
 from engine.text.schema_regex import ecma_patterns, ecma_regex
 
 logger = logging.getLogger(__name__)
 
+_AFTER_REASONING = "after_reasoning"  # the name by which a reasoning prefix reaches the constraint
 _CACHE_SIZE = 256  # compiled constraints kept (a template matcher each, a few hundred KiB at most)
 
 
@@ -67,17 +74,17 @@ class GrammarCompiler:
         import llguidance
 
         started = time.perf_counter()
-        grammar = grammar_text(constraint)
+        grammar = grammar_text(constraint, self._added_tokens(constraint), self._eos)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise SamplingParamsError(
-                constraint.source, f"the {_noun(constraint)} cannot be used: {_first(messages)}"
+                f"the {_noun(constraint)} cannot be used: {_first(messages)}", constraint.source
             )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise SamplingParamsError(
-                constraint.source,
                 f"the {_noun(constraint)} cannot be used: {_first([matcher.get_error()])}",
+                constraint.source,
             )
         elapsed = time.perf_counter() - started
         with self._lock:
@@ -89,6 +96,15 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         logger.debug("compiled a %s constraint in %.1f ms", constraint.kind, elapsed * 1e3)
         return matcher
+
+    def _added_tokens(self, constraint: StructuredOutputs) -> dict[str, int]:
+        """The reasoning tags that are added tokens of this tokenizer (Qwen3's `<think>`):
+        llguidance treats added tokens as special, so a grammar names them by id."""
+        if constraint.reasoning is None:
+            return {}
+        added = {t.content: i for i, t in self._hf.added_tokens_decoder.items()}
+        tags = (constraint.reasoning.start, constraint.reasoning.end)
+        return {tag: added[tag] for tag in tags if tag in added}
 
     def new_matcher(self, constraint: StructuredOutputs) -> Any:
         """A fresh matcher at the start of `constraint`, owned by one sequence."""
@@ -106,24 +122,69 @@ class GrammarCompiler:
             fill_next_token_bitmask_par(self._executor, matchers, bitmask)
 
 
-def grammar_text(constraint: StructuredOutputs) -> str:
-    """The llguidance grammar of a constraint."""
+def grammar_text(
+    constraint: StructuredOutputs,
+    tag_ids: dict[str, int] | None = None,
+    eos_ids: list[int] | tuple[int, ...] = (),
+) -> str:
+    """The llguidance grammar of a constraint; `tag_ids`: the reasoning tags that are added
+    (to llguidance, special) tokens; `eos_ids`: tokens that may not appear inside reasoning."""
+    if constraint.reasoning is None and constraint.answer is None:
+        return _single_grammar_text(constraint)
+    return json.dumps({"grammars": _all_entries(constraint, tag_ids or {}, eos_ids)})
+
+
+def _all_entries(
+    constraint: StructuredOutputs, tag_ids: dict[str, int], eos_ids: Sequence[int]
+) -> list[dict[str, Any]]:
+    if constraint.reasoning is not None:
+        inner = _all_entries(dataclasses.replace(constraint, reasoning=None), tag_ids, eos_ids)
+        inner[0]["name"] = _AFTER_REASONING
+        prefix = _reasoning_prefix(constraint.reasoning, tag_ids, eos_ids)
+        return [{"lark_grammar": prefix}, *inner]
     if constraint.answer is not None:
         # One llguidance grammar of two: the first (a Lark grammar) reaches the second as @answer.
         main = _grammar_entries(dataclasses.replace(constraint, answer=None))
         answer = _grammar_entries(constraint.answer)
         answer[0]["name"] = ANSWER_GRAMMAR
-        return json.dumps({"grammars": [*main, *answer]})
-    return _single_grammar_text(constraint)
+        return [*main, *answer]
+    return _grammar_entries(constraint)
+
+
+def _reasoning_prefix(fmt: ReasoningFormat, tag_ids: dict[str, int], eos_ids: Sequence[int]) -> str:
+    """Lark: free reasoning up to the block's end, then blanks, then the constraint (a second
+    grammar). The reasoning is a lazy lexeme that ends at the first closing tag written as text;
+    where the closing tag is a token of its own, also any text and added tokens (but EOS) before
+    that token."""
+    start_id, end_id = tag_ids.get(fmt.start), tag_ids.get(fmt.end)
+    after = f"think /[ \\t\\r\\n]*/ @{_AFTER_REASONING}"
+    opening = (
+        json.dumps(fmt.start) if start_id is None else f"({json.dumps(fmt.start)} | <[{start_id}]>)"
+    )
+    if fmt.starts_inside:  # a leading opening tag is allowed (as text, `.*` takes it)
+        start = f"start: {after}" if start_id is None else f"start: <[{start_id}]>? {after}"
+    else:  # the output opens the block, or skips it and answers at once
+        start = f"start: {opening} {after} | @{_AFTER_REASONING}"
+    lines = [start, "think: think_text" + (" | think_token" if end_id is not None else "")]
+    lines.append(f"think_text[lazy]: /(?s:.*){_regex_literal(fmt.end)}/")
+    if end_id is not None:
+        others = ",".join(str(i) for i in (end_id, *eos_ids))
+        lines.append(f"think_token: (THINK_TEXT | <[^{others}]>)* <[{end_id}]>")
+        lines.append("THINK_TEXT: /(?s:.+)/")
+    return "\n".join(lines) + "\n"
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/ (regex metacharacters and the slash escaped)."""
+    return "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in text)
 
 
 def _grammar_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
     """The constraint's grammar as the entries of an llguidance grammar list (its start first)."""
     text = _single_grammar_text(constraint)
     if constraint.kind in ("json", "json_object", "regex"):
-        return list(
-            json.loads(text)["grammars"]
-        )  # the JSON grammar list llguidance builds for them
+        # The JSON grammar list llguidance builds for them.
+        return list(json.loads(text)["grammars"])
     return [{"lark_grammar": text}]  # Lark text (choice, grammar)
 
 
@@ -144,7 +205,7 @@ def _single_grammar_text(constraint: StructuredOutputs) -> str:
     try:
         return grammar_from("grammar", constraint.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise SamplingParamsError(constraint.source, f"the grammar cannot be used: {e}") from None
+        raise SamplingParamsError(f"the grammar cannot be used: {e}", constraint.source) from None
 
 
 def _json_options(constraint: StructuredOutputs) -> dict[str, Any]:

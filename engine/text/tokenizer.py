@@ -56,6 +56,8 @@ class Tokenizer:
             hf, "chat_template", None
         )
         self._added_ids = set(hf.added_tokens_decoder)
+        # Added tokens by text (Qwen3's <think>, <tool_call>): grammars name these by id.
+        self.added_tokens = {t.content: i for i, t in hf.added_tokens_decoder.items()}
         self._decoder_kind = _decoder_kind(hf)
         self._bytes_cache: dict[int, bytes] = {}
 
@@ -110,10 +112,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Render messages (role + content, tool calls) and `tools` with the chat template and
         tokenize the result."""
-        text = self.render_chat_template(messages, add_generation_prompt, tools)
+        text = self.render_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         # The rendered text already holds any BOS the template wants, like transformers does.
         return self.encode(text, add_special_tokens=False)
 
@@ -122,9 +125,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template's text for `messages` and `tools` (tokenize it with
-        add_special_tokens=False)."""
+        add_special_tokens=False); `template_kwargs` are extra template variables (such as
+        `enable_thinking`)."""
         if not self.chat_template:
             raise InvalidRequestError(
                 "this model has no chat template; pass one with --chat-template "
@@ -139,6 +144,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,  # type: ignore[arg-type]
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except TemplateError as exc:
             raise InvalidRequestError(

@@ -10,6 +10,7 @@ equal the parse of the whole text.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,8 +184,18 @@ class ToolParser:
     free_text = ""  # Lark regex of a text reply that cannot start a call
     many_calls = "call+"  # Lark of several calls in a row
 
-    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+    def __init__(
+        self, tool_names: frozenset[str] | None = None, token_ids: Mapping[str, int] | None = None
+    ) -> None:
         self.tool_names = tool_names
+        # The tokenizer's added tokens (text -> id): a tag that is one (Qwen3's `<tool_call>`) is
+        # special to llguidance, so a grammar takes it as that token or as text.
+        self.token_ids = dict(token_ids or {})
+
+    def literal(self, text: str) -> str:
+        """Lark for `text` written out, or as its added token when it is one."""
+        token = self.token_ids.get(text)
+        return json.dumps(text) if token is None else f"({json.dumps(text)} | <[{token}]>)"
 
     def parse(self, text: str, final: bool = True) -> ParsedToolOutput:
         raise NotImplementedError
@@ -245,7 +256,8 @@ class HermesToolParser(ToolParser):
         return ParsedToolOutput(_content(text[:pos], True), calls)
 
     def call_rule(self, tool: dict[str, Any]) -> str:
-        return f'"<tool_call>\\n" %json {json.dumps(self.call_schema(tool))} "\\n</tool_call>"'
+        schema = json.dumps(self.call_schema(tool))
+        return f'{self.literal(self.start)} "\\n" %json {schema} "\\n" {self.literal(self.end)}'
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -296,9 +308,13 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def get_tool_parser(name: str, tool_names: frozenset[str] | None = None) -> ToolParser:
+def get_tool_parser(
+    name: str,
+    tool_names: frozenset[str] | None = None,
+    token_ids: Mapping[str, int] | None = None,
+) -> ToolParser:
     try:
-        return TOOL_PARSERS[name](tool_names)
+        return TOOL_PARSERS[name](tool_names, token_ids)
     except KeyError:
         raise ValueError(
             f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}"

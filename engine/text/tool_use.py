@@ -7,6 +7,7 @@ dicts in OpenAI's shapes; no API types.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,15 +35,17 @@ def plan_tool_use(
     parser_name: str = "auto",
     source: str = "tools",
     answer: StructuredOutputs | None = None,
+    token_ids: Mapping[str, int] | None = None,
 ) -> ToolPlan:
     """`tools` are OpenAI function tools ({"type": "function", "function": {...}}), already
     validated. `parser_name` "auto" picks the format from the chat template. `answer` constrains a
     reply that is not a call (response_format): under "auto" the grammar allows calls or that
-    answer, under "none" only the answer; "required" and a named tool allow only calls."""
+    answer, under "none" only the answer; "required" and a named tool allow only calls.
+    `token_ids`: the tokenizer's added tokens, which the format's tags may be."""
     detected, native = detect_tool_parser(chat_template)
     functions = [t["function"] for t in tools]
     names = frozenset(f["name"] for f in functions)
-    parser = get_tool_parser(detected if parser_name == "auto" else parser_name, names)
+    parser = get_tool_parser(detected if parser_name == "auto" else parser_name, names, token_ids)
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     parallel = parallel_tool_calls is not False
     if choice == "none" or not tools:

@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -61,7 +60,7 @@ class KvserveReplica:
 
         from engine import AsyncLLMEngine
         from server.app import build_app
-        from server.cli import configure_logging
+        from server.logging_setup import configure_logging
         from server.settings import build_configs
 
         engine_config, server_config = build_configs(values)
@@ -235,9 +234,3 @@ async def _sse(stream: Any) -> AsyncIterator[bytes]:
     finally:
         with contextlib.suppress(Exception):
             stream.cancel()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -45,6 +45,7 @@ class FakeTokenizer:
     vocab_size = 256
     eos_token_ids = {0}
     chat_template: str | None = None  # no tool support: tools are described in the prompt
+    added_tokens: dict[str, int] = {}  # noqa: RUF012 - never written
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
@@ -52,14 +53,24 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
 
+    def render_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
     def apply_chat_template(
         self,
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        return self.encode(self.render_chat_template(messages, add_generation_prompt, tools))
 
     def token_strings(self, ids: list[int]) -> list[str]:
         return [bytes([i]).decode("latin-1") for i in ids]

@@ -18,7 +18,7 @@ from engine.kernels.attention import (
     paged_attention,
     write_kv,
 )
-from engine.models.llama import layer_windows
+from engine.models.decoder import layer_windows_of as layer_windows
 
 HAVE_KERNELS = cpu_kernels.available()
 needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="C++ kernels not built")

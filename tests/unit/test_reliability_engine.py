@@ -52,7 +52,7 @@ class FakeCore:
         self.aborted: list[str] = []
         self.vocab_size = 1000
         self.num_steps = 0
-        self.snapshot = self.build_snapshot()
+        self.publish()
 
     def validate(self, prompt_token_ids: list[int], params: Any) -> None:
         if not prompt_token_ids:
@@ -77,6 +77,10 @@ class FakeCore:
     @property
     def _waiting(self) -> list[str]:
         return self.order[self.max_running :]
+
+    def publish(self, detail: bool = False) -> EngineSnapshot:
+        self.snapshot = self.build_snapshot(detail)
+        return self.snapshot
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         running = min(len(self.order), self.max_running)
@@ -107,7 +111,7 @@ class FakeCore:
                 del self.groups[request_id]
                 self.order.remove(request_id)
         self.num_steps += 1
-        self.snapshot = self.build_snapshot()
+        self.publish()
         return outputs
 
 
@@ -153,7 +157,8 @@ async def test_queued_prompt_tokens_are_capped_but_an_empty_queue_takes_any_prom
         # Alone, a prompt longer than the cap is admitted (else it could never run).
         assert (await _drain(engine, "long", list(range(50))))[-1].finished
         first = asyncio.ensure_future(_drain(engine, "a", list(range(8))))
-        await asyncio.sleep(0)
+        while "a" not in engine._queues:  # "a" is queued, waiting for the next step
+            await asyncio.sleep(0)
         with pytest.raises(QueueFullError, match="prompt tokens"):
             await _drain(engine, "b", list(range(8)))
         assert (await first)[-1].finished
@@ -170,7 +175,7 @@ async def test_a_request_that_fails_to_start_fails_alone() -> None:
         )
         assert isinstance(bad, RequestError) and "could not be started" in str(bad)
         assert isinstance(good, list) and good[-1].finished
-        assert not engine.errored
+        assert engine.health().state != "dead"
         assert (await _drain(engine, "after", [1]))[-1].finished
     finally:
         await engine.shutdown()
@@ -187,7 +192,7 @@ async def test_a_dead_loop_fails_every_waiter_and_refuses_new_requests() -> None
             timeout=10,
         )
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert engine.errored and not engine.is_ready
+        assert engine.health().state == "dead" and not engine.health().ready
         with pytest.raises(EngineDeadError):
             await _drain(engine, "late", [1])
     finally:
@@ -205,7 +210,7 @@ async def test_fault_injection_is_inert_unless_enabled(monkeypatch: pytest.Monke
                 "x", [1], SamplingParams(max_tokens=3), prompt=ENGINE_DEATH + " hi"
             )
         ]
-        assert outs[-1].finished and not engine.errored
+        assert outs[-1].finished and engine.health().state != "dead"
     finally:
         await engine.shutdown()
 
@@ -218,7 +223,7 @@ async def test_fault_injection_is_inert_unless_enabled(monkeypatch: pytest.Monke
                 "y", [1], SamplingParams(max_tokens=3), prompt=ENGINE_DEATH
             ):
                 pass
-        assert engine.errored
+        assert engine.health().state == "dead"
     finally:
         await engine.shutdown()
     assert wants_fault(NAN_LOGITS + " text", NAN_LOGITS)

@@ -210,12 +210,12 @@ async def test_seeds_span_64_bits_for_every_sample(engine: FakeEngine) -> None:
 
 
 async def test_chat_template_failure_is_400(engine: FakeEngine) -> None:
-    def broken(*args: Any, **kwargs: Any) -> list[int]:
+    def broken(*args: Any, **kwargs: Any) -> str:
         raise InvalidRequestError(
             "the chat template rejected these messages: roles must alternate", "messages"
         )
 
-    engine.tokenizer.apply_chat_template = broken  # type: ignore[method-assign]
+    engine.tokenizer.render_chat_template = broken  # type: ignore[method-assign]
     async with app_client(engine) as c:
         r = await c.post(
             "/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "x"}]}

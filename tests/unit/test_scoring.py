@@ -145,7 +145,8 @@ def test_finished_requests_are_counted_by_kind() -> None:
 
 
 def test_score_inputs_follow_lm_eval_and_the_chat_template(smollm2_dir) -> None:
-    from engine import InvalidRequestError, Tokenizer, build_score_inputs
+    from engine import InvalidRequestError, Tokenizer
+    from engine.text import build_score_inputs
     from engine.text.score_inputs import encode_pair
 
     tok = Tokenizer.from_pretrained(smollm2_dir)

@@ -13,13 +13,13 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from engine import CompletionOutput
-from server.chat_translation import ChatTurn, ToolCall, final_turn
 from server.protocol_messages import MessagesRequest
 from server.protocol_responses import ResponsesRequest
 from server.serving_messages import chat_fields as messages_chat_fields
 from server.serving_messages import chat_messages, content_blocks, stop_reason
 from server.serving_responses import chat_fields as responses_chat_fields
 from server.serving_responses import input_messages, output_items
+from server.turn import ToolCall, Turn, TurnEnd, final_turn
 from tests.unit.server_fakes import FakeEngine, app_client
 
 OPENAI_EVENT = TypeAdapter(ResponseStreamEvent)
@@ -244,7 +244,7 @@ async def test_an_engine_failure_mid_stream_is_an_error_event(
         ({"input": "abc", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+        ({"input": [{"type": "file_search_call", "queries": []}]}, "input[0]"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
             "input[0].content",
@@ -321,7 +321,7 @@ def test_function_call_items_translate_to_chat_tool_messages() -> None:
 
 
 def test_a_turn_with_tool_calls_is_function_call_items() -> None:
-    turn = ChatTurn("", [ToolCall("call_1", "get", '{"city":"Paris"}')], "tool_calls")
+    turn = Turn("", [ToolCall("call_1", "get", '{"city":"Paris"}')], TurnEnd.TOOL_CALLS)
     items = output_items(turn)
     assert [(i["type"], i.get("call_id"), i.get("arguments")) for i in items] == [
         ("function_call", "call_1", '{"city":"Paris"}')
@@ -339,7 +339,7 @@ def test_a_tool_call_cut_off_by_max_tokens_keeps_its_partial_arguments() -> None
         ToolCall("c2", "get", '{"city": "Par'),
         ToolCall("c3", "put", ""),
     ]
-    turn = ChatTurn("", calls, "length")
+    turn = Turn("", calls, TurnEnd.LENGTH)
     items = output_items(turn)
     assert [i["arguments"] for i in items] == [c.arguments for c in calls]
     # Only the item the cut fell in is incomplete, as in the stream.
@@ -507,10 +507,10 @@ async def test_an_engine_failure_mid_stream_is_an_anthropic_error_event(
         (
             {
                 "max_tokens": 5,
-                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "thinking": {"type": "sometimes"},
                 "messages": [{"role": "user", "content": "Hi"}],
             },
-            "thinking",
+            "thinking.type",
         ),
         (
             {
@@ -611,7 +611,7 @@ def test_tool_blocks_translate_to_chat_tool_messages() -> None:
 
 
 def test_stop_reasons_from_engine_finishes() -> None:
-    def turn(finish: str, stop: str | int | None) -> ChatTurn:
+    def turn(finish: str, stop: str | int | None) -> Turn:
         return final_turn(
             CompletionOutput(0, "x", [1], finish_reason=finish, stop_reason=stop)  # type: ignore[arg-type]
         )
@@ -623,19 +623,19 @@ def test_stop_reasons_from_engine_finishes() -> None:
 
 
 def test_field_names_follow_each_surface_tool_shape() -> None:
-    from server.chat_translation import FieldNames
+    from server.field_map import FieldMap
 
-    messages = FieldNames({}, ["messages[0]"], "messages", {"parameters": "input_schema"})
-    assert messages.rename("tools[1].function.parameters") == "tools[1].input_schema"
-    assert messages.rename("tools[0].function.parameters.properties") == (
+    messages = FieldMap("messages", {}, ("messages[0]",), {"parameters": "input_schema"})
+    assert messages.name("tools[1].function.parameters") == "tools[1].input_schema"
+    assert messages.name("tools[0].function.parameters.properties") == (
         "tools[0].input_schema.properties"
     )
-    assert messages.rename("tools[0].function.name") == "tools[0].name"
-    assert messages.rename("tools[0].function") == "tools[0]"
-    responses = FieldNames({}, [], "input", {})
-    assert responses.rename("tools[2].function.parameters") == "tools[2].parameters"
-    chat = FieldNames({}, [], "messages")
-    assert chat.rename("tools[2].function.parameters") == "tools[2].function.parameters"
+    assert messages.name("tools[0].function.name") == "tools[0].name"
+    assert messages.name("tools[0].function") == "tools[0]"
+    responses = FieldMap("input", {}, (), {})
+    assert responses.name("tools[2].function.parameters") == "tools[2].parameters"
+    chat = FieldMap()
+    assert chat.name("tools[2].function.parameters") == "tools[2].function.parameters"
 
 
 async def test_a_bad_tool_schema_names_the_messages_field(

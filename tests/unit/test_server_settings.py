@@ -66,11 +66,31 @@ def test_every_option_has_an_env_var_with_the_naming_scheme() -> None:
         ({"KVSERVE_DTYPE": "int3"}, "KVSERVE_DTYPE"),
         ({"KVSERVE_ENABLE_PREFIX_CACHING": "maybe"}, "KVSERVE_ENABLE_PREFIX_CACHING"),
         ({"KVSERVE_BLOCK_SIZE": "12"}, "block_size"),
+        ({"KVSERVE_REASONING_PARSER": "r2"}, "KVSERVE_REASONING_PARSER.*qwen3"),
+        ({"KVSERVE_CHAT_TEMPLATE_KWARGS": "[1]"}, "KVSERVE_CHAT_TEMPLATE_KWARGS.*JSON object"),
+        ({"KVSERVE_CHAT_TEMPLATE_KWARGS": "{bad"}, "KVSERVE_CHAT_TEMPLATE_KWARGS.*JSON object"),
     ],
 )
 def test_bad_values_name_their_source(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         build_configs(resolve({}, env))
+
+
+def test_reasoning_settings_from_cli_and_yaml(tmp_path: Path) -> None:
+    argv = [
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--chat-template-kwargs",
+        '{"enable_thinking": false}',
+    ]
+    _, server = build_configs(resolve(_cli(argv), {}))
+    assert server.reasoning_parser == "deepseek_r1"
+    assert server.chat_template_kwargs == {"enable_thinking": False}
+    config = tmp_path / "c.yaml"
+    config.write_text("chat-template-kwargs:\n  enable_thinking: true\n")
+    _, server = build_configs(resolve({"config": str(config)}, {}))
+    assert server.chat_template_kwargs == {"enable_thinking": True}
+    assert server.reasoning_parser == "auto"
 
 
 def test_unknown_yaml_key_is_rejected(tmp_path: Path) -> None:

@@ -196,7 +196,7 @@ async def test_an_engine_error_on_the_format_names_each_apis_own_field(
     which Responses and Messages report under their own names."""
 
     async def refuse(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        raise SamplingParamsError("response_format.json_schema.schema", "cannot be compiled")
+        raise SamplingParamsError("cannot be compiled", "response_format.json_schema.schema")
         yield  # an async generator, like the engine's
 
     monkeypatch.setattr(engine, "generate", refuse)

@@ -7,17 +7,22 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine import SamplingParams
+from server.field_map import CHAT_FIELDS
+from server.plan import GenerationPlan
 from server.serving_chat import _ChatStream
 from server.serving_completions import _CompletionStream
 from server.sse import sse_frame
+from tests.unit.server_fakes import FakeEngine
 
 
 def _stream(cls: type, include_usage: bool, model: str, request_id: str):
     options = SimpleNamespace(include_usage=include_usage) if include_usage else None
     req = SimpleNamespace(stream_options=options, logprobs=None, echo=False)
-    if cls is _ChatStream:
-        return cls(req, None, model, request_id, 1_700_000_000, 12, 1, 0)
-    return cls(req, None, model, request_id, 1_700_000_000, [(None, [1, 2])], 1, False)
+    plan = GenerationPlan(
+        FakeEngine(), model, request_id, [(None, [1, 2])], SamplingParams(), CHAT_FIELDS
+    )
+    return cls(plan, req, None, 1_700_000_000)
 
 
 @pytest.mark.parametrize("cls", [_ChatStream, _CompletionStream])

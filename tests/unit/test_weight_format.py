@@ -126,7 +126,7 @@ def test_bf16_without_native_support_is_warned_about() -> None:
 def test_a_bf16_checkpoint_runs_bf16_only_on_native_bf16_cpus(monkeypatch) -> None:
     # resolve_dtype asks the detected CPU (the faked one above is only the format's input)
     for native, expected in ((False, torch.float32), (True, torch.bfloat16)):
-        monkeypatch.setattr("engine.models.loader._cpu_has_native_bf16", lambda n=native: n)
+        monkeypatch.setattr("engine.models.weight_format._cpu_has_native_bf16", lambda n=native: n)
         assert _choose("none", "auto", checkpoint="bfloat16").dtype == expected
 
 

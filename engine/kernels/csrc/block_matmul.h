@@ -1,0 +1,100 @@
+// What block_matmul.cpp shares with its per-ISA kernel files (block_matmul_avx2.cpp,
+// block_matmul_vnni.cpp): the quantized activations, the interleaved weights and the signature of
+// a kernel path. Each path's helpers stay in its own file's anonymous namespace (the same inline
+// helper compiled for two ISAs must never be merged by the linker).
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace kvblock {
+
+constexpr int64_t kBlock = 32;
+
+// Activations of one call, quantized: q [M, K] int8, u [M, K] = q + 128 as uint8 (for the
+// u8 x s8 dot products of VNNI; only set for those paths), d [M, KB] scales, s [M, KB] =
+// d * sum(q).
+struct QuantRows {
+  const int8_t* q;
+  const uint8_t* u;
+  const float* d;
+  const float* s;
+  int64_t K, KB;
+  // For the zmm kernels only (else null): the bytes they read (q for q4, u for q8) and d, s again,
+  // rows in tiles of kPackRows from row 0, each tile block-major so that one pointer walks it:
+  // row r's block b at pk[t K + (b n + i) 32], pd/ps[t KB + b n + i], t = r - i the tile's first
+  // row, i = r % kPackRows, n = the tile's rows.
+  const uint8_t* pk = nullptr;
+  const float* pd = nullptr;
+  const float* ps = nullptr;
+};
+
+constexpr int64_t kPackRows = 8;
+
+// Writes row m's blocks (bytes src [K], scales d, s [KB]) into the tile-packed arrays of M rows.
+inline void pack_row(int64_t m, int64_t M, int64_t K, const uint8_t* src, const float* d,
+                     const float* s, uint8_t* pk, float* pd, float* ps) {
+  const int64_t KB = K / kBlock, i = m % kPackRows, t = m - i;
+  const int64_t n = M - t < kPackRows ? M - t : kPackRows;
+  for (int64_t b = 0; b < KB; ++b) {
+    for (int64_t k = 0; k < kBlock; ++k) pk[t * K + (b * n + i) * kBlock + k] = src[b * kBlock + k];
+    pd[t * KB + b * n + i] = d[b];
+    ps[t * KB + b * n + i] = s[b];
+  }
+}
+
+// A weight's interleaved blocks (one of q4 / q8 set) and fp16 scales (and minimums for q4).
+struct BlockWeight {
+  const uint8_t* q4;
+  const int8_t* q8;
+  const c10::Half* d;
+  const c10::Half* m;
+};
+
+// Rows [r0, r1) x column groups [g0, g1) of out [M, N]: every element computed as
+//   acc = 0; for b in 0..KB: acc = fma(d_w * d_x, float(isum_b), acc) [; acc = fma(m_w, s_x, acc)]
+// with isum_b the exact integer dot product of block b, so every path gives the same bits.
+using GroupsFn = void (*)(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
+                          int64_t g0, int64_t g1, int64_t N, float* out);
+
+using QuantizeRowFn = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* s);
+
+// The portable loops (block_matmul.cpp): the reference every other path must equal bit for bit.
+void quantize_row_ref(const float* x, int64_t K, int8_t* q, float* d, float* s);
+void q4_groups_ref(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, float*);
+void q8_groups_ref(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, float*);
+
+// One kernel path: its name (KVSERVE_BLOCK_KERNELS), its functions, whether its q8 kernel reads
+// QuantRows::u, and whether its kernels read the tile-packed arrays.
+struct PathFns {
+  const char* name;
+  QuantizeRowFn quantize_row;
+  GroupsFn q4, q8;
+  bool offset_u;
+  bool packed;
+};
+
+// The path matmuls run on now (block_paths.cpp): chosen once from KVSERVE_BLOCK_KERNELS and what
+// the CPU runs, changed only by the block_kernels_select op (tests, benchmarks).
+const PathFns& current_path();
+
+#if defined(__x86_64__) && defined(__GNUC__)
+void quantize_row_avx2(const float* x, int64_t K, int8_t* q, float* d, float* s);
+void q4_groups_avx2(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                    int64_t, float*);
+void q8_groups_avx2(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                    int64_t, float*);
+void q4_groups_avxvnni(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float*);
+void q8_groups_avxvnni(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float*);
+void q4_groups_avx512vnni(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float*);
+void q8_groups_avx512vnni(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float*);
+#endif
+
+}  // namespace kvblock

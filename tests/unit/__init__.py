@@ -1,0 +1,1 @@
+"""Unit tests: no model, milliseconds (the server over fake engines, the torch-free core)."""
