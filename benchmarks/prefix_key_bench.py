@@ -122,12 +122,13 @@ def time_manager(token_lists: list[list[int]], block_size: int, hit: bool) -> fl
     def admit(tokens: list[int], name: str) -> int:
         group = RequestGroup(name, None, list(tokens), SamplingParams(), 16)
         seq = Sequence(f"{name}/0", group, 0, list(tokens), len(tokens))
-        cached = kv.find_cached_prefix(seq)
-        assert kv.allocate_slots(seq, seq.num_tokens - len(cached) * block_size, cached)
+        hit = kv.find_cached_prefix(seq)
+        num_hit = hit.num_blocks if hit is not None else 0
+        assert kv.allocate_slots(seq, seq.num_tokens - num_hit * block_size, hit)
         seq.num_computed_tokens = seq.num_tokens
         kv.cache_full_blocks(seq)
         kv.free(seq)
-        return len(cached)
+        return num_hit
 
     if hit:
         for i, tokens in enumerate(token_lists):

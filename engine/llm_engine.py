@@ -35,7 +35,7 @@ from engine.core.snapshot import (
     StepRecord,
 )
 from engine.core.stats import EngineTotals, StepStats
-from engine.executor.model_runner import ModelRunner, prepare_model
+from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.models.loader import load_model, resolve_model
@@ -82,8 +82,11 @@ class LLMEngine:
         self.model.limit_context(self.max_model_len)
 
         block_size = config.cache.block_size
+        self.kv_spec = model_kv_spec(self.model, self.max_model_len)
         num_blocks = self._num_kv_blocks(block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
@@ -94,7 +97,7 @@ class LLMEngine:
         self.runner = runner_class(
             self.model, self.device, self.dtype, num_blocks, block_size,
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
-            grammars=self.grammars,
+            grammars=self.grammars, kv_spec=self.kv_spec,
         )  # fmt: skip
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
@@ -110,7 +113,7 @@ class LLMEngine:
             num_blocks,
             block_size,
             num_blocks
-            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
             / (1 << 20),
         )
 
@@ -118,7 +121,7 @@ class LLMEngine:
         cc = self.config.cache
         if cc.num_blocks is not None:
             return cc.num_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
@@ -130,8 +133,9 @@ class LLMEngine:
                 _GiB, total // 16
             )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
         num_blocks = max(2, budget // per_block)
-        # No point holding more than every running sequence at full length.
-        cap = self.config.scheduler.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        # No point holding more than every running sequence at full length, in every group.
+        per_seq = len(self.kv_spec.groups) * -(-self.max_model_len // block_size)
+        cap = self.config.scheduler.max_num_seqs * per_seq + 1
         return int(min(num_blocks, max(cap, 2)))
 
     # -- requests -----------------------------------------------------------------------------
@@ -150,7 +154,8 @@ class LLMEngine:
 
     def _check_fits_pool(self, num_tokens: int, param: str) -> None:
         """The one check only the engine can make: a request's whole length fits the KV cache pool."""
-        needed = self.kv.blocks_needed(num_tokens)
+        chunk = self.config.scheduler.max_num_batched_tokens
+        needed = self.kv.max_blocks_held(num_tokens, chunk)  # a sliding window holds less
         if needed > self.kv.num_blocks:
             raise ContextLengthError(
                 f"This request needs {needed} KV cache blocks ({num_tokens} tokens) but the pool "
@@ -319,7 +324,7 @@ class LLMEngine:
         for (
             s
         ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
-            s.seq.group.metrics.kv_block_seconds += len(s.block_table) * stats.duration
+            s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
         self.publish()
         return outputs
@@ -385,15 +390,14 @@ class LLMEngine:
     def _snapshot_detail(self) -> SnapshotDetail:
         pool = self.kv.pool
         holders: dict[int, list[str]] = {}
-        for seq_id, table in self.kv.block_tables.items():
-            for block_id in table:
+        for seq_id in self.kv.block_tables:
+            for block_id in self.kv.held_blocks(seq_id):
                 holders.setdefault(block_id, []).append(seq_id)
         blocks = tuple(
             BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
             for block_id, seq_ids in sorted(holders.items())
         )
-        keys = pool.block_keys
-        cached_free = tuple(b for b in pool.free_queue if keys[b] is not None)
+        cached_free = tuple(b for b in pool.free_queue if pool.is_cached_block(b))
         sc = self.config.scheduler
         return SnapshotDetail(
             blocks,

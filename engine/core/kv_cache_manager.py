@@ -1,30 +1,22 @@
-"""KV block bookkeeping (no torch): a pool of fixed-size blocks, per-sequence block tables, reference
-counts, and automatic prefix caching by exact block keys with LRU eviction of unreferenced blocks.
+"""KV block bookkeeping (no torch): per-sequence block tables, one per KV cache group, over one shared
+block pool (engine.core.block_pool), automatic prefix caching by exact block keys, and the release of
+blocks that fall out of a sliding-window group's window.
 
-Prefix-cache keys are exact, never a bare hash: a cached block is found by `(parent node, token ids)`,
-where the parent node is the unique, never-reused id that the cache gave the block before it. The dict
-lookup compares the stored tokens on every hit, so two prompts whose hashes collide (Python's int-tuple
-hash is unkeyed and can be forced to collide) never share KV; by induction a hit means the whole prefix
-matched token for token. `benchmarks/prefix_key_bench.py` measures this against keyed blake2b/sha256
-chains (see benchmarks/README.md)."""
+Every group's table of a sequence has one entry per block of the sequence. In a sliding group the
+blocks wholly before the window of every query the sequence will still compute are given back to the
+pool (or never taken, after a prefix hit); their entries become NULL_BLOCK placeholders, always a
+leading run of the table (`num_skipped`), which attention never reads. See engine.core.kv_cache_groups
+for the layout and why one pool serves all groups."""
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.core.block_pool import ROOT_NODE, BlockPool, block_key
+from engine.core.kv_cache_groups import first_needed_block
 from engine.core.request import Sequence
 
-ROOT_NODE = 0  # parent node of a sequence's first block
-
-# (parent node, the block's token ids): the identity of a cached block's content and its whole prefix
-BlockKey = tuple[int, tuple[int, ...]]
-
-
-def block_key(parent_node: int, token_ids: tuple[int, ...]) -> BlockKey:
-    """The cache key of a full block: compared exactly on lookup, so a hash collision is only a miss."""
-    return (parent_node, token_ids)
+NULL_BLOCK = 0  # a released / never-taken entry: a valid block id so a stray read stays in bounds
 
 
 @dataclass
@@ -33,77 +25,38 @@ class PrefixCacheStats:
     hits: int = 0  # prompt tokens found in the cache
 
 
-class BlockPool:
-    """Physical blocks with reference counts. Free blocks wait in LRU order (oldest first); a free
-    block may still hold cached content (it keeps its key) until it is reused."""
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The leading `num_blocks` blocks of a sequence whose KV other sequences' blocks already hold:
+    per group, `num_blocks` entries (NULL_BLOCK before the group's first needed block)."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self.block_keys: list[BlockKey | None] = [None] * num_blocks
-        self.block_nodes = [ROOT_NODE] * num_blocks  # node id of a registered block's content
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.cached: dict[BlockKey, int] = {}  # block key -> block id
-        self._node_ids = itertools.count(ROOT_NODE + 1)
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    def allocate(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)
-        self._evict(block_id)
-        self.ref_counts[block_id] = 1
-        return block_id
-
-    def touch(self, block_id: int) -> None:
-        """Take a reference to a cached block (reviving it from the free queue if unreferenced)."""
-        if self.ref_counts[block_id] == 0:
-            del self.free_queue[block_id]
-        self.ref_counts[block_id] += 1
-
-    def release(self, block_id: int) -> None:
-        self.ref_counts[block_id] -= 1
-        assert self.ref_counts[block_id] >= 0, f"block {block_id} released twice"
-        if self.ref_counts[block_id] == 0:
-            self.free_queue[block_id] = None  # most recently used end: evicted last
-
-    def register(self, block_id: int, key: BlockKey) -> int:
-        """Cache `block_id` under `key` and return the node id of that content. When the same content
-        is already cached in another block, that block's node is returned and this copy stays private."""
-        if self.block_keys[block_id] is not None:
-            # A prefix hit: the lookup that found this block matched exactly this key.
-            return self.block_nodes[block_id]
-        existing = self.cached.setdefault(key, block_id)
-        if existing != block_id:
-            return self.block_nodes[existing]
-        node = next(self._node_ids)
-        self.block_keys[block_id] = key
-        self.block_nodes[block_id] = node
-        return node
-
-    def lookup(self, key: BlockKey) -> int | None:
-        return self.cached.get(key)
-
-    def _evict(self, block_id: int) -> None:
-        key = self.block_keys[block_id]
-        if key is not None:
-            self.block_keys[block_id] = None
-            self.block_nodes[block_id] = ROOT_NODE
-            del self.cached[key]  # node ids are never reused, so this block's children are orphaned
+    num_blocks: int
+    tables: tuple[list[int], ...]
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = windows  # per KV cache group: its sliding window, or None
+        self.sliding = [g for g, w in enumerate(windows) if w is not None]
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[list[int]]] = {}  # seq id -> a table per group
+        self.num_skipped: dict[str, list[int]] = {}  # seq id -> leading placeholders per group
         self.block_tokens: dict[str, list[tuple[int, ...]]] = {}  # token ids of each full block
-        self.node_chains: dict[str, list[int]] = {}  # node ids of a sequence's registered blocks
+        self.node_chains: dict[str, list[int]] = {}  # trie nodes of a sequence's full blocks
         self.stats = PrefixCacheStats()
+        self._no_tables: list[list[int]] = [[] for _ in windows]  # never mutated
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_blocks(self) -> int:
@@ -121,9 +74,47 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_block_table(self, seq: Sequence) -> list[int]:
-        return self.block_tables.get(seq.seq_id, [])
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once (over all groups) when steps
+        compute at most `max_chunk` of its tokens: what the pool must at least have."""
+        full = self.blocks_needed(num_tokens)
+        total = 0
+        for window in self.windows:
+            if window is None:
+                total += full
+            else:  # the window before a step's first query, that step's chunk, block rounding
+                total += min(full, self.blocks_needed(window + max_chunk + self.block_size - 2))
+        return total
 
+    # -- reading tables ---------------------------------------------------------------------------
+    def get_block_tables(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the sequence's live block table (entries before num_skipped are placeholders)."""
+        return self.block_tables.get(seq.seq_id) or self._no_tables
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """The first group's table (the only one of a one-group model)."""
+        return self.get_block_tables(seq)[0]
+
+    def holds_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.block_tables
+
+    def held_blocks(self, seq_id: str) -> list[int]:
+        """The real blocks a sequence references, over all groups (placeholders left out)."""
+        tables = self.block_tables.get(seq_id)
+        if tables is None:
+            return []
+        skipped = self.num_skipped[seq_id]
+        return [b for g, table in enumerate(tables) for b in table[skipped[g] :]]
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        tables = self.block_tables.get(seq.seq_id)
+        if tables is None:
+            return 0
+        if len(tables) == 1 and not self.sliding:
+            return len(tables[0])
+        return sum(len(t) for t in tables) - sum(self.num_skipped[seq.seq_id])
+
+    # -- prefix reuse -----------------------------------------------------------------------------
     def _full_block_tokens(self, seq: Sequence, num_full_blocks: int) -> list[tuple[int, ...]]:
         blocks = self.block_tokens.setdefault(seq.seq_id, [])
         bs = self.block_size
@@ -132,40 +123,84 @@ class KVCacheManager:
             blocks.append(tuple(seq.token_ids[i * bs : (i + 1) * bs]))
         return blocks
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the start of `seq`'s tokens exactly. At least the last token is always
-        left to compute (its logits are needed), and so is every position whose prompt logprobs are
-        wanted."""
+    def _first_needed(self, group: int, num_blocks: int) -> int:
+        """The first block group `group` needs to compute from block `num_blocks` on."""
+        return first_needed_block(
+            self.windows[group], num_blocks * self.block_size, self.block_size
+        )
+
+    def find_cached_prefix(self, seq: Sequence) -> PrefixHit | None:
+        """The longest cached prefix of `seq`'s tokens (whole blocks, matched exactly) for which every
+        group has the blocks the rest of the computation reads: all of them for full attention, those
+        of the last `window` positions for a sliding group. At least the last token is always left to
+        compute (its logits are needed), and so is every position whose prompt logprobs are wanted."""
         if not self.enable_prefix_caching:
-            return []
+            return None
         max_blocks = seq.num_reusable_tokens // self.block_size
         if max_blocks == 0:
-            return []
-        hits: list[int] = []
+            return None
+        nodes: list[int] = []
         parent = ROOT_NODE
+        trie = self.pool.trie
         for tokens in self._full_block_tokens(seq, max_blocks)[:max_blocks]:
-            block_id = self.pool.lookup(block_key(parent, tokens))
-            if block_id is None:
+            node = trie.find(block_key(parent, tokens))
+            if node is None:
                 break
-            hits.append(block_id)
-            parent = self.pool.block_nodes[block_id]
-        return hits
+            nodes.append(node)
+            parent = node
+        found = [[self.pool.lookup(g, node) for node in nodes] for g in range(self.num_groups)]
+        hit = len(nodes)
+        for g, blocks in enumerate(found):
+            hit = min(hit, self._longest_usable(g, blocks, hit))
+        if hit == 0:
+            return None
+        tables = []
+        for g, blocks in enumerate(found):
+            first = self._first_needed(g, hit)
+            tables.append([NULL_BLOCK] * first + [b for b in blocks[first:hit] if b is not None])
+        return PrefixHit(hit, tuple(tables))
 
-    def sibling_prefix(self, seq: Sequence) -> list[int]:
+    def _longest_usable(self, group: int, blocks: list[int | None], limit: int) -> int:
+        """The largest h <= limit whose needed blocks [first_needed(h), h) are all in `blocks`."""
+        run = 0  # cached blocks in a row ending at block i
+        best = 0
+        for i in range(limit):
+            run = run + 1 if blocks[i] is not None else 0
+            if self.windows[group] is None and run == 0:
+                break  # full attention: a gap ends every longer prefix
+            if run >= i + 1 - self._first_needed(group, i + 1):
+                best = i + 1
+        return best
+
+    def _shared_from(self, source: Sequence, num_blocks: int) -> PrefixHit | None:
+        """`source`'s blocks for the leading `num_blocks` blocks, if it still holds all that a
+        sequence computing on from there reads."""
+        tables = self.block_tables.get(source.seq_id)
+        if not tables or num_blocks == 0:
+            return None
+        skipped = self.num_skipped[source.seq_id]
+        shared = []
+        for g, table in enumerate(tables):
+            first = self._first_needed(g, num_blocks)
+            if skipped[g] > first:
+                return None  # its window has moved on past what a newcomer still reads
+            shared.append([NULL_BLOCK] * first + table[first:num_blocks])
+        return PrefixHit(num_blocks, tuple(shared))
+
+    def sibling_prefix(self, seq: Sequence) -> PrefixHit | None:
         """For a follower (n > 1 samples, or a score choice) with prefix caching off: the computed blocks
         of the group's shared prompt held by a sibling (the leader, or a follower that took them), shared
         by reference so the prompt is prefilled once per request either way."""
         if seq.index == 0:
-            return []
+            return None
         limit = min(seq.num_reusable_tokens, len(seq.group.prompt_token_ids))
-        best: list[int] = []
+        best: PrefixHit | None = None
         for other in seq.group.seqs:
-            table = self.block_tables.get(other.seq_id)
-            if other is seq or not table:
+            if other is seq:
                 continue
             num_blocks = min(other.num_computed_tokens, limit) // self.block_size
-            if num_blocks > len(best):
-                best = table[:num_blocks]
+            if best is None or num_blocks > best.num_blocks:
+                best = self._shared_from(other, num_blocks) or best
         return best
 
     def share_prefix(self, seq: Sequence, source: Sequence) -> None:
@@ -173,14 +208,22 @@ class KVCacheManager:
         now, so they outlive `source` (a score leader ends with its prefill)."""
         assert seq.num_computed_tokens == 0 and seq.seq_id not in self.block_tables
         limit = min(seq.num_reusable_tokens, len(seq.group.prompt_token_ids))
-        num_blocks = min(source.num_computed_tokens, limit) // self.block_size
-        blocks = self.block_tables.get(source.seq_id, [])[:num_blocks]
-        if not blocks:
+        hit = self._shared_from(source, min(source.num_computed_tokens, limit) // self.block_size)
+        if hit is None:
             return
-        for block_id in blocks:
-            self.pool.touch(block_id)
-        self.block_tables[seq.seq_id] = list(blocks)
-        seq.num_computed_tokens = len(blocks) * self.block_size
+        self._adopt(seq, hit)
+        seq.num_computed_tokens = hit.num_blocks * self.block_size
+
+    def _adopt(self, seq: Sequence, hit: PrefixHit) -> list[list[int]]:
+        """Start `seq`'s tables with references to the blocks of `hit`."""
+        skipped = [self._first_needed(g, hit.num_blocks) for g in range(self.num_groups)]
+        for g, table in enumerate(hit.tables):
+            for block_id in table[skipped[g] :]:
+                self.pool.touch(block_id)
+        tables = [list(t) for t in hit.tables]
+        self.block_tables[seq.seq_id] = tables
+        self.num_skipped[seq.seq_id] = skipped
+        return tables
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         if not self.enable_prefix_caching:
@@ -188,55 +231,108 @@ class KVCacheManager:
         self.stats.queries += num_query_tokens
         self.stats.hits += num_hit_tokens
 
+    # -- allocation -------------------------------------------------------------------------------
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None
+        self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None
     ) -> bool:
-        """Make room for `num_new_tokens` more tokens of `seq` (after `cached_blocks`, when admitting).
-        Returns False, changing nothing, when the pool cannot provide the blocks."""
-        table = self.block_tables.get(seq.seq_id)
-        if (
-            table is not None
-            and not cached_blocks
-            and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
-        ):
-            return True  # most decode steps: the token fits in the last block
-        table = self.block_tables.setdefault(seq.seq_id, [])
-        cached_blocks = cached_blocks or []
-        num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
-        num_required = self.blocks_needed(num_computed + num_new_tokens)
-        num_new_blocks = num_required - len(table) - len(cached_blocks)
-        # Reviving an unreferenced cached block takes it out of the free queue too.
-        num_revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
-        if num_new_blocks + num_revived > self.pool.num_free:
-            if not table:
-                del self.block_tables[seq.seq_id]
+        """Make room for `num_new_tokens` more tokens of `seq` (after `hit`, when admitting), first
+        giving back the sliding groups' blocks that no query from here on reads. Returns False, taking
+        nothing, when the pool cannot provide the blocks."""
+        tables = self.block_tables.get(seq.seq_id)
+        if tables is not None and hit is None:
+            if self.sliding:
+                self._release(seq, tables)
+            if seq.num_computed_tokens + num_new_tokens <= len(tables[0]) * self.block_size:
+                return True  # most decode steps: the token fits in the last block
+        num_computed = seq.num_computed_tokens
+        if hit is not None:
+            assert tables is None, "a prefix hit is only taken on admission"
+            num_computed += hit.num_blocks * self.block_size
+            length = hit.num_blocks
+        else:
+            length = len(tables[0]) if tables is not None else 0
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - length
+        revived = 0  # reviving an unreferenced cached block takes it out of the free queue too
+        if hit is not None:
+            for g, table in enumerate(hit.tables):
+                first = self._first_needed(g, hit.num_blocks)
+                revived += sum(1 for b in table[first:] if self.pool.ref_counts[b] == 0)
+        if max(0, num_new_blocks) * self.num_groups + revived > self.pool.num_free:
             return False
-        for block_id in cached_blocks:
-            self.pool.touch(block_id)
-        table.extend(cached_blocks)
-        table.extend(self.pool.allocate() for _ in range(max(0, num_new_blocks)))
+        if hit is not None:
+            tables = self._adopt(seq, hit)
+        elif tables is None:
+            tables = self.block_tables[seq.seq_id] = [[] for _ in self.windows]
+            self.num_skipped[seq.seq_id] = [0] * self.num_groups
+        for table in tables:
+            table.extend(self.pool.allocate() for _ in range(max(0, num_new_blocks)))
         return True
+
+    def _release_point(self, seq: Sequence) -> int:
+        """The first position any query still reads from: the next one `seq` computes, or, while a
+        sibling has yet to take the group's shared prompt blocks from it, that share's end."""
+        position = seq.num_computed_tokens
+        group = seq.group
+        if len(group.seqs) > 1:
+            for other in group.seqs:
+                if (
+                    other is not seq
+                    and other.num_computed_tokens == 0
+                    and not other.status.finished
+                ):
+                    shared_end = (len(group.prompt_token_ids) - 1) // self.block_size
+                    return min(position, shared_end * self.block_size)
+        return position
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the sliding groups' blocks no query of `seq` reads any more (after a step; call
+        cache_full_blocks first so they stay reusable while cached)."""
+        if self.sliding:
+            tables = self.block_tables.get(seq.seq_id)
+            if tables is not None:
+                self._release(seq, tables)
+
+    def _release(self, seq: Sequence, tables: list[list[int]]) -> None:
+        position = self._release_point(seq)
+        skipped = self.num_skipped[seq.seq_id]
+        for g in self.sliding:
+            table = tables[g]
+            first = min(first_needed_block(self.windows[g], position, self.block_size), len(table))
+            for i in range(skipped[g], first):  # oldest first: the first eviction candidates
+                self.pool.release(table[i])
+                table[i] = NULL_BLOCK
+            skipped[g] = max(skipped[g], first)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the now-computed full blocks of `seq` so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        table = self.block_tables.get(seq.seq_id)
-        if not table:
+        tables = self.block_tables.get(seq.seq_id)
+        if not tables:
             return
-        nodes = self.node_chains.setdefault(seq.seq_id, [])
-        if num_full <= len(nodes):
+        chain = self.node_chains.setdefault(seq.seq_id, [])
+        start = len(chain)
+        if num_full <= start:
             return
         blocks = self._full_block_tokens(seq, num_full)
-        for i in range(len(nodes), num_full):
-            parent = nodes[-1] if nodes else ROOT_NODE
-            nodes.append(self.pool.register(table[i], block_key(parent, blocks[i])))
+        trie = self.pool.trie
+        for i in range(start, num_full):
+            parent = chain[-1] if chain else ROOT_NODE
+            chain.append(trie.intern(parent, block_key(parent, blocks[i])))
+        skipped = self.num_skipped[seq.seq_id]
+        for g, table in enumerate(tables):
+            for i in range(max(start, skipped[g]), num_full):
+                self.pool.register(g, table[i], chain[i])
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; its tail blocks become the first eviction candidates."""
-        table = self.block_tables.pop(seq.seq_id, [])
-        for block_id in reversed(table):
-            self.pool.release(block_id)
+        tables = self.block_tables.pop(seq.seq_id, None)
+        if tables is not None:
+            skipped = self.num_skipped.pop(seq.seq_id)
+            for g, table in enumerate(tables):
+                for block_id in reversed(table[skipped[g] :]):
+                    self.pool.release(block_id)
         self.block_tokens.pop(seq.seq_id, None)
-        self.node_chains.pop(seq.seq_id, None)
+        for node in reversed(self.node_chains.pop(seq.seq_id, [])):
+            self.pool.trie.unref(node)

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.core.config import SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -28,10 +28,11 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     start_pos: int  # position of the first new token (= tokens already computed)
-    block_table: list[int]
+    block_tables: list[list[int]]  # per KV cache group: the sequence's live block table
     needs_sample: bool  # this chunk reaches the sequence's last token, so a token is sampled
     prompt_logprobs_rows: int  # new tokens whose next-prompt-token logprobs are wanted
     prompt_logprobs_offset: int = 0  # new tokens before the first of those rows
+    num_held_blocks: int = 0  # KV blocks the sequence holds for this step (all groups)
 
     @property
     def is_decode(self) -> bool:
@@ -132,13 +133,13 @@ class Scheduler:
             if any(self.bypassed.get(b.seq_id, 0) >= HEAD_BYPASS_LIMIT for b in blocked):
                 break  # FCFS from here: a blocked sequence has let enough others go first
             seq = self.waiting[i]
-            cached_blocks: list[int] = []
+            hit: PrefixHit | None = None
             looked_up = seq.num_computed_tokens == 0  # not a follower already holding shared blocks
             if looked_up:
-                cached_blocks = self.kv.find_cached_prefix(seq) or self.kv.sibling_prefix(seq)
-            num_cached = len(cached_blocks) * self.kv.block_size
+                hit = self.kv.find_cached_prefix(seq) or self.kv.sibling_prefix(seq)
+            num_cached = hit.num_blocks * self.kv.block_size if hit is not None else 0
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(seq, num_new, cached_blocks):
+            if not self.kv.allocate_slots(seq, num_new, hit):
                 if i == 0 and self._drop_waiting_blocks(seq):
                     continue  # retry: a waiting follower gave its shared blocks back
                 i += 1
@@ -173,15 +174,16 @@ class Scheduler:
             first = max(start, logprobs_from)
             rows = max(0, min(end, seq.num_prompt_tokens - 1) - first)
             offset = first - start if rows else 0
-        table = self.kv.get_block_table(seq)
-        return ScheduledSeq(seq, num_new, start, table, needs_sample, rows, offset)
+        tables = self.kv.get_block_tables(seq)
+        held = self.kv.num_held_blocks(seq)
+        return ScheduledSeq(seq, num_new, start, tables, needs_sample, rows, offset, held)
 
     def _drop_waiting_blocks(self, needy: Sequence) -> bool:
         """Free the shared blocks a waiting follower holds (the newest first) so `needy` can run; the
         follower recomputes them later. Without this, followers waiting behind a sequence that needs
         the whole pool would hold it up forever. False when no waiting sequence holds blocks."""
         for seq in reversed(self.waiting):
-            if seq is not needy and self.kv.get_block_table(seq):
+            if seq is not needy and self.kv.holds_blocks(seq):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
                 return True
@@ -199,10 +201,12 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
     def after_step(self, out: SchedulerOutput) -> None:
-        """Account for the KV written this step and make the full blocks reusable."""
+        """Account for the KV written this step, make the full blocks reusable, and give back what
+        the sliding windows moved past."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.seq)
+            self.kv.release_out_of_window(s.seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End `seq` and release its blocks (idempotent)."""

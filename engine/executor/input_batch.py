@@ -1,9 +1,11 @@
 """The runner's persistent input batch: each running sequence keeps a row of block-table and sampling
 state across steps, updated incrementally (new blocks only), so a step never re-copies every
-sequence's token list or block table."""
+sequence's token list or block table. With several KV cache groups each group has its own tables
+and slot mapping, handed to the layers through `AttentionMetadata.for_layer`."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -15,23 +17,38 @@ from engine.kernels.attention import AttentionMetadata, slots_of
 
 
 class _Row:
-    """One sequence's persistent state: its row in the block-table tensor and its sampling row."""
+    """One sequence's persistent state: its row in the block-table tensors and its sampling row."""
 
-    __slots__ = ("index", "table", "num_written", "sampling")
+    __slots__ = ("index", "tables", "num_written", "sampling")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, num_groups: int) -> None:
         self.index = index
-        self.table: list[int] | None = None  # the KV manager's live list these entries mirror
-        self.num_written = 0  # entries of `table` already copied into the tensor
+        # Per group: the KV manager's live list these entries mirror, and how many are copied.
+        # Entries a sliding window released later keep their old id here: attention never reads them.
+        self.tables: list[list[int] | None] = [None] * num_groups
+        self.num_written = [0] * num_groups
         self.sampling: SamplingRow | None = None
 
 
 class InputBatch:
-    def __init__(self, block_size: int, device: torch.device, rows: int = 64, width: int = 64):
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        rows: int = 64,
+        width: int = 64,
+        layer_groups: list[int] | None = None,
+    ):
         self.block_size = block_size
         self.device = device
-        # [rows, width] int32 on the host: row r holds the block table of the sequence owning r.
-        self.block_tables = torch.zeros((rows, width), dtype=torch.int32)
+        # Per model layer, its KV cache group (None: one group for every layer).
+        self.layer_groups = tuple(layer_groups) if layer_groups else ()
+        self.num_groups = max(self.layer_groups, default=0) + 1
+        # Per group, [rows, width] int32 on the host: row r holds that group's block table of the
+        # sequence owning r.
+        self.group_tables = [
+            torch.zeros((rows, width), dtype=torch.int32) for _ in range(self.num_groups)
+        ]
         self._rows: weakref.WeakKeyDictionary[Sequence, _Row] = weakref.WeakKeyDictionary()
         self._free = list(range(rows - 1, -1, -1))
 
@@ -43,8 +60,13 @@ class InputBatch:
                 self._reclaim()
             if not self._free:
                 self._grow_rows()
-            row = self._rows[seq] = _Row(self._free.pop())
+            row = self._rows[seq] = _Row(self._free.pop(), self.num_groups)
         return row
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """The first group's tables (the only ones of a one-group model)."""
+        return self.group_tables[0]
 
     def _reclaim(self) -> None:
         """Free the rows of finished sequences and of those already garbage-collected."""
@@ -55,26 +77,27 @@ class InputBatch:
 
     def _grow_rows(self) -> None:
         rows, width = self.block_tables.shape
-        grown = torch.zeros((2 * rows, width), dtype=torch.int32)
-        grown[:rows] = self.block_tables
-        self.block_tables = grown
+        for g, tables in enumerate(self.group_tables):
+            grown = torch.zeros((2 * rows, width), dtype=torch.int32)
+            grown[:rows] = tables
+            self.group_tables[g] = grown
         self._free.extend(range(2 * rows - 1, rows - 1, -1))
 
-    def _sync_table(self, row: _Row, table: list[int]) -> None:
+    def _sync_table(self, row: _Row, group: int, table: list[int]) -> None:
         """Copy the entries of `table` this row does not hold yet (all, if the list was replaced)."""
-        if row.table is not table:  # new sequence, or its blocks were freed and reallocated
-            row.table, row.num_written = table, 0
-        if len(table) == row.num_written:
+        if row.tables[group] is not table:  # new sequence, or its blocks were freed and reallocated
+            row.tables[group], row.num_written[group] = table, 0
+        start = row.num_written[group]
+        if len(table) == start:
             return
-        if len(table) > self.block_tables.shape[1]:
-            width = max(len(table), 2 * self.block_tables.shape[1])
-            grown = torch.zeros((self.block_tables.shape[0], width), dtype=torch.int32)
-            grown[:, : self.block_tables.shape[1]] = self.block_tables
-            self.block_tables = grown
-        start = row.num_written
-        new = torch.tensor(table[start:], dtype=torch.int32)
-        self.block_tables[row.index, start : len(table)] = new
-        row.num_written = len(table)
+        tables = self.group_tables[group]
+        if len(table) > tables.shape[1]:
+            width = max(len(table), 2 * tables.shape[1])
+            grown = torch.zeros((tables.shape[0], width), dtype=torch.int32)
+            grown[:, : tables.shape[1]] = tables
+            self.group_tables[group] = tables = grown
+        tables[row.index, start : len(table)] = torch.tensor(table[start:], dtype=torch.int32)
+        row.num_written[group] = len(table)
 
     # -- one step --------------------------------------------------------------------------------
     def prepare(
@@ -83,14 +106,21 @@ class InputBatch:
         """input ids [num_tokens], positions [num_tokens] and the step's attention metadata."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        groups = range(self.num_groups)
+        group_slots: list[list[int]] = [[] for _ in groups]
         query_lens: list[int] = []
         seq_lens: list[int] = []
         rows: list[int] = []
         bs = self.block_size
+        one_group = self.num_groups == 1
+        slots0 = group_slots[0]
         for s in scheduled:
             row = self._row(s.seq)
-            self._sync_table(row, s.block_table)
+            table = s.block_tables[0]
+            self._sync_table(row, 0, table)
+            if not one_group:
+                for g in groups[1:]:
+                    self._sync_table(row, g, s.block_tables[g])
             rows.append(row.index)
             start, n = s.start_pos, s.num_new_tokens
             end = start + n
@@ -99,11 +129,17 @@ class InputBatch:
             if n == 1:  # a decode: one token, one slot
                 input_ids.append(s.seq.token_ids[start])
                 positions.append(start)
-                slots.append(s.block_table[start // bs] * bs + start % bs)
+                slots0.append(table[start // bs] * bs + start % bs)
+                if not one_group:
+                    for g in groups[1:]:
+                        group_slots[g].append(s.block_tables[g][start // bs] * bs + start % bs)
             else:
                 input_ids.extend(s.seq.token_ids[start:end])
                 positions.extend(range(start, end))
-                slots.extend(slots_of(s.block_table, start, end, bs))
+                slots0.extend(slots_of(table, start, end, bs))
+                if not one_group:
+                    for g in groups[1:]:
+                        group_slots[g].extend(slots_of(s.block_tables[g], start, end, bs))
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -113,29 +149,42 @@ class InputBatch:
             starts.append(starts[-1] + n)
         # One host tensor holds every per-step list (each torch.tensor() is several dispatched
         # ops, and a cache-cold op costs tens of microseconds after a forward); the fields are
-        # views of it: [ids | positions | slots | rows | query starts, seq lens].
+        # views of it: [ids | positions | slots of each group | rows | query starts, seq lens].
         num_tokens, num_seqs = len(input_ids), len(seq_lens)
+        slots = slots0 if one_group else sum(group_slots, [])
         packed = torch.tensor(input_ids + positions + slots + rows + starts + seq_lens)
-        at = 3 * num_tokens
-        tables = self.block_tables[packed[at : at + num_seqs], :width]  # [num_seqs, width]
+        at = (2 + self.num_groups) * num_tokens
+        picked = packed[at : at + num_seqs]
+        # [num_seqs, width] per group
+        tables = [group[picked, :width] for group in self.group_tables]
         ints = packed[at + num_seqs :].to(torch.int32)  # [num_seqs + 1 | num_seqs]
         dev = self.device
         if dev.type != "cpu":
             packed = packed.to(dev, non_blocking=True)
             ints = ints.to(dev, non_blocking=True)
-            tables = tables.to(dev, non_blocking=True)
+            tables = [t.to(dev, non_blocking=True) for t in tables]
         meta = AttentionMetadata(
             num_decode_seqs=num_decodes,
             query_start_loc=ints[: num_seqs + 1],
             seq_lens=ints[num_seqs + 1 :],
-            block_tables=tables,
-            slot_mapping=packed[2 * num_tokens : at],
+            block_tables=tables[0],
+            slot_mapping=packed[2 * num_tokens : 3 * num_tokens],
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
+        if self.num_groups > 1:
+            per_group = [meta] + [
+                dataclasses.replace(
+                    meta,
+                    block_tables=tables[g],
+                    slot_mapping=packed[(2 + g) * num_tokens : (3 + g) * num_tokens],
+                )
+                for g in range(1, self.num_groups)
+            ]
+            meta.layer_metas = tuple(per_group[g] for g in self.layer_groups)
         return packed[:num_tokens], packed[num_tokens : 2 * num_tokens], meta
 
     def sampling_row(self, seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:

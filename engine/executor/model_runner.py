@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.core.config import ModelConfig
+from engine.core.kv_cache_groups import KVCacheSpec, kv_cache_spec
 from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.executor.cuda_graphs import CudaGraphRunner
@@ -45,6 +46,12 @@ def prepare_model(
         compile_dense()  # compiled lazily by the first steps of each shape kind
 
 
+def model_kv_spec(model: Any, max_model_len: int | None = None) -> KVCacheSpec:
+    """The model's KV cache groups, from its per-layer sliding windows (`layer_windows`)."""
+    windows: list[int | None] = getattr(model, "layer_windows", None) or [None] * model.num_layers
+    return kv_cache_spec(list(windows), max_model_len)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -56,8 +63,11 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_graph_batch: int = 64,
         grammars: GrammarCompiler | None = None,
+        kv_spec: KVCacheSpec | None = None,
     ) -> None:
         self.model = model
+        self.kv_spec = kv_spec or model_kv_spec(model)
+        multi_group = len(self.kv_spec.groups) > 1
         self.grammars = grammars  # fills the allowed-token bitmask of constrained rows
         self.device = device
         self.dtype = dtype
@@ -69,13 +79,17 @@ class ModelRunner:
         if use_graphs and not triton_importable():
             logger.warning("CUDA graphs need the triton package (decode kernel); running eagerly")
             use_graphs = False
+        if use_graphs and multi_group:
+            logger.warning("CUDA graphs take one KV cache group; this model has several: eager")
+            use_graphs = False
         if use_graphs and not getattr(model, "supports_cuda_graphs", True):
             logger.info("%s runs decode steps eagerly (no CUDA graphs)", type(model).__name__)
             use_graphs = False
         # With CUDA graphs, one extra block (never handed out by the cache manager) takes the
-        # K/V that padding rows write.
-        self.kv_caches = allocate_kv_cache(
-            model.num_layers,
+        # K/V that padding rows write. The groups share the group_size cache tensors: layer i
+        # reads and writes tensor j of its group (engine.core.kv_cache_groups).
+        tensors = allocate_kv_cache(
+            self.kv_spec.group_size,
             num_blocks + int(use_graphs),
             block_size,
             model.num_kv_heads,
@@ -83,8 +97,11 @@ class ModelRunner:
             dtype,
             device,
         )
+        slots = self.kv_spec.layer_slots()
+        self.kv_caches = [tensors[j] for _, j in slots]  # per model layer
         self.sampler = Sampler()
-        self.input_batch = InputBatch(block_size, device)
+        layer_groups = [g for g, _ in slots] if multi_group else None
+        self.input_batch = InputBatch(block_size, device, layer_groups=layer_groups)
         self.cuda_graphs: CudaGraphRunner | None = None
         if use_graphs:
             max_blocks = -(-model.max_position_embeddings // block_size)
@@ -94,9 +111,13 @@ class ModelRunner:
             self.cuda_graphs.capture_all()  # at start-up, not while serving
 
     @staticmethod
-    def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(
+        model: Any, block_size: int, dtype: torch.dtype, kv_spec: KVCacheSpec | None = None
+    ) -> int:
+        """Bytes one block id stands for: its slot in each of the group_size cache tensors."""
+        layers = (kv_spec or model_kv_spec(model)).group_size
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+        return 2 * layers * block_size * model.num_kv_heads * model.head_dim * element
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -49,6 +49,9 @@ class AttentionMetadata:
     )
     # Per-step values every layer shares, built on first use (see decode_context).
     _shared: dict[object, Any] = field(default_factory=dict, init=False, repr=False)
+    # Per model layer, the metadata of its KV cache group (its block tables and slot mapping); empty
+    # when every layer shares this one. Set by the runner's input batch.
+    layer_metas: tuple[AttentionMetadata, ...] = field(default=(), init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -57,7 +60,7 @@ class AttentionMetadata:
     def for_layer(self, layer_index: int) -> AttentionMetadata:
         """The metadata layer `layer_index` attends with (its KV-cache group's block tables and
         slot mapping); with one group, this metadata itself. Models always go through it."""
-        return self
+        return self.layer_metas[layer_index] if self.layer_metas else self
 
     def decode_context(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block table [B, num_blocks], key mask [B, 1, 1, ctx_len]) of the decode sequences,

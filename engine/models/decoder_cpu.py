@@ -79,15 +79,18 @@ DecodeLayerArgs = tuple[
 def decode_layer_args(layer: DecoderLayer) -> DecodeLayerArgs | None:
     """What csrc/decode_layer.cpp takes for this layer besides the step's tensors: its norms' and
     matmuls' tensors, their kinds, eps, heads, KV heads, scale, window and softcap; None if it
-    cannot run it (it runs the Llama block: no q/k norm, whole-head rotary, SiLU)."""
+    cannot run it (it runs the Llama block, with Qwen3's q/k norm: whole-head rotary, SiLU,
+    plain RMSNorms of one eps)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    plain = not (layer.sandwich or mlp.gelu or attn.partial_rotary or attn.q_norm is not None)
-    if not plain:
+    norms = [norm1, norm2]
+    if attn.q_norm is not None and attn.k_norm is not None:
+        norms += [attn.q_norm, attn.k_norm]
+    if layer.sandwich or mlp.gelu or attn.partial_rotary:
         return None
-    if norm1.eps != norm2.eps or norm1.unit_offset or norm2.unit_offset:
+    if any(n.eps != norm1.eps or n.unit_offset for n in norms):
         return None
-    tensors: list[torch.Tensor] = [norm1.weight, norm2.weight]
+    tensors: list[torch.Tensor] = [n.weight for n in norms]
     kinds: list[int] = []
     for weight, bias in (
         (attn.qkv_weight, attn.qkv_bias),
@@ -106,5 +109,7 @@ def decode_layer_args(layer: DecoderLayer) -> DecodeLayerArgs | None:
             kinds += [0, int(bias is not None), weight.shape[0]]
         if bias is not None:
             tensors.append(bias)
+    if len(norms) == 4:
+        kinds.append(1)  # q/k norm weights follow the two block norms
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
     return tensors, kinds, norm1.eps, heads, kv_heads, attn.scale, attn.window, attn.softcap

@@ -89,7 +89,9 @@ def test_greedy_equals_transformers_with_chunked_prefill(case):
 
 
 def test_greedy_equals_transformers_under_preemption(case):
-    tm.check_preemption(case, num_blocks=20)
+    # Mixed layers make KV cache groups of equal size (2 or 1 layers here), so a block is that
+    # many layers' worth; the sliding ones give theirs back past the window. 30 still preempts.
+    tm.check_preemption(case, num_blocks=30)
 
 
 def test_prefix_cache_hits_keep_tokens(case):

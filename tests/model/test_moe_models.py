@@ -96,7 +96,8 @@ def test_greedy_equals_transformers_with_chunked_prefill(case):
 
 
 def test_greedy_equals_transformers_under_preemption(case):
-    tm.check_preemption(case, num_blocks=20)
+    # Mixtral's sliding layers give their blocks past the window back: a smaller pool preempts.
+    tm.check_preemption(case, num_blocks=10 if case.hf_model.config.model_type == "mixtral" else 20)
 
 
 def test_prefix_cache_hits_keep_tokens(case):

@@ -1,5 +1,6 @@
 """The one-call C++ decoder layer of pure decode steps (csrc/decode_layer.cpp) gives bitwise the
-values of the Python fused layer it replaces, for float, int8 and int4 weights; and the AVX2 float32
+values of the Python fused layer it replaces, for Llama and Qwen3 (q/k norm) blocks and float, int8
+and int4 weights; and the AVX2 float32
 decode attention agrees with a dense reference across head sizes, GQA groups and context lengths."""
 
 from __future__ import annotations
@@ -26,9 +27,21 @@ def _run(llm: LLM) -> list[tuple[list[int], list[tuple[float, list[tuple[int, fl
     ]
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(smollm2_dir, tmp_path_factory):
+    """A 2-layer Qwen3 (per-head q/k norm, head_dim 32 apart from hidden / heads)."""
+    from tests.model.test_qwen3 import qwen3_config
+    from tests.model.tiny_models import save_tiny_checkpoint
+
+    config = qwen3_config(smollm2_dir, num_hidden_layers=2)
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("qwen3"), smollm2_dir)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_decode_layer_equals_the_python_layer(tiny_llama_dir, quantization, monkeypatch):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=quantization, max_num_seqs=4)
+def test_decode_layer_equals_the_python_layer(request, family, quantization, monkeypatch):
+    folder = request.getfixturevalue(f"tiny_{family}_dir")
+    llm = LLM(str(folder), dtype="float32", quantization=quantization, max_num_seqs=4)
     calls = []
     real = cpu_kernels.decode_layer
 

@@ -24,7 +24,7 @@ def _seq(name: str, tokens: list[int]) -> Sequence:
 
 
 def _scheduled(seq: Sequence, table: list[int], start: int, n: int) -> ScheduledSeq:
-    return ScheduledSeq(seq, n, start, table, True, 0)
+    return ScheduledSeq(seq, n, start, [table], True, 0)
 
 
 def _check(batch: InputBatch, scheduled: list[ScheduledSeq]) -> None:
@@ -32,7 +32,7 @@ def _check(batch: InputBatch, scheduled: list[ScheduledSeq]) -> None:
     ref = AttentionMetadata.from_lists(
         [s.num_new_tokens for s in scheduled],
         [s.start_pos + s.num_new_tokens for s in scheduled],
-        [list(s.block_table) for s in scheduled],
+        [list(s.block_tables[0]) for s in scheduled],
         BS,
     )
     expected_ids = [
@@ -47,8 +47,8 @@ def _check(batch: InputBatch, scheduled: list[ScheduledSeq]) -> None:
     assert meta.query_start_loc.tolist() == ref.query_start_loc.tolist()
     assert meta.num_decode_seqs == ref.num_decode_seqs
     for i, s in enumerate(scheduled):  # entries past a sequence's blocks are never read
-        n = len(s.block_table)
-        assert meta.block_tables[i, :n].tolist() == s.block_table
+        n = len(s.block_tables[0])
+        assert meta.block_tables[i, :n].tolist() == s.block_tables[0]
 
 
 def test_steps_with_growing_tables_match_from_lists():
@@ -99,3 +99,35 @@ def test_sampling_row_reads_the_live_token_list():
     assert batch.sampling_row(a, frozenset({0})) is not None
     assert row.prompt_token_ids == [1, 2, 3] and row.output_token_ids == [9]
     assert row.num_output_tokens == 1
+
+
+def test_each_kv_cache_group_gets_its_own_tables_and_slots():
+    """Layers 0 and 2 in group 0, layer 1 in group 1: for_layer(i) is its group's metadata."""
+    batch = InputBatch(BS, torch.device("cpu"), rows=2, width=2, layer_groups=[0, 1, 0])
+    a, b = _seq("a", list(range(10, 19))), _seq("b", list(range(50, 53)))
+    tables = {a: ([7, 3, 9], [0, 4, 8]), b: ([1], [2])}  # a's group 1 released its first block
+
+    def step(scheduled: list[tuple[Sequence, int, int]]) -> None:
+        sched = [ScheduledSeq(s, n, start, list(tables[s]), True, 0) for s, start, n in scheduled]
+        _, _, meta = batch.prepare(sched)
+        assert meta.for_layer(0) is meta and meta.for_layer(2) is meta
+        for g in (0, 1):
+            group_meta = meta.for_layer(g)
+            ref = AttentionMetadata.from_lists(
+                [n for _, _, n in scheduled],
+                [start + n for _, start, n in scheduled],
+                [tables[s][g] for s, _, _ in scheduled],
+                BS,
+            )
+            assert group_meta.slot_mapping.tolist() == ref.slot_mapping.tolist()
+            assert group_meta.seq_lens.tolist() == ref.seq_lens.tolist()
+            for i, (s, _, _) in enumerate(scheduled):
+                n = len(tables[s][g])
+                assert group_meta.block_tables[i, :n].tolist() == tables[s][g]
+
+    step([(b, 0, 3), (a, 0, 9)])
+    a.token_ids.append(5)
+    b.token_ids.extend([6, 7])
+    tables[b][0].append(11)
+    tables[b][1].append(12)
+    step([(a, 9, 1), (b, 3, 2)])

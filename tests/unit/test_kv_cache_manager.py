@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.core.kv_cache_manager import ROOT_NODE, KVCacheManager, block_key
+from engine.core.block_pool import ROOT_NODE, block_key
+from engine.core.kv_cache_manager import KVCacheManager, PrefixHit
 from engine.core.request import RequestGroup, Sequence
 from engine.core.sampling_params import SamplingParams
 
@@ -14,11 +15,16 @@ def make_seq(tokens: list[int], name: str = "r", params: SamplingParams | None =
     return seq
 
 
-def compute(kv: KVCacheManager, seq: Sequence, cached: list[int] | None = None) -> None:
+def hit_blocks(hit: PrefixHit | None) -> list[int]:
+    """The first group's blocks of a prefix hit ([] for a miss)."""
+    return [] if hit is None else hit.tables[0]
+
+
+def compute(kv: KVCacheManager, seq: Sequence, hit: PrefixHit | None = None) -> None:
     """Admit `seq` (after its cached prefix) and mark all of its tokens computed."""
-    cached = cached or []
     seq.num_computed_tokens = 0
-    assert kv.allocate_slots(seq, seq.num_tokens - len(cached) * kv.block_size, cached)
+    num_hit = hit.num_blocks if hit is not None else 0
+    assert kv.allocate_slots(seq, seq.num_tokens - num_hit * kv.block_size, hit)
     seq.num_computed_tokens = seq.num_tokens
     kv.cache_full_blocks(seq)
 
@@ -61,12 +67,12 @@ def test_shared_prefix_hits_whole_blocks_and_leaves_the_last_token():
     a = make_seq(list(range(10)), "a")
     compute(kv, a)
     b = make_seq(list(range(9)) + [99, 98], "b")
-    hits = kv.find_cached_prefix(b)
+    hits = hit_blocks(kv.find_cached_prefix(b))
     assert hits == kv.get_block_table(a)[:2]
     # An identical prompt still recomputes its last token: 8 tokens = 2 blocks, only 1 reusable.
     c = make_seq(list(range(8)), "c")
     compute(kv, make_seq(list(range(8)), "d"))
-    assert len(kv.find_cached_prefix(c)) == 1
+    assert len(hit_blocks(kv.find_cached_prefix(c))) == 1
 
 
 def test_shared_blocks_are_reference_counted():
@@ -75,7 +81,7 @@ def test_shared_blocks_are_reference_counted():
     compute(kv, a)
     b = make_seq(list(range(9)), "b")
     hits = kv.find_cached_prefix(b)
-    assert len(hits) == 2
+    assert hits is not None and hits.num_blocks == 2
     compute(kv, b, hits)
     shared = kv.get_block_table(a)[:2]
     assert kv.get_block_table(b)[:2] == shared
@@ -91,7 +97,7 @@ def test_key_is_chained_on_the_parent():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     compute(kv, make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a"))
     # Same second block, different first block: no hit at all.
-    assert kv.find_cached_prefix(make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], "b")) == []
+    assert hit_blocks(kv.find_cached_prefix(make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], "b"))) == []
 
 
 # Python hashes ints modulo the Mersenne prime 2**61 - 1, so these two token blocks have equal tuple
@@ -106,12 +112,12 @@ def test_colliding_hashes_never_share_kv():
     a = make_seq([*a_tokens, 7, 8, 9, 10, 11], "a")
     compute(kv, a)
     b = make_seq([*b_tokens, 7, 8, 9, 10, 11], "b")
-    assert kv.find_cached_prefix(b) == []
+    assert hit_blocks(kv.find_cached_prefix(b)) == []
     compute(kv, b)  # b computes (and caches) its own first block
     assert kv.get_block_table(b)[0] != kv.get_block_table(a)[0]
     # Both contents stay cached side by side, each found only by its own tokens.
-    again_a = kv.find_cached_prefix(make_seq([*a_tokens, 7, 8, 9, 10, 11], "a2"))
-    again_b = kv.find_cached_prefix(make_seq([*b_tokens, 7, 8, 9, 10, 11], "b2"))
+    again_a = hit_blocks(kv.find_cached_prefix(make_seq([*a_tokens, 7, 8, 9, 10, 11], "a2")))
+    again_b = hit_blocks(kv.find_cached_prefix(make_seq([*b_tokens, 7, 8, 9, 10, 11], "b2")))
     assert again_a == kv.get_block_table(a)[:2] and again_b == kv.get_block_table(b)[:2]
 
 
@@ -120,7 +126,7 @@ def test_a_colliding_parent_never_leads_to_the_other_prompts_children():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     compute(kv, make_seq([*a_tokens, 5, 6, 7, 8, 9], "a"))
     # b shares a's second block but not its first: neither block may be reused.
-    assert kv.find_cached_prefix(make_seq([*b_tokens, 5, 6, 7, 8, 9], "b")) == []
+    assert hit_blocks(kv.find_cached_prefix(make_seq([*b_tokens, 5, 6, 7, 8, 9], "b"))) == []
 
 
 def test_evicted_parent_orphans_its_children():
@@ -131,8 +137,8 @@ def test_evicted_parent_orphans_its_children():
     # Reuse all three blocks for other content: a's blocks are evicted, their keys forgotten.
     b = make_seq(list(range(100, 112)), "b")
     assert kv.allocate_slots(b, 12)
-    assert kv.find_cached_prefix(make_seq(list(range(9)), "a2")) == []
-    assert kv.pool.cached == {}
+    assert kv.find_cached_prefix(make_seq(list(range(9)), "a2")) is None
+    assert kv.pool.cached == {} and len(kv.pool.trie) == 0
 
 
 def test_finished_blocks_stay_cached_until_evicted_lru():
@@ -142,12 +148,14 @@ def test_finished_blocks_stay_cached_until_evicted_lru():
     kv.free(a)
     assert kv.num_free_blocks == 4
     again = make_seq(list(range(9)), "a2")
-    assert len(kv.find_cached_prefix(again)) == 2  # still cached after the request finished
+    assert (
+        len(hit_blocks(kv.find_cached_prefix(again))) == 2
+    )  # still cached after the request finished
     # Taking 3 fresh blocks evicts the partial tail block first and then the last full block (LRU order
     # puts a sequence's tail ahead of its prefix); the first block survives.
     b = make_seq(list(range(100, 112)), "b")
     assert kv.allocate_slots(b, 12)
-    hits = kv.find_cached_prefix(make_seq(list(range(9)), "a3"))
+    hits = hit_blocks(kv.find_cached_prefix(make_seq(list(range(9)), "a3")))
     assert len(hits) == 1
     assert hits[0] not in kv.get_block_table(b)
 
@@ -164,11 +172,11 @@ def test_referenced_block_is_never_evicted():
 def test_prefix_caching_off_never_hits():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     compute(kv, make_seq(list(range(9)), "a"))
-    assert kv.find_cached_prefix(make_seq(list(range(9)), "b")) == []
+    assert kv.find_cached_prefix(make_seq(list(range(9)), "b")) is None
 
 
 def test_prompt_logprobs_requests_skip_the_cache():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     compute(kv, make_seq(list(range(9)), "a"))
     seq = make_seq(list(range(9)), "b", SamplingParams(prompt_logprobs=1))
-    assert kv.find_cached_prefix(seq) == []
+    assert hit_blocks(kv.find_cached_prefix(seq)) == []

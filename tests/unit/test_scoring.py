@@ -52,7 +52,7 @@ def test_score_group_computes_the_context_once(prefix_caching: bool) -> None:
         (1, 1),
         (1, 2),
     ]
-    assert all(s.block_table[:2] == leader.block_table[:2] for s in followers)
+    assert all(s.block_tables[0][:2] == leader.block_tables[0][:2] for s in followers)
     assert group.finished and kv.num_free_blocks == 64
     assert group.num_prompt_tokens == 10 + 6
     if prefix_caching:

@@ -1,6 +1,6 @@
 // One Llama decoder layer of a pure decode step (every sequence adds one token) in a single call: the
 // same ATen ops and kvserve kernels, in the same order, as the Python fused layer
-// (engine/models/llama.py, _fused_layer), so its values are bitwise the same; only the Python
+// (engine/models/decoder_cpu.py, fused_layer), so its values are bitwise the same; only the Python
 // dispatch between ~20 small ops per layer is gone. window / softcap (0: off) go to the attention.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -80,17 +80,32 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t&
   return out;
 }
 
-// w: [input_layernorm.weight, post_attention_layernorm.weight, then the 4 matmuls' tensors].
+// Per-head RMSNorm of `size` columns of qkv from `start` (Qwen3's q_norm / k_norm), in place: the
+// Python fused layer's ops (engine/models/decoder_cpu.py, _qk_norm_in_place).
+void head_norm(at::Tensor& qkv, int64_t start, int64_t size, int64_t d, const at::Tensor& weight,
+               double eps) {
+  at::Tensor part = qkv.narrow(1, start, size);
+  part.copy_(ops().rms_norm.call(part.reshape({-1, d}), weight, eps).view({qkv.size(0), size}));
+}
+
+// w: [input_layernorm.weight, post_attention_layernorm.weight, (q_norm.weight, k_norm.weight when
+// kinds[12] is 1), then the 4 matmuls' tensors].
 at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                         const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads,
                         int64_t kv_heads, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(kinds.size() == 12 && w.size() >= 6, "decode_layer: 4 matmuls expected");
+  TORCH_CHECK((kinds.size() == 12 || kinds.size() == 13) && w.size() >= 6,
+              "decode_layer: 4 matmuls expected");
+  const bool qk_norm = kinds.size() == 13 && kinds[12] != 0;
   const Ops& o = ops();
   const int64_t n = h.size(0), d = kv_cache.size(4), q_size = heads * d;
-  size_t next = 2;
+  size_t next = qk_norm ? 4 : 2;
   at::Tensor qkv = linear(o.rms_norm.call(h, w[0], eps), w, next, kinds, 0);
+  if (qk_norm) {
+    head_norm(qkv, 0, q_size, d, w[2], eps);
+    head_norm(qkv, q_size, kv_heads * d, d, w[3], eps);
+  }
   o.rope.call(qkv, cos, sin, kv_cache, slots, heads, kv_heads);
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads, d});
   const at::Tensor att =

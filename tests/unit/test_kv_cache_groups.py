@@ -1,0 +1,264 @@
+"""KV cache groups (no model): layers grouped by window, out-of-window blocks given back to the pool,
+placeholders, prefix hits that only reuse blocks a window still covers, preemption, n > 1 sharing,
+and every block free after finish or abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.config import SchedulerConfig
+from engine.core.kv_cache_groups import first_needed_block, kv_cache_spec
+from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, PrefixHit
+from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+
+BS = 4
+W = 8  # window: a query at p sees keys p-7 .. p
+
+
+def make_group(name: str, tokens: list[int], n: int = 1, max_tokens: int = 64) -> RequestGroup:
+    params = SamplingParams(n=n, max_tokens=max_tokens)
+    group = RequestGroup(name, None, list(tokens), params, max_tokens)
+    for i in range(n):
+        group.seqs.append(Sequence(f"{name}/{i}", group, i, list(tokens), len(tokens)))
+    return group
+
+
+def make_seq(tokens: list[int], name: str = "r") -> Sequence:
+    return make_group(name, tokens).seqs[0]
+
+
+def run(kv: KVCacheManager, seq: Sequence, chunk: int, hit: PrefixHit | None = None) -> int:
+    """Compute all of `seq`'s tokens in chunks of `chunk`; returns the most blocks held at once."""
+    peak = 0
+    if hit is not None:
+        num_new = min(chunk, seq.num_tokens - hit.num_blocks * BS)
+        assert kv.allocate_slots(seq, num_new, hit)
+        seq.num_computed_tokens = hit.num_blocks * BS + num_new
+        kv.cache_full_blocks(seq)
+        kv.release_out_of_window(seq)
+    while seq.num_computed_tokens < seq.num_tokens:
+        num_new = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        assert kv.allocate_slots(seq, num_new)
+        peak = max(peak, kv.num_held_blocks(seq))
+        seq.num_computed_tokens += num_new
+        kv.cache_full_blocks(seq)
+        kv.release_out_of_window(seq)
+    return peak
+
+
+def check_placeholders(kv: KVCacheManager, seq: Sequence) -> None:
+    """Released entries are a leading run of placeholders; the rest cover the window."""
+    for g, table in enumerate(kv.get_block_tables(seq)):
+        skipped = kv.num_skipped[seq.seq_id][g]
+        assert all(b == NULL_BLOCK for b in table[:skipped])
+        first = first_needed_block(kv.windows[g], seq.num_computed_tokens, BS)
+        assert skipped <= first
+        assert all(kv.pool.ref_counts[b] >= 1 for b in table[skipped:])
+
+
+def test_layers_group_by_window_in_equal_sizes():
+    assert kv_cache_spec([None] * 4).windows == (None,)
+    assert kv_cache_spec([None] * 4).group_size == 4
+    gemma = kv_cache_spec([W] * 5 + [None])  # 5 local : 1 global
+    assert gemma.group_size == 1 and gemma.windows == (W,) * 5 + (None,)
+    assert gemma.layer_slots() == [(g, 0) for g in range(6)]
+    # 26 layers, every 6th global (Gemma 3 1B): groups of 4, the last sliding one shorter.
+    windows = [None if i % 6 == 5 else 512 for i in range(26)]
+    spec = kv_cache_spec(windows)
+    assert spec.group_size == 4 and spec.num_layers == 26
+    assert sorted(len(g.layers) for g in spec.groups) == [2, 4, 4, 4, 4, 4, 4]
+    assert kv_cache_spec([4096, 4096], max_model_len=2048).windows == (None,)  # covers everything
+    with pytest.raises(ValueError, match="at least 1"):
+        kv_cache_spec([0, None])
+
+
+def test_a_sliding_group_holds_its_window_not_its_length():
+    kv = KVCacheManager(64, BS, windows=(W,))
+    seq = make_seq(list(range(8 * W)), "a")
+    peak = run(kv, seq, chunk=W)
+    # A chunk of W tokens after W-1 visible ones: at most ceil((2W - 1 + BS - 1) / BS) blocks.
+    assert peak <= -(-(2 * W + BS - 2) // BS)
+    check_placeholders(kv, seq)
+    table = kv.get_block_table(seq)
+    assert len(table) == 8 * W // BS  # one entry per block of the sequence
+    assert kv.num_skipped[seq.seq_id][0] == len(table) - 2  # 2 blocks hold the last window
+    for _ in range(5 * W):  # decoding on: the number of blocks held stays put
+        seq.append_token(1000 + seq.num_tokens)
+        assert kv.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+        kv.cache_full_blocks(seq)
+        kv.release_out_of_window(seq)
+        assert kv.num_held_blocks(seq) <= -(-(W + BS - 1) // BS) + 1
+        check_placeholders(kv, seq)
+    kv.free(seq)
+    assert kv.num_free_blocks == 64 and kv.usage == 0.0
+
+
+def test_full_group_keeps_every_block_and_mixed_groups_share_one_pool():
+    kv = KVCacheManager(64, BS, windows=(None, W))
+    seq = make_seq(list(range(6 * W)), "a")
+    run(kv, seq, chunk=W)
+    full, sliding = kv.get_block_tables(seq)
+    assert len(full) == len(sliding) == 6 * W // BS
+    assert kv.num_skipped[seq.seq_id] == [0, len(sliding) - 2]
+    assert not set(full) & set(sliding[-2:])  # a block belongs to one group at a time
+    assert kv.num_free_blocks == 64 - len(full) - 2
+    kv.free(seq)
+    assert kv.num_free_blocks == 64
+
+
+def test_a_long_prompt_fits_a_pool_smaller_than_the_prompt():
+    kv = KVCacheManager(8, BS, windows=(W,))  # 32 tokens of KV for a 200-token sequence
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=W), kv)
+    group = make_group("a", list(range(200)), max_tokens=40)
+    sched.add_group(group)
+    seq = group.seqs[0]
+    while seq.num_output_tokens < 40:
+        out = sched.schedule()
+        assert not out.preempted
+        sched.after_step(out)
+        for s in out.scheduled:
+            if s.needs_sample:
+                s.seq.append_token(5)
+    sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    assert kv.num_free_blocks == 8
+
+
+def test_released_blocks_stay_cached_and_serve_a_prefix_hit():
+    kv = KVCacheManager(64, BS, windows=(W,))
+    a = make_seq(list(range(10 * BS)), "a")
+    run(kv, a, chunk=BS)
+    # b shares a's first 5 blocks: a released them long ago, but they are still cached.
+    b = make_seq(list(range(5 * BS)) + [900, 901, 902], "b")
+    hit = kv.find_cached_prefix(b)
+    assert hit is not None and hit.num_blocks == 5
+    first = first_needed_block(W, 5 * BS, BS)  # the blocks of the last W positions before 20
+    assert hit.tables[0][:first] == [NULL_BLOCK] * first
+    assert hit.tables[0][first:] == [
+        kv.pool.lookup(0, node) for node in kv.node_chains[a.seq_id][first:5]
+    ]
+    free_before = kv.num_free_blocks
+    run(kv, b, chunk=BS, hit=hit)
+    assert kv.num_free_blocks < free_before  # revived cached blocks left the free queue
+    check_placeholders(kv, b)
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 64
+
+
+def test_a_hit_never_uses_blocks_the_window_no_longer_has():
+    kv = KVCacheManager(12, BS, windows=(W,))
+    a = make_seq(list(range(10 * BS)), "a")
+    run(kv, a, chunk=BS)
+    # Another sequence takes every free block: a's released blocks (its first 8) are evicted.
+    other = make_seq(list(range(500, 500 + 10 * BS)), "o")
+    assert kv.allocate_slots(other, 10 * BS)
+    kv.free(other)
+    # The blocks 4..7 (positions 16..31) are gone, so a hit at 6 blocks (needing blocks 4, 5) is not
+    # usable even though the trie still knows the content; only a's held blocks 8, 9 remain.
+    b = make_seq(list(range(6 * BS)) + [900, 901], "b")
+    assert kv.find_cached_prefix(b) is None
+    # A prompt continuing a's to its end does hit: blocks 8, 9 cover the last window.
+    c = make_seq(list(range(10 * BS)) + [900], "c")
+    hit = kv.find_cached_prefix(c)
+    assert hit is not None and hit.num_blocks == 10
+    assert hit.tables[0][8:] == kv.get_block_table(a)[8:]
+
+
+def test_mixed_groups_hit_only_where_both_have_their_blocks():
+    kv = KVCacheManager(64, BS, windows=(None, W))
+    a = make_seq(list(range(6 * BS)), "a")
+    run(kv, a, chunk=BS)
+    b = make_seq(list(range(6 * BS)) + [77], "b")
+    hit = kv.find_cached_prefix(b)
+    assert hit is not None and hit.num_blocks == 6
+    full, sliding = hit.tables
+    assert full == kv.get_block_table(a)  # every block for the full layers
+    assert sliding[:4] == [NULL_BLOCK] * 4 and sliding[4:] == kv.get_block_tables(a)[1][4:]
+    run(kv, b, chunk=BS, hit=hit)
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 64
+
+
+def test_preemption_frees_everything_and_the_resume_hits_the_cache():
+    kv = KVCacheManager(10, BS, windows=(W,))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2 * BS), kv)
+    group = make_group("a", list(range(12 * BS)), max_tokens=4)
+    sched.add_group(group)
+    seq = group.seqs[0]
+    while not seq.is_prefill_done:
+        sched.after_step(sched.schedule())
+    seq.append_token(3)
+    sched.running.remove(seq)
+    sched._preempt(seq)
+    assert kv.num_free_blocks == 10 and not kv.holds_blocks(seq)
+    out = sched.schedule()
+    # The window's blocks were still cached: the resume recomputes from the last full block only.
+    assert out.scheduled[0].start_pos == 12 * BS
+    assert group.metrics.num_recomputed_tokens == 0
+    sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_followers_share_the_window_of_the_prompt(caching: bool):
+    kv = KVCacheManager(64, BS, enable_prefix_caching=caching, windows=(W,))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), kv)
+    group = make_group("a", list(range(6 * BS)), n=3)
+    sched.add_group(group)
+    sched.after_step(sched.schedule())  # the leader prefills the 24-token prompt
+    leader = group.seqs[0]
+    leader.append_token(9)
+    sched.release_followers(group)
+    out = sched.schedule()
+    sched.after_step(out)
+    for s in out.scheduled:
+        if s.seq.index:  # shared 5 blocks; only the last block's tokens are computed again
+            assert s.start_pos == 5 * BS
+    lead_table = kv.get_block_table(leader)
+    for follower in group.seqs[1:]:
+        table = kv.get_block_table(follower)
+        first = first_needed_block(W, 5 * BS, BS)
+        assert table[first:5] == lead_table[first:5]
+    # All started: the leader now gives back what no one reads.
+    leader.append_token(10)
+    sched.schedule()
+    assert kv.num_skipped[leader.seq_id][0] == first_needed_block(W, leader.num_computed_tokens, BS)
+    for s in group.seqs:
+        sched.finish(s, SequenceStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 64
+    assert all(count == 0 for count in kv.pool.ref_counts)
+
+
+def test_score_followers_take_the_context_window_from_the_leader():
+    kv = KVCacheManager(64, BS, enable_prefix_caching=False, windows=(W,))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), kv)
+    context = list(range(7 * BS))
+    group = RequestGroup.for_scoring("s", context, [[900, 901], [902], [903, 904, 905]])
+    sched.add_group(group)
+    sched.after_step(sched.schedule())
+    sched.release_followers(group)  # shares before the leader ends
+    sched.finish(group.seqs[0], SequenceStatus.FINISHED_STOPPED)
+    for follower in group.seqs[1:]:
+        assert follower.num_computed_tokens == (len(context) - 1) // BS * BS
+    out = sched.schedule()
+    assert all(s.start_pos == 6 * BS for s in out.scheduled)
+    sched.after_step(out)
+    for s in group.seqs[1:]:
+        sched.finish(s, SequenceStatus.FINISHED_STOPPED)
+    assert kv.num_free_blocks == 64
+
+
+def test_the_trie_forgets_content_no_block_holds():
+    kv = KVCacheManager(8, BS, windows=(W,))
+    a = make_seq(list(range(6 * BS)), "a")
+    run(kv, a, chunk=BS)
+    kv.free(a)
+    assert len(kv.pool.trie) == 6
+    b = make_seq(list(range(300, 300 + 8 * BS)), "b")
+    assert kv.allocate_slots(b, 8 * BS)  # every block reused: a's content is gone
+    assert len(kv.pool.trie) == 0 and kv.pool.cached == {}
+    kv.free(b)
