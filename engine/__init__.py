@@ -52,6 +52,7 @@ from engine.core.snapshot import (
     StepRecord,
 )
 from engine.core.spec_config import SpeculativeConfig
+from engine.embeddings.prompts import EmbeddingPrompts
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
@@ -108,6 +109,7 @@ __all__ = [
     "ChoiceScore",
     "CompletionOutput",
     "EmbeddingOutput",
+    "EmbeddingPrompts",
     "EngineConfig",
     "EngineDeadError",
     "ModelConfig",

@@ -30,6 +30,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.snapshot import EngineHealth, EngineSnapshot
 from engine.core.stats import StepStats
 from engine.embeddings.embedding_engine import EmbeddingEngine
+from engine.embeddings.prompts import EmbeddingPrompts
 from engine.faults import EngineDeathFault, fault_injection_enabled
 from engine.llm_engine import LLMEngine, served_model_name
 from engine.models.loader import find_bundled_embedding_model, resolve_model
@@ -91,6 +92,11 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.core.tokenizer
+
+    @property
+    def embedding_prompts(self) -> EmbeddingPrompts:
+        core = self.core
+        return core.model.prompts if isinstance(core, EmbeddingEngine) else EmbeddingPrompts()
 
     @property
     def max_queued_requests(self) -> int:

@@ -344,6 +344,9 @@ class EmbeddingRequest(StrictModel):
     user: str | None = None
     # Extension (vLLM): keep only the last N tokens of each input; -1 means the model's maximum.
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # Extension (text-embeddings-inference): the model's named instruction prompt to prepend to text
+    # inputs (config_sentence_transformers.json `prompts`); null: its default_prompt_name, if any.
+    prompt_name: str | None = None
 
 
 # ----------------------------------------------------------------------------------------- responses

@@ -1,5 +1,6 @@
-"""POST /v1/embeddings: inputs (text, ids, or lists of them) submitted together to the engine, truncation,
-Matryoshka `dimensions`, float or base64 output; and the check that a route matches the engine's task."""
+"""POST /v1/embeddings: inputs (text, ids, or lists of them) submitted together to the engine, the
+model's instruction prompt on texts, truncation, Matryoshka `dimensions`, float or base64 output; and
+the check that a route matches the engine's task."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine import EmbeddingOutput, EngineClient
-from server.errors import invalid_request, wrong_task
+from engine import EmbeddingOutput, EmbeddingPrompts, EngineClient, InvalidRequestError
+from server.errors import invalid_request, to_api_error, wrong_task
 from server.field_map import EMBEDDING_FIELDS
 from server.generation import check_prompts, wait_for_disconnect
 from server.protocol import EmbeddingRequest
@@ -31,40 +32,65 @@ def require_task(engine: EngineClient, task: str) -> None:
         raise wrong_task(engine.task)
 
 
-def _inputs(req: EmbeddingRequest, tokenizer: Tokenizer, keep: int | None) -> list[list[int]]:
-    """Token ids of each input, at most `keep` of them (texts keep the model's special tokens);
-    empty inputs are 400s."""
+def _inputs(
+    req: EmbeddingRequest, tokenizer: Tokenizer, keep: int | None, prompts: EmbeddingPrompts
+) -> list[list[int]]:
+    """Token ids of each input, at most `keep` of them (texts keep the model's special tokens and
+    the instruction prompt put before them); empty inputs are 400s."""
     raw: Any = req.input
     items: list[Any] = [raw] if isinstance(raw, str) else list(raw)
     if not items:
         raise invalid_request("input must not be an empty list", "input")
     if all(isinstance(x, int) for x in items):
         items = [items]
+    try:
+        prompt = prompts.text_for(req.prompt_name)
+    except InvalidRequestError as e:
+        raise to_api_error(e, EMBEDDING_FIELDS) from e
+    if req.prompt_name is not None and not all(isinstance(item, str) for item in items):
+        raise invalid_request(
+            "prompt_name applies to text inputs; token-id inputs are embedded as given",
+            "prompt_name",
+        )
     inputs: list[list[int]] = []
     for i, item in enumerate(items):
         if not item:
             which = "input" if len(items) == 1 else f"input[{i}]"
             raise invalid_request(f"{which} is empty; give a non-empty text or token list", "input")
         if isinstance(item, str):
-            inputs.append(_encode(tokenizer, item, keep))
+            inputs.append(_encode(tokenizer, item, keep, prompt))
         else:
             inputs.append(list(item) if keep is None else list(item)[-keep:])
     return inputs
 
 
-def _encode(tokenizer: Tokenizer, text: str, keep: int | None) -> list[int]:
-    """The text's ids; with `keep`, its last tokens, still framed by the model's special tokens."""
-    ids = list(tokenizer.encode(text))
+def _encode(tokenizer: Tokenizer, text: str, keep: int | None, prompt: str = "") -> list[int]:
+    """The ids of `prompt + text` (sentence-transformers joins them before tokenizing); with `keep`,
+    the text's last tokens, still after the prompt and framed by the model's special tokens."""
+    ids = list(tokenizer.encode(prompt + text))
     if keep is None or len(ids) <= keep:
         return ids
-    content = list(tokenizer.encode(text, add_special_tokens=False))
+    content = list(tokenizer.encode(prompt + text, add_special_tokens=False))
     num_special = len(ids) - len(content)
     prefix = next((p for p in range(num_special + 1) if ids[p : p + len(content)] == content), None)
-    if prefix is None or keep <= num_special:
+    if prefix is None:
         return ids[-keep:]  # the specials do not simply frame the text: keep the last ids
-    return (
-        ids[:prefix] + content[len(content) - (keep - num_special) :] + ids[prefix + len(content) :]
+    # The prompt's tokens stay: those the joined text begins with (a merge across the seam is text).
+    prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
+    num_prompt = next(
+        (n for n in range(len(prompt_ids), 0, -1) if content[:n] == prompt_ids[:n]), 0
     )
+    room = keep - num_special - num_prompt
+    if room <= 0:
+        if num_prompt == 0:
+            return ids[-keep:]
+        raise invalid_request(
+            f"truncate_prompt_tokens ({keep}) leaves no room for the text after the model's "
+            f"{num_prompt}-token instruction prompt and {num_special} special tokens",
+            "truncate_prompt_tokens",
+        )
+    kept = content[:num_prompt] + content[len(content) - room :]
+    return ids[:prefix] + kept + ids[prefix + len(content) :]
 
 
 def _truncation(req: EmbeddingRequest, max_model_len: int) -> int | None:
@@ -163,7 +189,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
     require_task(engine, "embed")
     tokenizer = engine.tokenizer
     keep = _truncation(req, engine.max_model_len)
-    inputs = _inputs(req, tokenizer, keep)
+    inputs = _inputs(req, tokenizer, keep, engine.embedding_prompts)
     check_prompts(engine, inputs, None, EMBEDDING_FIELDS)
     _check_capacity(engine, inputs)
     request_id = f"embd-{uuid.uuid4().hex}"

@@ -13,6 +13,7 @@ from engine.core.snapshot import EngineHealth, EngineSnapshot
 from engine.core.stats import StepStats
 
 if TYPE_CHECKING:
+    from engine.embeddings.prompts import EmbeddingPrompts
     from engine.text.tokenizer import Tokenizer
 
 
@@ -31,6 +32,11 @@ class EngineClient(Protocol):
     def vocab_size(self) -> int: ...
     @property
     def tokenizer(self) -> Tokenizer: ...
+    @property
+    def embedding_prompts(self) -> EmbeddingPrompts:
+        """An embedding model's named instruction prompts (none for a generative model)."""
+        ...
+
     @property
     def max_queued_requests(self) -> int:
         """A request batch (prompts or inputs) larger than this can never be admitted."""

@@ -1,25 +1,26 @@
-"""Embedding models: an encoder (BERT family) or a decoder (Llama family, causal) run over a packed
-batch with no KV cache kept, then pooled (mean / cls / last token) and L2-normalized."""
+"""Embedding models: an encoder (BERT family) or a decoder (any family kvserve generates with, causal)
+run over a packed batch with no KV cache kept, then pooled (mean / cls / last token) and L2-normalized;
+the folder's sentence-transformers prompts ride along for the server to apply."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from engine.embeddings.pooling import PoolingConfig, normalize, pool, resolve_pooling
+from engine.embeddings.prompts import EmbeddingPrompts, read_prompts
 from engine.models.loader import checkpoint_dtype, iter_weights, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
-DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _SCRATCH_BLOCK_SIZE = 16
 
 
@@ -37,8 +38,8 @@ def positions_of(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 class EmbeddingModel:
-    """Loads an embedding model (encoder BERT-family, or decoder Llama-family with last-token
-    pooling) and turns a packed batch of token sequences into pooled, normalized vectors."""
+    """Loads an embedding model (a BERT-family encoder, or a decoder of any registered family with
+    last-token pooling) and turns a packed batch of token sequences into pooled, normalized vectors."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class EmbeddingModel:
         is_encoder: bool,
         dtype: torch.dtype,
         device: torch.device,
+        prompts: EmbeddingPrompts | None = None,
     ) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -58,6 +60,7 @@ class EmbeddingModel:
         self.hidden_size = int(hf_config.hidden_size)
         self.dtype = dtype
         self.device = device
+        self.prompts = prompts or EmbeddingPrompts()
 
     @property
     def pooling(self) -> str:
@@ -91,6 +94,8 @@ class EmbeddingModel:
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device, checkpoint_dtype(hf_config))
         pooling_config = resolve_pooling(model_dir, pooling, is_encoder)
+        prompts = read_prompts(model_dir)
+        _check_prompt_pooling(model_dir, pooling_config, prompts)
         start = time.perf_counter()
         if is_encoder:
             from engine.models.bert import BertModel
@@ -114,7 +119,16 @@ class EmbeddingModel:
             max_len,
             time.perf_counter() - start,
         )
-        return cls(model, hf_config, pooling_config, max_len, is_encoder, torch_dtype, torch_device)
+        return cls(
+            model,
+            hf_config,
+            pooling_config,
+            max_len,
+            is_encoder,
+            torch_dtype,
+            torch_device,
+            prompts,
+        )
 
     # ------------------------------------------------------------------ running
 
@@ -156,15 +170,49 @@ class EmbeddingModel:
 
 
 def is_encoder_config(hf_config: Any) -> bool:
-    """True for BERT-family encoders, False for supported decoders; ValueError otherwise."""
+    """True for BERT-family encoders, False for decoders of a registered family; ValueError
+    otherwise."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type in ENCODER_MODEL_TYPES:
         return True
-    if model_type in DECODER_MODEL_TYPES:
+    if decoder_class(hf_config) is not None:
         return False
-    supported = ", ".join(ENCODER_MODEL_TYPES + DECODER_MODEL_TYPES)
+    from engine.models import supported_architectures
+
+    supported = ", ".join([*ENCODER_MODEL_TYPES, *supported_architectures()])
     raise ValueError(
         f"model type {model_type!r} cannot be served as an embedding model; supported: {supported}"
+    )
+
+
+def decoder_class(hf_config: Any) -> Callable[..., nn.Module] | None:
+    """The kvserve decoder for a config, by its architectures or its model type: embedding
+    checkpoints are often headless (`Qwen3Model` for `Qwen3ForCausalLM`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from engine.models import MODEL_REGISTRY
+
+    names = list(getattr(hf_config, "architectures", None) or [])
+    names.append(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", ""), ""))
+    for name in names:
+        for candidate in (name, name.removesuffix("Model") + "ForCausalLM"):
+            if candidate in MODEL_REGISTRY:
+                return cast(Callable[..., nn.Module], MODEL_REGISTRY[candidate])
+    return None
+
+
+def _check_prompt_pooling(
+    model_dir: Path, pooling: PoolingConfig, prompts: EmbeddingPrompts
+) -> None:
+    """Leaving a prompt's tokens out of a mean or first-token pool is not done here: refuse at start
+    rather than return vectors that differ from sentence-transformers' (the last token is the
+    input's own, so last-token pooling is unaffected)."""
+    if pooling.include_prompt or pooling.method == "last" or not any(prompts.prompts.values()):
+        return
+    raise ValueError(
+        f"{model_dir}: its Pooling module leaves prompt tokens out of {pooling.method} pooling "
+        "(include_prompt: false), which kvserve does not do; pass --pooling last, or serve a "
+        "folder without prompts"
     )
 
 
@@ -190,13 +238,12 @@ def _sentence_transformers_max_len(model_dir: Path) -> int:
 def _load_decoder(
     hf_config: Any, model_dir: Path, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
-    # By model type, not architecture: embedding checkpoints are often headless (`LlamaModel`).
-    from engine.models.llama import LlamaForCausalLM
-
-    model = LlamaForCausalLM(hf_config, dtype=dtype, device=device)
+    model_cls = decoder_class(hf_config)
+    assert model_cls is not None  # is_encoder_config said it is a decoder
+    model: Any = model_cls(hf_config, dtype=dtype, device=device)
     model.lm_head_weight = None  # embeddings need no logits; headless checkpoints ship no lm_head
     model.load_weights(_without_lm_head(iter_weights(model_dir)))
-    return model
+    return cast(nn.Module, model)
 
 
 def _without_lm_head(

@@ -16,10 +16,10 @@ logger = logging.getLogger(__name__)
 
 POOLING_METHODS = ("mean", "cls", "last")
 
-# sentence-transformers module types that do not change the vector (or that we implement ourselves).
-_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
-_ST_POOLING = "sentence_transformers.models.Pooling"
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# The sentence-transformers modules we run, by class name: modules.json spells them
+# `sentence_transformers.models.Pooling` (up to v5) or by their v6 module path
+# (`sentence_transformers.sentence_transformer.modules.pooling.Pooling`).
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
 # 1_Pooling/config.json boolean keys -> our method names; the other modes are not supported.
 _ST_MODE_KEYS = {
     "pooling_mode_mean_tokens": "mean",
@@ -37,6 +37,7 @@ _ST_MODE_NAMES = {"mean": "mean", "cls": "cls", "lasttoken": "last", "last": "la
 class PoolingConfig:
     method: str  # mean | cls | last
     normalize: bool  # L2-normalize the pooled vector
+    include_prompt: bool = True  # False: an instruction prompt's tokens are left out of the pool
 
 
 def read_pooling_config(model_dir: Path) -> PoolingConfig | None:
@@ -53,20 +54,30 @@ def read_pooling_config(model_dir: Path) -> PoolingConfig | None:
         raise ValueError(f"{modules_file} must be a JSON list of modules")
     method: str | None = None
     normalize = False
+    include_prompt = True
     for module in modules:
         kind = str(module.get("type", ""))
-        if kind == _ST_POOLING:
-            method = _read_pooling_module(Path(model_dir) / str(module.get("path", "")))
-        elif kind == _ST_NORMALIZE:
+        module_class = _st_module_class(kind)
+        if module_class == "Pooling":
+            method, include_prompt = _read_pooling_module(
+                Path(model_dir) / str(module.get("path", ""))
+            )
+        elif module_class == "Normalize":
             normalize = True
-        elif kind != _ST_TRANSFORMER:
+        elif module_class != "Transformer":
             raise ValueError(
                 f"{modules_file} has a module kvserve cannot run ({kind}); only Transformer, "
                 "Pooling and Normalize modules are supported"
             )
     if method is None:
         raise ValueError(f"{modules_file} has no Pooling module; pass --pooling mean, cls or last")
-    return PoolingConfig(method=method, normalize=normalize)
+    return PoolingConfig(method=method, normalize=normalize, include_prompt=include_prompt)
+
+
+def _st_module_class(kind: str) -> str | None:
+    """Transformer, Pooling or Normalize for a sentence-transformers module type, else None."""
+    name = kind.rsplit(".", 1)[-1]
+    return name if kind.startswith("sentence_transformers.") and name in _ST_MODULES else None
 
 
 def _read_json(path: Path) -> object:
@@ -76,7 +87,8 @@ def _read_json(path: Path) -> object:
         raise ValueError(f"could not read {path}: {e}") from e
 
 
-def _read_pooling_module(folder: Path) -> str:
+def _read_pooling_module(folder: Path) -> tuple[str, bool]:
+    """(method, include_prompt) of a Pooling module's config."""
     config_file = folder / "config.json"
     config = _read_json(config_file)
     if not isinstance(config, dict):
@@ -91,7 +103,7 @@ def _read_pooling_module(folder: Path) -> str:
             f"{config_file} asks for pooling {'+'.join(modes) or 'none'}; kvserve supports exactly "
             "one of mean, cls or lasttoken; pass --pooling mean, cls or last to override"
         )
-    return modes[0]
+    return modes[0], bool(config.get("include_prompt", True))
 
 
 def resolve_pooling(model_dir: Path, pooling: str, is_encoder: bool) -> PoolingConfig:
@@ -103,7 +115,8 @@ def resolve_pooling(model_dir: Path, pooling: str, is_encoder: bool) -> PoolingC
     declared = read_pooling_config(model_dir) if pooling == "auto" else _safe_read(model_dir)
     normalize = declared.normalize if declared is not None else True
     if pooling != "auto":
-        return PoolingConfig(method=pooling, normalize=normalize)
+        include_prompt = declared.include_prompt if declared is not None else True
+        return PoolingConfig(pooling, normalize, include_prompt)
     if declared is not None:
         return declared
     return PoolingConfig(method="mean" if is_encoder else "last", normalize=True)

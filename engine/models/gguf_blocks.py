@@ -1,12 +1,13 @@
 """A GGUF file's quantized tensors as kvserve's block weights, exactly as stored: llama.cpp's tensor
-names mapped to the Llama model's fused matmul weights, its rotary row order for q/k undone, and every
-mapped weight checked against the float weights the model loaded (the same file, dequantized)."""
+names (per `general.architecture`) mapped to the model's fused matmul weights, its rotary row order
+for q/k undone where its converter applies one (the llama arch only), and every mapped weight checked
+against the float weights the model loaded (the same file, dequantized)."""
 
 from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -17,8 +18,26 @@ from engine.models.block_quant import GGUF_BLOCK_BYTES, BlockValues, from_gguf_b
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp name (per layer) -> (our weight, its part in fused order)
-_LAYER_PARTS = {
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How llama.cpp lays out one architecture's per-layer matmuls."""
+
+    layer_parts: dict[str, tuple[str, int]]  # llama.cpp name -> (our weight, its part, fused order)
+    unpermute_qk: bool  # llama.cpp's converter reordered q/k rows for its rotary (llama only)
+    # 3-D tensors of all experts ([experts, rows, cols]) -> (each expert's weight, its part)
+    expert_parts: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def num_parts(self, name: str) -> int:
+        """How many llama.cpp tensors fill our weight `name` (`layers.N.<weight>`)."""
+        if ".experts." in name:
+            suffix = name.rsplit(".", 1)[-1]
+            return sum(1 for weight, _ in self.expert_parts.values() if weight == suffix)
+        ours = name.split(".", 2)[-1] if name.startswith("layers.") else ""
+        return max(1, sum(1 for weight, _ in self.layer_parts.values() if weight == ours))
+
+
+_SEPARATE = {  # q, k, v and gate, up stored apart: fused here in this order
     "attn_q": ("self_attn.qkv_weight", 0),
     "attn_k": ("self_attn.qkv_weight", 1),
     "attn_v": ("self_attn.qkv_weight", 2),
@@ -26,6 +45,29 @@ _LAYER_PARTS = {
     "ffn_gate": ("mlp.gate_up_weight", 0),
     "ffn_up": ("mlp.gate_up_weight", 1),
     "ffn_down": ("mlp.down_weight", 0),
+}
+_FUSED = {  # Phi-3's checkpoint fuses them (qkv_proj, gate_up_proj); llama.cpp keeps them fused
+    "attn_qkv": ("self_attn.qkv_weight", 0),
+    "attn_output": ("self_attn.o_weight", 0),
+    "ffn_up": ("mlp.gate_up_weight", 0),
+    "ffn_down": ("mlp.down_weight", 0),
+}
+# The architectures served as stored, by GGUF `general.architecture`; others are requantized from
+# the float weights transformers dequantized. Only llama.cpp's llama arch permutes q/k: qwen2,
+# qwen3, phi3, gemma3 and qwen3moe write the checkpoint's rows as they are (q/k norms, biases and
+# rope factors are float tensors).
+_EXPERTS = {  # Qwen3-MoE's experts, one tensor per matrix kind (ffn_gate_inp, the router, is float)
+    "ffn_gate_exps": ("gate_up_weight", 0),
+    "ffn_up_exps": ("gate_up_weight", 1),
+    "ffn_down_exps": ("down_weight", 0),
+}
+GGUF_ARCHS = {
+    "llama": GGUFArch(_SEPARATE, unpermute_qk=True),
+    "qwen2": GGUFArch(_SEPARATE, unpermute_qk=False),
+    "qwen3": GGUFArch(_SEPARATE, unpermute_qk=False),
+    "phi3": GGUFArch(_FUSED, unpermute_qk=False),
+    "gemma3": GGUFArch(_SEPARATE, unpermute_qk=False),  # its norms (stored as 1 + w) are floats
+    "qwen3moe": GGUFArch(_SEPARATE, unpermute_qk=False, expert_parts=_EXPERTS),
 }
 
 
@@ -41,30 +83,39 @@ def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
     """Our matmul weight name (as in model.named_parameters / quantizable_weights) -> its stored
     blocks, for every weight all of whose GGUF parts are in a block format kvserve runs directly.
     Weights missing here (float or other GGUF types) are quantized from the float weights."""
-    arch, tensors = read_gguf_index(path)
-    if arch != "llama":
-        logger.info("GGUF architecture %r: serving its weights requantized, not as stored", arch)
+    arch_name, tensors = read_gguf_index(path)
+    arch = GGUF_ARCHS.get(arch_name or "")
+    if arch is None:
+        logger.info(
+            "GGUF architecture %r: serving its weights requantized, not as stored", arch_name
+        )
         return {}
     data = np.memmap(path, dtype=np.uint8, mode="r")
     parts: dict[str, dict[int, BlockValues]] = {}
     for tensor in tensors:
         kind = _GGUF_TYPES.get(tensor.type_id)
-        if kind not in GGUF_BLOCK_BYTES or len(tensor.shape) != 2:
+        if kind not in GGUF_BLOCK_BYTES or len(tensor.shape) not in (2, 3):
             continue
-        k, n = tensor.shape  # GGUF lists the fastest dimension first
-        name, part = _our_name(tensor.name, model)
-        if name is None or k % 32:
+        k, n = tensor.shape[:2]  # GGUF lists the fastest dimension first
+        experts = tensor.shape[2] if len(tensor.shape) == 3 else 1
+        name, part = _our_name(tensor.name, model, arch)
+        if name is None or k % 32 or ("{}" in name) != (len(tensor.shape) == 3):
             continue
-        size = n * (k // 32) * GGUF_BLOCK_BYTES[kind]
-        values = from_gguf_blocks(kind, data[tensor.offset : tensor.offset + size], (n, k))
-        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        size = experts * n * (k // 32) * GGUF_BLOCK_BYTES[kind]
+        raw = data[tensor.offset : tensor.offset + size]
+        values = from_gguf_blocks(kind, raw, (experts * n, k))  # experts one after another
+        if len(tensor.shape) == 3:  # `name` is a pattern with the expert's index to fill in
+            for e in range(experts):
+                rows = values.rows(torch.arange(e * n, (e + 1) * n))
+                parts.setdefault(name.format(e), {})[part] = rows
+            continue
+        if arch.unpermute_qk and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = model.num_heads if "attn_q" in tensor.name else model.num_kv_heads
             values = values.rows(_unpermute_rows(n, heads))
         parts.setdefault(name, {})[part] = values
-    expected = {"self_attn.qkv_weight": 3, "mlp.gate_up_weight": 2}
     found = {}
     for name, by_part in parts.items():
-        want = expected.get(name.split(".", 2)[-1], 1)
+        want = arch.num_parts(name)
         kinds = {values.kind for values in by_part.values()}
         if len(kinds) > 1:  # e.g. Q8_0 attn_v beside Q4_0 attn_q/k: one fused weight holds one
             logger.info("%s: GGUF parts stored as %s; packing it from floats", name, sorted(kinds))
@@ -73,19 +124,19 @@ def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
     return found
 
 
-def _our_name(gguf_name: str, model: Any) -> tuple[str | None, int]:
+def _our_name(gguf_name: str, model: Any, arch: GGUFArch) -> tuple[str | None, int]:
     if gguf_name == "token_embd.weight":
         return ("lm_head_weight" if model.tie_word_embeddings else None), 0
     if gguf_name == "output.weight":
         return ("lm_head_weight" if not model.tie_word_embeddings else None), 0
     pieces = gguf_name.split(".")
-    if (
-        len(pieces) == 4
-        and pieces[0] == "blk"
-        and pieces[3] == "weight"
-        and pieces[2] in _LAYER_PARTS
-    ):
-        ours, part = _LAYER_PARTS[pieces[2]]
+    if len(pieces) != 4 or pieces[0] != "blk" or pieces[3] != "weight":
+        return None, 0
+    if pieces[2] in arch.expert_parts:  # one name per expert: "{}" is its index
+        ours, part = arch.expert_parts[pieces[2]]
+        return f"layers.{int(pieces[1])}.mlp.experts.{{}}.{ours}", part
+    if pieces[2] in arch.layer_parts:
+        ours, part = arch.layer_parts[pieces[2]]
         return f"layers.{int(pieces[1])}.{ours}", part
     return None, 0
 

@@ -197,9 +197,23 @@ def gguf_source(model_dir: Path) -> Path | None:
 def _write_converted(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from engine.models.gguf_config import gguf_config
+
     folder, name = str(gguf.parent), gguf.name
     logger.info("dequantizing %s", name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=name,
+        config=gguf_config(gguf),
+        dtype=torch.float32,
+        output_loading_info=True,
+    )
+    model, info = loaded
+    # transformers re-initializes (randomly) a tensor that does not fit its config: never serve that.
+    unfit = sorted(str(k) for k in (*info["missing_keys"], *info["mismatched_keys"]))
+    if unfit:
+        shown = ", ".join(unfit[:4]) + (" ..." if len(unfit) > 4 else "")
+        raise ValueError(f"its tensors do not fit the model its metadata describes ({shown})")
     # The tensors are already dequantized to float32; drop the GGUF "quantizer" so that
     # transformers saves a plain checkpoint.
     setattr(model, "hf_quantizer", None)  # noqa: B010 - the attribute is not declared

@@ -16,6 +16,7 @@ import httpx
 from engine import (
     CompletionOutput,
     EmbeddingOutput,
+    EmbeddingPrompts,
     EngineClient,
     EngineHealth,
     EngineSnapshot,
@@ -86,6 +87,7 @@ class FakeClientBase:
     max_model_len = 64
     max_queued_requests = 1024
     max_queued_tokens: int | None = None
+    embedding_prompts = EmbeddingPrompts()
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()

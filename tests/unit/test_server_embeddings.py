@@ -14,7 +14,7 @@ import pytest
 from fastapi import Request
 from openai.types import CreateEmbeddingResponse
 
-from engine import EmbeddingOutput, QueueFullError
+from engine import EmbeddingOutput, EmbeddingPrompts, QueueFullError
 from server.app import build_app
 from server.protocol import EmbeddingRequest
 from server.serving_embeddings import create_embedding
@@ -279,3 +279,63 @@ async def test_client_disconnect_aborts_every_input(engine: FakeEmbeddingEngine)
     assert response.status_code == 499
     assert sorted(engine.aborted) == sorted(rid for rid, _ in engine.requests)
     assert len(engine.aborted) == 3 and not engine.active
+
+
+# ---------------------------------------------------------------- instruction prompts
+
+PROMPTED = EmbeddingPrompts({"query": "Q: ", "document": ""}, default_name=None)
+
+
+async def test_prompt_name_prepends_the_named_prompt_to_texts(
+    client: httpx.AsyncClient, engine: FakeEmbeddingEngine
+) -> None:
+    engine.embedding_prompts = PROMPTED
+    await _embed(client, input=["cats", "dogs"], prompt_name="query")
+    assert [ids for _, ids in engine.requests] == [_ids("Q: cats"), _ids("Q: dogs")]
+    await _embed(client, input="cats")  # no default_prompt_name: the text alone
+    assert engine.requests[-1][1] == _ids("cats")
+    await _embed(client, input="cats", prompt_name="document")
+    assert engine.requests[-1][1] == _ids("cats")
+
+
+async def test_default_prompt_name_applies_unless_a_request_names_another(
+    client: httpx.AsyncClient, engine: FakeEmbeddingEngine
+) -> None:
+    engine.embedding_prompts = EmbeddingPrompts(PROMPTED.prompts, default_name="query")
+    await _embed(client, input="cats")
+    assert engine.requests[-1][1] == _ids("Q: cats")
+    await _embed(client, input="cats", prompt_name="document")
+    assert engine.requests[-1][1] == _ids("cats")
+    await _embed(client, input=[5, 6, 7])  # token ids are embedded as given
+    assert engine.requests[-1][1] == [5, 6, 7]
+
+
+async def test_truncation_keeps_the_prompt_and_the_texts_last_tokens(
+    client: httpx.AsyncClient, engine: FakeEmbeddingEngine
+) -> None:
+    engine.embedding_prompts = PROMPTED
+    text = "abcdefghijklmnopqrstuvwxyz0123456789"
+    await _embed(client, input=text, prompt_name="query", truncate_prompt_tokens=9)
+    assert engine.requests[-1][1] == [CLS, *b"Q: 6789", SEP]
+    err = _error(
+        await _embed(client, input=text, prompt_name="query", truncate_prompt_tokens=5),
+        400,
+        "truncate_prompt_tokens",
+    )
+    assert "prompt" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": "cats", "prompt_name": "passage"},  # not one of the model's prompts
+        {"input": [5, 6], "prompt_name": "query"},  # ids cannot take a text prompt
+        {"input": "cats", "prompt_name": 3},
+    ],
+)
+async def test_bad_prompt_names_are_400(
+    client: httpx.AsyncClient, engine: FakeEmbeddingEngine, body: dict
+) -> None:
+    engine.embedding_prompts = PROMPTED
+    _error(await _embed(client, **body), 400, "prompt_name")
+    assert not engine.requests
