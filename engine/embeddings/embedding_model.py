@@ -256,7 +256,7 @@ def _decoder_forward(
     model: Any, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> torch.Tensor:
     """Final-norm hidden states [num_tokens, hidden] of a full causal pass over packed sequences."""
-    from engine.kernels.attention import AttentionMetadata
+    from engine.kernels.metadata import AttentionMetadata
 
     device = input_ids.device
     block = _SCRATCH_BLOCK_SIZE

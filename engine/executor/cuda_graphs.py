@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernels.attention import AttentionMetadata
+from engine.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

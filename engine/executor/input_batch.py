@@ -13,7 +13,7 @@ import torch
 from engine.core.request import Sequence
 from engine.core.scheduler import ScheduledSeq
 from engine.executor.sampler import SamplingRow
-from engine.kernels.attention import AttentionMetadata, slots_of
+from engine.kernels.metadata import AttentionMetadata, slots_of
 
 
 class _Row:

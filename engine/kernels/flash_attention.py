@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # the metadata lives with the dispatcher, which imports this module
-    from engine.kernels.attention import AttentionMetadata
+if TYPE_CHECKING:
+    from engine.kernels.metadata import AttentionMetadata
 
 
 def flash_attention(

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
 
-if TYPE_CHECKING:  # the metadata lives with the dispatcher, which imports this module
-    from engine.kernels.attention import AttentionMetadata
+if TYPE_CHECKING:
+    from engine.kernels.metadata import AttentionMetadata
 
 
 def sdpa_attention(

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import AttentionMetadata
+from engine.kernels.metadata import AttentionMetadata
 
 DECODE_BLOCK_N = (
     64  # context tokens per inner-loop tile (any block size: tiles gather via the table)

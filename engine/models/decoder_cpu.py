@@ -4,19 +4,16 @@ decode steps run (`decode_layer_args`, csrc/decode_layer.cpp)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine.kernels import cpu_kernels
-from engine.kernels.attention import AttentionMetadata, attend_cached, write_kv
+from engine.kernels.attention import attend_cached, write_kv
+from engine.kernels.metadata import AttentionMetadata
 from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
+from engine.models.decoder_layer import Attention, DecoderLayer
 from engine.models.layers import RMSNorm
 from engine.models.quantization import linear
 from engine.models.rotary import apply_rotary
-
-if TYPE_CHECKING:
-    from engine.models.decoder import Attention, DecoderLayer
 
 
 def norm(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:

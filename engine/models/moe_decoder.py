@@ -10,13 +10,8 @@ from typing import Any, cast
 import torch
 
 from engine.models import decoder_cpu
-from engine.models.decoder import (
-    DecoderForCausalLM,
-    DecoderLayer,
-    DecoderSpec,
-    _post_attention,
-    _pre_attention,
-)
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.decoder_layer import DecoderLayer, DecoderSpec, post_attention, pre_attention
 from engine.models.moe import (
     SparseMoeBlock,
     is_sparse_layer,
@@ -76,4 +71,4 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     def compile_dense(self) -> None:
         """torch.compile the attention half of each layer; the MLP half stays eager (its expert
         loop depends on each step's routing)."""
-        self.dense = (torch.compile(_pre_attention, dynamic=True, fullgraph=True), _post_attention)
+        self.dense = (torch.compile(pre_attention, dynamic=True, fullgraph=True), post_attention)
