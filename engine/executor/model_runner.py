@@ -161,7 +161,7 @@ class ModelRunner:
         self._sample(logits, rows, sample_seqs, out)
         return out
 
-    def _token_bitmask(self, seqs: list[ScheduledSeq], out: RunnerOutput) -> torch.Tensor | None:
+    def _token_bitmask(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """[rows, words] int32 allowed-token bits (-1 = all allowed) when any row is constrained.
 
         A matcher in an error state gets no mask: the output processor fails its request alone."""
@@ -187,7 +187,7 @@ class ModelRunner:
     ) -> None:
         """Sample all rows; a row that fails (say non-finite logits, a broken grammar matcher) fails
         its sequence alone. Constrained rows get their grammar's allowed-token bitmask."""
-        bitmask = self._token_bitmask(seqs, out)
+        bitmask = self._token_bitmask(seqs)
         keep = [i for i in range(len(rows)) if seqs[i].seq.seq_id not in out.errors]
         if bitmask is not None:
             bitmask = bitmask.to(logits.device, non_blocking=True)
