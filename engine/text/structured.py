@@ -152,12 +152,14 @@ def _all_entries(
 
 
 def _reasoning_prefix(fmt: ReasoningFormat, tag_ids: dict[str, int], eos_ids: Sequence[int]) -> str:
-    """Lark: free reasoning up to the block's end, then blanks, then the constraint (a second
-    grammar). The reasoning is a lazy lexeme that ends at the first closing tag written as text;
+    """Lark: free reasoning up to the block's end, then at most four blanks, then the constraint (a
+    second grammar). The reasoning is a lazy lexeme that ends at the first closing tag written as text;
     where the closing tag is a token of its own, also any text and added tokens (but EOS) before
     that token."""
     start_id, end_id = tag_ids.get(fmt.start), tag_ids.get(fmt.end)
-    after = f"think /[ \\t\\r\\n]*/ @{_AFTER_REASONING}"
+    # A few blanks only ("\n\n" is what the templates write): unbounded, a model could fill
+    # max_tokens with whitespace and leave no answer.
+    after = f"think /[ \\t\\r\\n]{{0,4}}/ @{_AFTER_REASONING}"
     opening = (
         json.dumps(fmt.start) if start_id is None else f"({json.dumps(fmt.start)} | <[{start_id}]>)"
     )

@@ -41,6 +41,9 @@ def _accepts(compiler: GrammarCompiler, constraint: StructuredOutputs, text: str
         (MAYBE, '<think>free text, {not json} a < b <tool_call></think>\n\n{"a": 1}', True),
         (MAYBE, '{"a": 2}', True),  # no block: the answer at once
         (MAYBE, "<think>x</think>not json", False),
+        (MAYBE, '<think>x</think>\r\n\r\n{"a": 1}', True),
+        (MAYBE, "<think>x</think>" + "\n" * 5 + '{"a": 1}', False),  # no whitespace run-on
+        (MAYBE, "<think>x</think>" + " \t" * 20 + '{"a": 1}', False),
         (MAYBE, '<think>never closed {"a": 1}', False),
         (INSIDE, 'reasoning the prompt opened</think>{"a": 3}', True),
         (INSIDE, '<think>R1-0528 writes the tag</think>{"a": 4}', True),
