@@ -20,6 +20,7 @@ from server.generation import build_sampling_params, check_prompts, check_stream
 from server.logprobs import chat_logprobs
 from server.plan import GenerationPlan
 from server.protocol import ChatCompletionRequest, ChatMessage
+from server.settings import TEMPLATE_OWN_VARIABLES
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
@@ -37,15 +38,11 @@ if TYPE_CHECKING:
     from engine import Tokenizer, TokenLogprob
 
 
-# Variables the server itself gives the chat template; chat_template_kwargs cannot set them.
-_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "chat_template", "tokenize")
-
-
 def template_kwargs(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
     """The server's --chat-template-kwargs overridden by the request's chat_template_kwargs."""
     own = dict(req.chat_template_kwargs or {})
     for key in own:
-        if key in _TEMPLATE_OWN:
+        if key in TEMPLATE_OWN_VARIABLES:
             raise invalid_request(
                 f"chat_template_kwargs cannot set {key!r}: the server gives the template that "
                 "variable itself",

@@ -77,6 +77,28 @@ def parse_json_object(text: str) -> dict[str, Any]:
 
 parse_json_object.__name__ = "JSON object"  # argparse says "invalid JSON object value: ..."
 
+# Variables the server itself gives the chat template; chat_template_kwargs cannot set them.
+TEMPLATE_OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "chat_template", "tokenize")
+
+
+class _ReasonedValueError(ValueError, argparse.ArgumentTypeError):
+    """A bad option value whose reason argparse prints too (it hides a plain ValueError's)."""
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """--chat-template-kwargs: a JSON object that leaves the server's own variables alone."""
+    value = parse_json_object(text)
+    own = [key for key in value if key in TEMPLATE_OWN_VARIABLES]
+    if own:
+        raise _ReasonedValueError(
+            f"cannot set {', '.join(map(repr, own))}: the server gives the chat template "
+            "that variable itself"
+        )
+    return value
+
+
+parse_template_kwargs.__name__ = "chat template kwargs"
+
 
 def parse_optional_str(text: str) -> str | None:
     return text or None
@@ -189,7 +211,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "chat-template-kwargs",
         "server.chat_template_kwargs",
-        parse_json_object,
+        parse_template_kwargs,
         'default variables for the chat template, a JSON object (e.g. \'{"enable_thinking": '
         "false}'); a request's chat_template_kwargs override them",
         metavar="JSON",
@@ -393,6 +415,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"env: {ENV_PREFIX}MODEL)",
     )
     parser.add_argument(
+        "--model",
+        dest="model_option",
+        default=argparse.SUPPRESS,
+        metavar="MODEL",
+        help="the model as a flag (vLLM's spelling); the same as the positional argument",
+    )
+    parser.add_argument(
         "--config",
         default=argparse.SUPPRESS,
         metavar="FILE.yaml",
@@ -482,6 +511,12 @@ def resolve(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
     for opt in OPTIONS:
         if opt.env in environ:
             values[opt.dest] = _convert(opt, environ[opt.env], f"environment variable {opt.env}")
+    cli = dict(cli)
+    if "model_option" in cli:
+        flag = cli.pop("model_option")
+        if cli.get("model") not in (None, flag):
+            raise ValueError(f"two models given: {cli['model']!r} and --model {flag!r}")
+        cli["model"] = flag
     for key, value in cli.items():
         if key != "config":
             values[key] = value

@@ -69,6 +69,9 @@ def test_every_option_has_an_env_var_with_the_naming_scheme() -> None:
         ({"KVSERVE_REASONING_PARSER": "r2"}, "KVSERVE_REASONING_PARSER.*qwen3"),
         ({"KVSERVE_CHAT_TEMPLATE_KWARGS": "[1]"}, "KVSERVE_CHAT_TEMPLATE_KWARGS.*JSON object"),
         ({"KVSERVE_CHAT_TEMPLATE_KWARGS": "{bad"}, "KVSERVE_CHAT_TEMPLATE_KWARGS.*JSON object"),
+        # The server's own template variables: at start-up, not a 500 on every chat request.
+        ({"KVSERVE_CHAT_TEMPLATE_KWARGS": '{"messages": 1}'}, "cannot set 'messages'"),
+        ({"KVSERVE_CHAT_TEMPLATE_KWARGS": '{"a": 1, "tools": []}'}, "cannot set 'tools'"),
     ],
 )
 def test_bad_values_name_their_source(env: dict[str, str], needle: str) -> None:
@@ -125,3 +128,10 @@ def test_bad_cli_value_exits_with_usage_error() -> None:
         build_parser().parse_args(["serve", "--dtype", "int3"])
     assert exc.value.code == 2
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+def test_model_as_a_flag_or_positional() -> None:
+    assert resolve(_cli(["--model", "/models/a"]), {})["model"] == "/models/a"
+    assert resolve(_cli(["/models/a", "--model", "/models/a"]), {})["model"] == "/models/a"
+    with pytest.raises(ValueError, match="two models given"):
+        resolve(_cli(["/models/a", "--model", "/models/b"]), {})
