@@ -333,12 +333,9 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the number of inputs in one req
 class EmbeddingRequest(StrictModel):
     model: str | None = None
     # Emptiness (of a string, a list or an inner list) is checked by the route, naming `input`.
-    input: (
-        str
-        | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)]
-        | list[NonNegInt]
-        | Annotated[list[list[NonNegInt]], Field(max_length=MAX_EMBEDDING_INPUTS)]
-    )
+    # The count is checked after the union is chosen: a length bound inside it made a too-long
+    # list of strings fail as "input[0]: Input should be a valid integer" (the next branch).
+    input: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
@@ -347,6 +344,16 @@ class EmbeddingRequest(StrictModel):
     # Extension (text-embeddings-inference): the model's named instruction prompt to prepend to text
     # inputs (config_sentence_transformers.json `prompts`); null: its default_prompt_name, if any.
     prompt_name: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _at_most_max_inputs(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and not isinstance(value[0], int):
+            if len(value) > MAX_EMBEDDING_INPUTS:
+                raise ValueError(
+                    f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(value)}"
+                )
+        return value
 
 
 # ----------------------------------------------------------------------------------------- responses

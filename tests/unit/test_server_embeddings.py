@@ -223,6 +223,14 @@ async def test_more_inputs_than_the_queue_admits_is_400(client: httpx.AsyncClien
     assert "16" in err["message"]
 
 
+@pytest.mark.parametrize("one", ["a", [1, 2]])
+async def test_more_inputs_than_openai_allows_says_so(
+    client: httpx.AsyncClient, one: object
+) -> None:
+    err = _error(await _embed(client, input=[one] * 2049), 400, "input")
+    assert "at most 2048 inputs" in err["message"], err["message"]
+
+
 async def test_a_refused_input_is_429_and_aborts_the_others(
     client: httpx.AsyncClient, engine: FakeEmbeddingEngine
 ) -> None:
