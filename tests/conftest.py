@@ -14,6 +14,11 @@ os.environ.setdefault("KVSERVE_CACHE_DIR", str(Path.home() / ".cache" / "kvserve
 # On a small shared machine, multi-threaded torch ops stall waiting for descheduled threads (a
 # 128-token prefill measured 15x slower with 2 threads than with 1 under load). Set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Without a GPU the Triton kernels' tests run under Triton's interpreter, which must be chosen before
+# triton is first imported (it fixes how every @triton.jit function is built) -- and some test
+# modules import libraries that import triton (sentence-transformers) before those tests' modules.
+if not any(Path("/dev").glob("nvidia[0-9]*")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = (
     "tokenizer.json",
