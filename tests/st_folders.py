@@ -28,16 +28,22 @@ _MODULE_TYPES = {
 }
 
 
+# The miniature decoder shape every family below shares (GQA 4/2).
+_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 def tiny_llama_config(vocab_size: int) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **_SHAPE,
         max_position_embeddings=256,
         initializer_range=0.2,  # larger than the default, so that different texts land apart
         tie_word_embeddings=True,
@@ -50,11 +56,7 @@ def tiny_qwen3_config(vocab_size: int) -> Any:
 
     return Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **_SHAPE,
         head_dim=32,
         max_position_embeddings=256,
         initializer_range=0.2,
@@ -68,11 +70,7 @@ def tiny_mistral_config(vocab_size: int) -> Any:
 
     return MistralConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **_SHAPE,
         max_position_embeddings=256,
         sliding_window=6,
         initializer_range=0.2,
