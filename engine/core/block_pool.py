@@ -38,9 +38,24 @@ class PrefixTrie:
         self.parents: dict[int, int] = {}
         self.refs: dict[int, int] = {}
         self._ids = itertools.count(ROOT_NODE + 1)
+        # Namespace roots: the parent of a namespaced chain's first block (see root()); permanent.
+        self.roots: dict[str, int] = {}
+        self._root_ids: set[int] = {ROOT_NODE}
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    def root(self, namespace: str | None) -> int:
+        """The parent node of the first block of a chain computed in `namespace` (None: the plain
+        model, ROOT_NODE). KV computed under one namespace (a LoRA adapter's content, a cache salt)
+        is only ever found by chains of the same namespace: their first keys differ."""
+        if namespace is None:
+            return ROOT_NODE
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = next(self._ids)
+            self._root_ids.add(node)
+        return node
 
     def find(self, key: BlockKey) -> int | None:
         return self.nodes.get(key)
@@ -55,7 +70,7 @@ class PrefixTrie:
             self.keys[node] = key
             self.parents[node] = parent
             self.refs[node] = 0
-            if parent != ROOT_NODE:
+            if parent not in self._root_ids:
                 self.refs[parent] += 1  # the child keeps its parent
         self.refs[node] += 1
         return node
@@ -65,7 +80,7 @@ class PrefixTrie:
 
     def unref(self, node: int) -> None:
         """Drop one reference; a node left with none goes, and its parent loses the child's."""
-        while node != ROOT_NODE:
+        while node not in self._root_ids:
             self.refs[node] -= 1
             assert self.refs[node] >= 0, f"node {node} unreferenced twice"
             if self.refs[node]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.block_pool import ROOT_NODE, BlockPool, block_key
+from engine.core.block_pool import BlockPool, block_key
 from engine.core.kv_cache_groups import first_needed_block
 from engine.core.request import Sequence
 
@@ -140,8 +140,8 @@ class KVCacheManager:
         if max_blocks == 0:
             return None
         nodes: list[int] = []
-        parent = ROOT_NODE
         trie = self.pool.trie
+        parent = trie.root(seq.group.cache_namespace)
         for tokens in self._full_block_tokens(seq, max_blocks)[:max_blocks]:
             node = trie.find(block_key(parent, tokens))
             if node is None:
@@ -317,8 +317,9 @@ class KVCacheManager:
             return
         blocks = self._full_block_tokens(seq, num_full)
         trie = self.pool.trie
+        root = trie.root(seq.group.cache_namespace)
         for i in range(start, num_full):
-            parent = chain[-1] if chain else ROOT_NODE
+            parent = chain[-1] if chain else root
             chain.append(trie.intern(parent, block_key(parent, blocks[i])))
         skipped = self.num_skipped[seq.seq_id]
         for g, table in enumerate(tables):

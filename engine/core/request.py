@@ -141,6 +141,9 @@ class RequestGroup:
     # not the engine's.
     fault: InvalidRequestError | None = None
     kind: RequestKind = "generate"
+    # The prefix-cache namespace of the request's KV (None: the plain model): a LoRA adapter's content
+    # hash and/or a cache salt. Blocks are shared only between requests of the same namespace.
+    cache_namespace: str | None = None
 
     @classmethod
     def for_scoring(

@@ -180,3 +180,34 @@ def test_prompt_logprobs_requests_skip_the_cache():
     compute(kv, make_seq(list(range(9)), "a"))
     seq = make_seq(list(range(9)), "b", SamplingParams(prompt_logprobs=1))
     assert hit_blocks(kv.find_cached_prefix(seq)) == []
+
+
+def test_namespaces_never_share_kv_and_the_plain_model_is_unaffected():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    tokens = list(range(13))
+
+    def seq_in(name: str, namespace: str | None) -> Sequence:
+        seq = make_seq(tokens, name)
+        seq.group.cache_namespace = namespace
+        return seq
+
+    base, lora_a = seq_in("base", None), seq_in("a", "adapter-a")
+    compute(kv, base)
+    assert kv.find_cached_prefix(seq_in("a0", "adapter-a")) is None  # base KV is not the adapter's
+    compute(kv, lora_a)
+    assert (
+        hit_blocks(kv.find_cached_prefix(seq_in("a1", "adapter-a")))
+        == kv.get_block_table(lora_a)[:3]
+    )
+    assert kv.find_cached_prefix(seq_in("b", "adapter-b")) is None  # another namespace misses
+    assert hit_blocks(kv.find_cached_prefix(seq_in("base1", None))) == kv.get_block_table(base)[:3]
+    for seq in (base, lora_a):
+        kv.free(seq)
+    assert kv.num_free_blocks == 32
+    # Evicting every block frees every content node (namespace roots stay, holding nothing).
+    taken = [make_seq(list(range(1000 + 4 * i, 1004 + 4 * i)), f"x{i}") for i in range(32)]
+    for seq in taken:
+        assert kv.allocate_slots(seq, 4)
+    for seq in taken:
+        kv.free(seq)
+    assert len(kv.pool.trie) == 0 and kv.pool.trie.refs == {}
