@@ -23,12 +23,15 @@ from engine.core.errors import (
     ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
+    LoRAError,
+    LoRANotFoundError,
     PromptError,
     QueueFullError,
     RequestError,
     SamplingParamsError,
     WrongTaskError,
 )
+from engine.core.lora import LoRAConfig, LoRAInfo
 from engine.core.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -98,6 +101,10 @@ __all__ = [
     "EngineHealth",
     "EngineSnapshot",
     "InvalidRequestError",
+    "LoRAConfig",
+    "LoRAError",
+    "LoRAInfo",
+    "LoRANotFoundError",
     "PromptError",
     "RequestProgress",
     "SnapshotDetail",

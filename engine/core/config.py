@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.lora import LoRAConfig
 from engine.core.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -98,6 +99,14 @@ class SchedulerConfig:
             raise ValueError("max_queued_tokens must be at least 1")
 
 
+# from_options keys (vLLM's flag names) -> LoRAConfig fields
+_LORA_OPTIONS = {
+    "lora_modules": "modules",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -106,6 +115,7 @@ class EngineConfig:
     log_stats_interval: float = 5.0  # seconds between INFO stats lines while busy (0 disables)
     # Speculative decoding (None: off). Given as vLLM's JSON text or a dict, parsed here.
     speculative_config: SpeculativeConfig | None = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters (engine/core/lora.py)
 
     def __post_init__(self) -> None:
         parsed = SpeculativeConfig.parse(self.speculative_config)
@@ -121,7 +131,11 @@ class EngineConfig:
             SchedulerConfig: {},
         }
         top: dict[str, Any] = {}
+        lora: dict[str, Any] = {}
         for key, value in options.items():
+            if key in _LORA_OPTIONS:
+                lora[_LORA_OPTIONS[key]] = value
+                continue
             for group_cls, bucket in groups.items():
                 if key in {f.name for f in dataclasses.fields(group_cls)}:
                     bucket[key] = value
@@ -135,5 +149,6 @@ class EngineConfig:
             model=ModelConfig(model=model, **groups[ModelConfig]),
             cache=CacheConfig(**groups[CacheConfig]),
             scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+            **({"lora": LoRAConfig(**lora)} if lora else {}),
             **top,
         )

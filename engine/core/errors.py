@@ -75,6 +75,27 @@ class ContextLengthError(PromptError):
         self.kv_pool = kv_pool
 
 
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter cannot be served: not a PEFT LoRA folder, a rank above the maximum, target
+    modules the model lacks, a dtype mismatch, a corrupt weights file, or a name already loaded.
+    `param` is "lora_path" (the folder is at fault) or "lora_name"."""
+
+    def __init__(self, message: str, param: str = "lora_path") -> None:
+        super().__init__(message, param)
+        self.param: str = param
+
+
+class LoRANotFoundError(InvalidRequestError):
+    """A request or an unload names an adapter (`name`) that is not served; `served` lists those that
+    are."""
+
+    def __init__(self, name: str, served: tuple[str, ...]) -> None:
+        listed = ", ".join(served) if served else "none"
+        super().__init__(f"LoRA adapter {name!r} is not loaded (served adapters: {listed})", "lora")
+        self.name = name
+        self.served = served
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop died; no further requests can be served."""
 
