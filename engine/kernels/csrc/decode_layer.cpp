@@ -102,8 +102,15 @@ struct LoRA {
       for (int j = 0; j < 4; ++j) {
         if (!(mask >> j & 1)) continue;
         if (j == i) {
-          const at::Tensor t = at::linear(x.narrow(0, start, rows), tensors[next]);
-          y.narrow(0, start, rows).addmm_(t, tensors[next + 1].t());
+          const at::Tensor xs = x.narrow(0, start, rows);
+          const at::Tensor t =
+              at::linear(xs.scalar_type() == at::kFloat ? xs : xs.to(at::kFloat), tensors[next]);
+          at::Tensor ys = y.narrow(0, start, rows);
+          if (y.scalar_type() == at::kFloat) {
+            ys.addmm_(t, tensors[next + 1].t());
+          } else {  // a 16-bit model: the delta in float32, added once rounded
+            ys.add_(at::linear(t, tensors[next + 1]).to(y.scalar_type()));
+          }
         }
         next += 2;
       }
