@@ -140,7 +140,7 @@ def main() -> None:
             "one adapter": ["a0"] * n,
             "4 adapters": [f"a{i % 4}" for i in range(n)],
         }
-        model = engines["base"].model
+        model: Any = engines["base"].model
         print(cpu_summary())
         print(
             f"bundled model, {type(model.layers[0].mlp.down_weight).__name__} weights, "
