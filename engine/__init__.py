@@ -51,6 +51,9 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.core.block_hashes import DEFAULT_SEED as BLOCK_HASH_SEED
+from engine.core.block_hashes import external_block_hashes
+from engine.core.kv_events import KVEventsConfig, KVEventsState
 from engine.core.spec_config import SpeculativeConfig
 from engine.embeddings.prompts import EmbeddingPrompts
 
@@ -122,6 +125,10 @@ __all__ = [
     "SamplingParamsError",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "KVEventsConfig",
+    "KVEventsState",
+    "BLOCK_HASH_SEED",
+    "external_block_hashes",
     "StructuredOutputs",
     "WrongTaskError",
     "ReasoningFormat",
