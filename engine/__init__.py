@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.core.block_hashes import DEFAULT_SEED as BLOCK_HASH_SEED
+from engine.core.block_hashes import external_block_hashes
 from engine.core.config import (
     DTYPES,
     POOLINGS,
@@ -29,6 +31,7 @@ from engine.core.errors import (
     SamplingParamsError,
     WrongTaskError,
 )
+from engine.core.kv_events import KVEventsConfig, KVEventsState
 from engine.core.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -51,9 +54,6 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
-from engine.core.block_hashes import DEFAULT_SEED as BLOCK_HASH_SEED
-from engine.core.block_hashes import external_block_hashes
-from engine.core.kv_events import KVEventsConfig, KVEventsState
 from engine.core.spec_config import SpeculativeConfig
 from engine.embeddings.prompts import EmbeddingPrompts
 

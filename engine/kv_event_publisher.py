@@ -108,7 +108,7 @@ class ZmqEventPublisher:
         return pub, replay
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         try:
             pub, replay = self._open(ctx)
         except zmq.ZMQError as e:
@@ -146,7 +146,9 @@ class ZmqEventPublisher:
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("kv events: ignoring a malformed replay request (%d frames)", len(frames))
+            logger.warning(
+                "kv events: ignoring a malformed replay request (%d frames)", len(frames)
+            )
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")

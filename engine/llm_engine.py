@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from engine.core.block_hashes import DEFAULT_SEED
 from engine.core.config import EngineConfig
 from engine.core.errors import ContextLengthError, InvalidRequestError
-from engine.core.block_hashes import DEFAULT_SEED
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus

@@ -24,7 +24,9 @@ def low64(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & ((1 << 64) - 1)
 
 
-def prompt_digests(tokens: list[int], block_size: int, extra: Any = None, seed: str = "0") -> list[bytes]:
+def prompt_digests(
+    tokens: list[int], block_size: int, extra: Any = None, seed: str = "0"
+) -> list[bytes]:
     parent = sha256_cbor(seed)
     out = []
     for i in range(0, len(tokens) - block_size + 1, block_size):

@@ -55,9 +55,7 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher != "null"
 
     @classmethod
-    def parse(
-        cls, value: str | Mapping[str, Any] | KVEventsConfig | None
-    ) -> KVEventsConfig | None:
+    def parse(cls, value: str | Mapping[str, Any] | KVEventsConfig | None) -> KVEventsConfig | None:
         """From vLLM's JSON text or a dict (None, '' or 'null': no events)."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
@@ -119,7 +117,9 @@ class BlockStored:
         head: list[Any] = ["BlockStored", self.block_hashes, self.parent_block_hash]
         head += [self.token_ids, self.block_size, self.lora_id, self.medium, self.lora_name]
         tail = [
-            None if self.extra_keys is None else [None if k is None else list(k) for k in self.extra_keys],
+            None
+            if self.extra_keys is None
+            else [None if k is None else list(k) for k in self.extra_keys],
             self.group_idx,
             self.kv_cache_spec_kind,
             self.kv_cache_spec_sliding_window,

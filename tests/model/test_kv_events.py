@@ -21,17 +21,14 @@ def llm(tiny_llama_dir):
         "replay_endpoint": "tcp://127.0.0.1:*",
         "topic": "kv@test@tiny",
     }
-    llm = LLM(
-        str(tiny_llama_dir), block_size=BLOCK, num_blocks=40, kv_events_config=config
-    )
+    llm = LLM(str(tiny_llama_dir), block_size=BLOCK, num_blocks=40, kv_events_config=config)
     yield llm
     llm.engine.close()
 
 
 def prompts(llm: LLM, n: int, shared: str, words: int = 30) -> list[list[int]]:
     return [
-        llm.tokenizer.encode(shared + " ".join(f"w{i}x{j}" for j in range(words)))
-        for i in range(n)
+        llm.tokenizer.encode(shared + " ".join(f"w{i}x{j}" for j in range(words))) for i in range(n)
     ]
 
 
@@ -104,6 +101,10 @@ def _wait_for(sub: Subscriber, publisher) -> int:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         sub.poll(0.1)
-        if publisher._queue.empty() and publisher.num_batches and max(sub.received, default=-1) == publisher.num_batches - 1:
+        if (
+            publisher._queue.empty()
+            and publisher.num_batches
+            and max(sub.received, default=-1) == publisher.num_batches - 1
+        ):
             return publisher.num_batches
     raise AssertionError("the publisher did not drain")
