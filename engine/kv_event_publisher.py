@@ -38,8 +38,16 @@ def binds(endpoint: str) -> bool:
 class ZmqEventPublisher:
     """A queue and a publisher thread; `publish` never blocks the caller (a full queue drops)."""
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        block_size: int,
+        hash_seed: str,
+        data_parallel_rank: int = 0,
+    ) -> None:
         self.config = config
+        self.block_size = block_size
+        self.hash_seed = hash_seed
         self.data_parallel_rank = data_parallel_rank
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -76,6 +84,8 @@ class ZmqEventPublisher:
             self.endpoint,
             self.replay_endpoint,
             self.config.topic,
+            self.block_size,
+            self.hash_seed,
             self.num_batches,
             self.num_events,
             self.num_dropped,
@@ -172,7 +182,7 @@ class KVEventStream:
         if not kv.enable_prefix_caching:
             logger.warning("kv events are on but prefix caching is off: no block events follow")
         recorder = KVEventRecorder(kv.pool.trie, kv.block_size, kv.windows, seed)
-        publisher = ZmqEventPublisher(config)
+        publisher = ZmqEventPublisher(config, kv.block_size, seed)
         kv.pool.listener = recorder
         recorder.cleared()  # batch 0: a subscriber drops what it knew of an engine at this address
         stream = cls(recorder, publisher)

@@ -90,6 +90,8 @@ class KVEventsState:
     endpoint: str  # as bound (a wildcard port resolved)
     replay_endpoint: str | None
     topic: str
+    block_size: int  # tokens per block: a router hashes prompts in blocks of this size
+    hash_seed: str  # the seed of the block hashes' NONE_HASH (engine.core.block_hashes)
     num_batches: int  # published so far: the next batch's sequence number
     num_events: int
     num_dropped: int  # batches refused because the publisher's queue was full
