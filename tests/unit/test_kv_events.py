@@ -134,3 +134,163 @@ def test_kv_events_config_parses_vllms_json_and_refuses_bad_fields() -> None:
             KVEventsConfig.parse(bad)
         with pytest.raises(ValueError, match="KVSERVE_KV_EVENTS_CONFIG"):
             resolve({}, environ={"KVSERVE_KV_EVENTS_CONFIG": bad})
+
+
+# -- the Ray router's side, with fake replicas: real pools and publishers, no model, no Ray ---------
+class FakeReplica:
+    """A block pool publishing its KV events, as a kvserve replica's engine does."""
+
+    def __init__(self, name: str, num_blocks: int = 16) -> None:
+        from engine.kv_event_publisher import KVEventStream
+
+        self.name = name
+        self.kv = KVCacheManager(num_blocks, BS)
+        config = KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+            topic=f"kv@{name}@m",
+        )
+        self.events = KVEventStream.start(config, self.kv, "0")
+        self.n = 0
+
+    def serve(self, tokens: list[int]) -> None:
+        self.n += 1
+        s = seq(tokens, f"{self.name}-{self.n}")
+        compute(self.kv, s)
+        self.kv.free(s)
+        self.events.flush()
+
+    def source(self):
+        from server.distributed.kv_feed import ReplicaEvents
+
+        p = self.events.publisher
+        return ReplicaEvents(self.name, p.endpoint, p.replay_endpoint, BS, "0", p.config.topic)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_router_picks_the_replica_whose_events_show_the_prefix() -> None:
+    from server.distributed.kv_feed import KVEventFeed
+    from server.distributed.kv_index import KVIndex, kv_matches, route
+
+    replicas = [FakeReplica(f"r{i}") for i in range(3)]
+    index = KVIndex()
+    feed = KVEventFeed(index)
+    try:
+        doc = [7] * 3 + list(range(20, 41))  # 24 tokens: 6 blocks
+        replicas[1].serve(doc + [1, 2, 3])  # r1 computed (and caches) the document
+        replicas[2].serve(list(range(300, 316)))
+        # r0 publishes before anyone follows it: the feed replays what it missed.
+        replicas[0].serve(list(range(500, 512)))
+        feed.set_replicas([r.source() for r in replicas])
+        wait_until(lambda: index.num_blocks("r1") == 6 and index.num_blocks("r0") == 3)
+        names = [r.name for r in replicas]
+        sources = feed.sources()
+        matches, total = kv_matches(index, sources, names, doc + [9, 9, 9, 9, 9])
+        assert total == 7 and matches == {"r0": 0, "r1": 6, "r2": 0}
+        loads = {"r0": 0, "r1": 3, "r2": 0}
+        first, rest = route(names, lambda r: r, loads, matches, total, 4, 0.1)
+        assert first == ["r1"] and sorted(rest) == ["r0", "r2"]
+        # Too busy: the fallback spreads load (power of two among all, less loaded first).
+        busy = {"r0": 0, "r1": 9, "r2": 0}
+        (pair,) = route(names, lambda r: r, busy, matches, total, 4, 0.1)
+        assert len(pair) == 2 and busy[pair[0]] <= busy[pair[1]]
+        # Nobody holds it: power of two choices.
+        other = kv_matches(index, sources, names, list(range(900, 932)))[0]
+        assert not any(other.values())
+        assert len(route(names, lambda r: r, loads, other, 8, 4, 0.1)) == 1
+        # r1's pool evicts the document: its removals reach the router.
+        for i in range(4):
+            replicas[1].serve(list(range(1000 + 100 * i, 1000 + 100 * i + 16)))
+        wait_until(lambda: kv_matches(index, sources, ["r1"], doc)[0]["r1"] < 6)
+        assert feed.num_replays >= 3  # each replica's history was replayed when followed
+    finally:
+        feed.close()
+        for r in replicas:
+            r.events.close()
+
+
+def test_the_feed_fills_a_gap_from_replay_and_forgets_past_it() -> None:
+    import zmq
+
+    from server.distributed.kv_feed import KVEventFeed, _Stream
+    from server.distributed.kv_index import KVIndex
+
+    replica = FakeReplica("g")
+    index = KVIndex()
+    feed = KVEventFeed(index)  # following nothing: the stream below is driven by hand
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        for i in range(3):
+            replica.serve(list(range(100 * i, 100 * i + 8)))
+        wait_until(lambda: replica.events.publisher.num_batches == 4)  # the start-up clear + 3
+        # A stream that applied batches 0 and 1 and then saw batch 3: replay brings 2 and 3.
+        stream = _Stream(replica.source(), sock)
+        stream.next_seq = 2
+        feed._replay(stream)
+        assert stream.next_seq == 4 and index.num_blocks("g") == 4  # batches 2 and 3
+        # The publisher keeps only the last 2 batches: a stream still at batch 1 cannot be
+        # filled, so the replica's state starts afresh from what replay still has.
+        replica.events.publisher._buffer = type(replica.events.publisher._buffer)(
+            list(replica.events.publisher._buffer)[-1:], maxlen=2
+        )
+        index.apply("g", [["BlockStored", [123], None, [0] * BS, BS, None, "GPU", None]])
+        stream.next_seq = 1
+        feed._replay(stream)
+        assert stream.next_seq == 4
+        assert index.match("g", [123]) == 0, "stale state was dropped"
+        assert index.num_blocks("g") == 2  # batch 3's blocks only
+    finally:
+        sock.close()
+        feed.close()
+        replica.events.close()
+
+
+def test_replicas_get_their_own_event_ports_and_the_ingress_tokenizes(tiny_llama_dir) -> None:
+    import json
+
+    from server.distributed.replica_events import with_replica_events
+    from server.distributed.routing_tokens import RoutingTokenizer
+
+    values = resolve({"model": str(tiny_llama_dir), "replicas": 2}, environ={})
+    mine = with_replica_events(values, "abc")["kv_events_config"]
+    assert mine.enabled and mine.endpoint == "tcp://*:*" and mine.topic.startswith("kv@abc@")
+    given = KVEventsConfig(enable_kv_cache_events=True, topic="t", buffer_steps=7)
+    kept = with_replica_events({**values, "kv_events_config": given}, "abc")["kv_events_config"]
+    assert kept.topic == "t" and kept.buffer_steps == 7 and kept.replay_endpoint == "tcp://*:*"
+    pow2 = with_replica_events({**values, "request_router": "pow2"}, "abc")
+    assert pow2["kv_events_config"] is None, "the pow2 router reads no events"
+
+    router_tokens = RoutingTokenizer.load(values)
+    assert router_tokens is not None
+    tok = router_tokens.tokenizer
+
+    def chat(*turns: str) -> bytes:
+        roles = ["user", "assistant"]
+        messages = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+        return json.dumps({"model": "m", "messages": messages}).encode()
+
+    prompt = b'{"model": "m", "prompt": "hello there"}'
+    assert router_tokens.tokens("/v1/completions", prompt) == tok.encode("hello there")
+    ids = b'{"model": "m", "prompt": [5, 6, 7]}'
+    assert router_tokens.tokens("/v1/completions", ids) == [5, 6, 7]
+    first = router_tokens.tokens("/v1/chat/completions", chat("Tell me about ships."))
+    later = router_tokens.tokens(
+        "/v1/chat/completions", chat("Tell me about ships.", "Ships float.", "And boats?")
+    )
+    assert first and later and len(later) > len(first)
+    shared = 0
+    while shared < len(first) and first[shared] == later[shared]:
+        shared += 1
+    assert shared >= len(first) - 8, "a later turn extends the earlier turn's tokens"
+    assert router_tokens.tokens("/v1/chat/completions", b"{bad json") is None
+    assert router_tokens.tokens("/v1/completions", b'{"prompt": "x", "n": "many"}') is None
+    assert router_tokens.tokens("/v1/embeddings", b'{"input": "x"}') is None
