@@ -69,7 +69,11 @@ class _QueueGauges:
             for name, text, value in (
                 ("kv_events_published", "KV cache events published.", events.num_events),
                 ("kv_event_batches_published", "KV event batches published.", events.num_batches),
-                ("kv_event_batches_dropped", "KV event batches dropped (queue full).", events.num_dropped),
+                (
+                    "kv_event_batches_dropped",
+                    "KV event batches dropped (queue full).",
+                    events.num_dropped,
+                ),
             ):
                 yield CounterMetricFamily(f"kvserve_{name}", text, value)
 
