@@ -127,10 +127,15 @@ class ZmqEventPublisher:
             return
         self._ready.set()
         try:
-            while True:
-                if replay is not None:
+            running = True
+            while running:
+                if replay is not None and replay.poll(0):
+                    # Batches queued before the request are sent (and buffered) first, so a
+                    # replay never misses one the engine published before it was asked.
+                    running = self._send_queued(pub)
                     while replay.poll(0):
                         self._serve_replay(replay)
+                    continue
                 try:
                     batch = self._queue.get(timeout=_POLL_S)
                 except queue.Empty:
@@ -144,6 +149,17 @@ class ZmqEventPublisher:
             pub.close()
             if replay is not None:
                 replay.close()
+
+    def _send_queued(self, pub: zmq.Socket) -> bool:
+        """Send every batch queued now; False when the queue said stop."""
+        while True:
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if batch is None:
+                return False
+            self._send(pub, batch)
 
     def _send(self, pub: zmq.Socket, batch: KVEventBatch) -> None:
         seq = self.num_batches

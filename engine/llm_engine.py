@@ -326,6 +326,14 @@ class LLMEngine:
         self.publish()
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (KV events: AllBlocksCleared); False while requests hold
+        blocks. Call it between steps."""
+        done = self.kv.pool.reset_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
     def close(self) -> None:
         """Stop what runs beside the steps (the KV events publisher); the engine steps no more."""
         if self.kv_events is not None:

@@ -95,6 +95,7 @@ class BlockPoolListener(Protocol):
 
     def block_stored(self, group: int, node: int) -> None: ...
     def block_removed(self, group: int, node: int) -> None: ...
+    def cleared(self) -> None: ...
 
 
 class BlockPool:
@@ -148,6 +149,20 @@ class BlockPool:
 
     def lookup(self, group: int, node: int) -> int | None:
         return self.cached.get((group, node))
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); only while no block is held, so
+        False (and nothing changed) when a sequence still holds one."""
+        if self.num_free != self.num_blocks:
+            return False
+        for block_id, node in enumerate(self.block_nodes):
+            if node != NO_NODE:
+                self.block_nodes[block_id] = NO_NODE
+                del self.cached[(self.block_groups[block_id], node)]
+                self.trie.unref(node)
+        if self.listener is not None:
+            self.listener.cleared()
+        return True
 
     def is_cached_block(self, block_id: int) -> bool:
         return self.block_nodes[block_id] != NO_NODE

@@ -90,6 +90,11 @@ def test_replay_after_a_gap_returns_the_missed_batches(llm) -> None:
         later = sub.replay(first_live)
         assert sorted(later) == list(range(first_live, total))
         assert sub.replay(total) == {}, "nothing after the last batch: just the end marker"
+        # A cache reset (nothing running) publishes AllBlocksCleared, and the pool starts over.
+        assert llm.engine.reset_prefix_cache()
+        (cleared,) = sub.replay(total).values()
+        assert [e.kind for e in decode(cleared)[1]] == ["AllBlocksCleared"]
+        assert not llm.engine.kv.pool.cached
     finally:
         sub.close()
 

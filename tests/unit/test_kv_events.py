@@ -294,3 +294,20 @@ def test_replicas_get_their_own_event_ports_and_the_ingress_tokenizes(tiny_llama
     assert router_tokens.tokens("/v1/chat/completions", b"{bad json") is None
     assert router_tokens.tokens("/v1/completions", b'{"prompt": "x", "n": "many"}') is None
     assert router_tokens.tokens("/v1/embeddings", b'{"input": "x"}') is None
+
+
+def test_a_cache_reset_clears_the_pool_and_says_so() -> None:
+    kv, recorder = manager()
+    s = seq(list(range(1, 13)), "a")
+    compute(kv, s)
+    assert not kv.pool.reset_cache(), "refused while a sequence holds blocks"
+    kv.free(s)
+    view = CacheView()
+    view.apply(as_events(recorder.take()))
+    assert len(view.held) == 3
+    assert kv.pool.reset_cache()
+    events = recorder.take()
+    assert [type(e) for e in events] == [AllBlocksCleared]
+    view.apply(as_events(events))
+    assert not view.held and not kv.pool.cached and len(kv.pool.trie) == 0
+    assert kv.find_cached_prefix(seq(list(range(1, 13)), "b")) is None
