@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import cbor2
 
 DEFAULT_SEED = "0"
-_U64 = (1 << 64) - 1
 
 ExtraKeys = tuple[str, ...] | None
 
@@ -44,7 +43,7 @@ def block_digest(parent: bytes, token_ids: Sequence[int], extra: ExtraKeys = Non
 
 def external_hash(digest: bytes) -> int:
     """The digest as events carry it: its low 64 bits, unsigned."""
-    return int.from_bytes(digest, "big") & _U64
+    return int.from_bytes(digest[-8:], "big")
 
 
 def external_block_hashes(

@@ -34,20 +34,19 @@ class KVEventRecorder:
         self.windows = windows
         self.seed = seed
         self._none_hash = none_hash(seed)
-        # node -> (digest, namespace of its chain)
-        self._digests: dict[int, tuple[bytes, str | None]] = {}
+        # node -> (digest, namespace of its chain, external hash)
+        self._digests: dict[int, tuple[bytes, str | None, int]] = {}
         self._root_namespaces: dict[int, str] = {}
         self.events: list[KVCacheEvent] = []
         self.num_events = 0  # since start-up, merged events counted once
 
     # -- the pool's hooks ---------------------------------------------------------------------------
     def block_stored(self, group: int, node: int) -> None:
-        digest, namespace = self._digest(node)
+        _, namespace, ext = self._digest(node)
         parent = self.trie.parents[node]
         tokens = list(self.trie.keys[node][1])
         at_root = parent == ROOT_NODE or parent in self._roots()
-        parent_hash = None if at_root else external_hash(self._digest(parent)[0])
-        ext = external_hash(digest)
+        parent_hash = None if at_root else self._digest(parent)[2]
         extra = extra_keys(namespace)
         last = self.events[-1] if self.events else None
         if (
@@ -79,7 +78,7 @@ class KVEventRecorder:
         entry = self._digests.get(node)
         if entry is None:
             return  # stored before this recorder listened
-        ext = external_hash(entry[0])
+        ext = entry[2]
         last = self.events[-1] if self.events else None
         if isinstance(last, BlockRemoved) and last.group_idx == self._group_idx(group):
             last.block_hashes.append(ext)
@@ -116,21 +115,23 @@ class KVEventRecorder:
             self._root_namespaces = {node: ns for ns, node in self.trie.roots.items()}
         return self._root_namespaces
 
-    def _digest(self, node: int) -> tuple[bytes, str | None]:
-        """The node's digest and namespace, computing those of its uncomputed ancestors first."""
+    def _digest(self, node: int) -> tuple[bytes, str | None, int]:
+        """The node's digest, namespace and external hash, computing those of its uncomputed
+        ancestors first."""
         entry = self._digests.get(node)
         if entry is not None:
             return entry
+        start = node
         path = []
         while node not in self._digests and node != ROOT_NODE and node not in self._roots():
             path.append(node)
             node = self.trie.parents[node]
         if node in self._digests:
-            digest, namespace = self._digests[node]
+            digest, namespace, _ = self._digests[node]
         else:
             digest, namespace = self._none_hash, self._roots().get(node)
         extra = extra_keys(namespace)
         for child in reversed(path):
             digest = block_digest(digest, self.trie.keys[child][1], extra)
-            self._digests[child] = (digest, namespace)
-        return digest, namespace
+            self._digests[child] = (digest, namespace, external_hash(digest))
+        return self._digests[start]

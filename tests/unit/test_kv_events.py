@@ -311,3 +311,13 @@ def test_a_cache_reset_clears_the_pool_and_says_so() -> None:
     view.apply(as_events(events))
     assert not view.held and not kv.pool.cached and len(kv.pool.trie) == 0
     assert kv.find_cached_prefix(seq(list(range(1, 13)), "b")) is None
+
+
+def test_the_engine_page_and_metrics_show_the_publisher() -> None:
+    from engine import EngineSnapshot, KVEventsState
+    from server.engine_page import page_payload
+
+    state = KVEventsState("tcp://0.0.0.0:5557", None, "kv", BS, "0", 3, 10, 1, 0, True)
+    payload = page_payload(EngineSnapshot("generate", 0, 0.0, kv_events=state), {})
+    assert payload["kv_events"]["num_events"] == 10 and payload["kv_events"]["num_dropped"] == 1
+    assert page_payload(EngineSnapshot("generate", 0, 0.0), {})["kv_events"] is None
