@@ -57,11 +57,12 @@ class ZmqEventPublisher:
         self.num_batches = self.num_events = self.num_dropped = self.num_replays = 0
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._opening = config.endpoint  # the endpoint being opened (named if that fails)
         self._thread = threading.Thread(target=self._run, name="kvserve-kv-events", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise ValueError(f"kv events: cannot open {config.endpoint}: {self._error}")
+            raise ValueError(f"kv events: cannot open {self._opening}: {self._error}")
         logger.info(
             "publishing KV events on %s (replay: %s, topic %r)",
             self.endpoint,
@@ -104,16 +105,26 @@ class ZmqEventPublisher:
         pub = ctx.socket(zmq.PUB)
         pub.set_hwm(self.config.hwm)
         pub.setsockopt(zmq.LINGER, 1000)
-        if binds(self.endpoint):
-            pub.bind(self.endpoint)
-            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port of ':*'
-        else:
-            pub.connect(self.endpoint)
+        try:
+            if binds(self.endpoint):
+                pub.bind(self.endpoint)
+                self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)  # the port of ':*'
+            else:
+                pub.connect(self.endpoint)
+        except zmq.ZMQError:
+            pub.close(0)
+            raise
         replay = None
         if self.replay_endpoint is not None:
+            self._opening = self.replay_endpoint
             replay = ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            replay.bind(self.replay_endpoint)
+            try:
+                replay.bind(self.replay_endpoint)
+            except zmq.ZMQError:
+                replay.close()
+                pub.close(0)
+                raise
             self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         return pub, replay
 

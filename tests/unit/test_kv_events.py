@@ -321,3 +321,22 @@ def test_the_engine_page_and_metrics_show_the_publisher() -> None:
     payload = page_payload(EngineSnapshot("generate", 0, 0.0, kv_events=state), {})
     assert payload["kv_events"]["num_events"] == 10 and payload["kv_events"]["num_dropped"] == 1
     assert page_payload(EngineSnapshot("generate", 0, 0.0), {})["kv_events"] is None
+
+
+def test_a_publisher_that_cannot_open_its_endpoint_names_it() -> None:
+    from engine.kv_event_publisher import ZmqEventPublisher
+
+    first = ZmqEventPublisher(
+        KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*"), BS, "0"
+    )
+    try:
+        taken = first.endpoint.replace("127.0.0.1", "*")
+        with pytest.raises(ValueError, match="cannot open tcp://"):
+            ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=taken), BS, "0")
+        bad_replay = KVEventsConfig(
+            enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", replay_endpoint="nowhere"
+        )
+        with pytest.raises(ValueError, match="cannot open nowhere"):
+            ZmqEventPublisher(bad_replay, BS, "0")
+    finally:
+        first.close()
