@@ -379,16 +379,12 @@ class LLMEngine:
         )
 
     def _snapshot_detail(self) -> SnapshotDetail:
-        pool = self.kv.pool
-        holders: dict[int, list[str]] = {}
-        for seq_id in self.kv.block_tables:
-            for block_id in self.kv.held_blocks(seq_id):
-                holders.setdefault(block_id, []).append(seq_id)
+        pool = self.kv.pool.view  # read-only: the snapshot never touches the pool's structures
         blocks = tuple(
-            BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
-            for block_id, seq_ids in sorted(holders.items())
+            BlockHolders(block_id, pool.ref_count(block_id), tuple(seq_ids))
+            for block_id, seq_ids in sorted(self.kv.block_holders().items())
         )
-        cached_free = tuple(b for b in pool.free_queue if pool.is_cached_block(b))
+        cached_free = pool.cached_free_blocks()
         sc = self.config.scheduler
         return SnapshotDetail(
             blocks,
