@@ -132,9 +132,8 @@ class LLMEngine:
             budget = int(free * 0.8)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(
-                _GiB, total // 16
-            )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
+            # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy.
+            budget = min(_GiB, total // 16)
         num_blocks = max(2, budget // per_block)
         # No point holding more than every running sequence at full length, in every group.
         per_seq = len(self.kv_spec.groups) * -(-self.max_model_len // block_size)

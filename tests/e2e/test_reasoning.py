@@ -266,7 +266,7 @@ def test_responses_reasoning_item(client: openai.OpenAI):
         input=[
             *[item.model_dump(exclude_none=True) for item in response.output],
             {"role": "user", "content": "And tomorrow?"},
-        ],  # fmt: skip
+        ],
         max_output_tokens=60,
     )
     assert follow.output_text == ANSWER
@@ -310,8 +310,11 @@ def test_messages_thinking_block(server: ServerProcess):
     )
     assert [(b.type, getattr(b, "text", None)) for b in off.content] == [("text", ANSWER)]
     # The thinking block passed back as history is accepted.
-    history: Any = [*HELLO, {"role": "assistant", "content": message.content},
-                    {"role": "user", "content": "Thanks"}]  # fmt: skip
+    history: Any = [
+        *HELLO,
+        {"role": "assistant", "content": message.content},
+        {"role": "user", "content": "Thanks"},
+    ]
     again = client.messages.create(model=model, max_tokens=60, messages=history)
     assert again.content[-1].type == "text"
 

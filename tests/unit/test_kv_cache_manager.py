@@ -148,9 +148,8 @@ def test_finished_blocks_stay_cached_until_evicted_lru():
     kv.free(a)
     assert kv.num_free_blocks == 4
     again = make_seq(list(range(9)), "a2")
-    assert (
-        len(hit_blocks(kv.find_cached_prefix(again))) == 2
-    )  # still cached after the request finished
+    # Still cached after the request finished.
+    assert len(hit_blocks(kv.find_cached_prefix(again))) == 2
     # Taking 3 fresh blocks evicts the partial tail block first and then the last full block (LRU order
     # puts a sequence's tail ahead of its prefix); the first block survives.
     b = make_seq(list(range(100, 112)), "b")
