@@ -119,8 +119,13 @@ def chat_turn(req: ChatCompletionRequest) -> TurnRequest:
         else choice,
         parallel_tool_calls=req.parallel_tool_calls,
         add_generation_prompt=req.add_generation_prompt is not False,
-        template_kwargs=req.chat_template_kwargs or {},
+        template_kwargs=effort_kwargs(req.reasoning_effort) | (req.chat_template_kwargs or {}),
     )
+
+
+def effort_kwargs(effort: str | None) -> dict[str, Any]:
+    """A reasoning effort as the chat template variable vLLM gives it (nothing when not asked)."""
+    return {"reasoning_effort": effort} if effort is not None else {}
 
 
 def plan_turn(

@@ -31,7 +31,7 @@ from server.protocol_responses import (
     ToolChoiceFunction,
 )
 from server.response_store import StoredResponse
-from server.serving_chat import plan_turn
+from server.serving_chat import effort_kwargs, plan_turn
 from server.sse import sse_event
 from server.state import ServerState
 from server.structured_outputs import JSON_OBJECT, json_schema_constraint
@@ -123,6 +123,7 @@ def responses_turn(
         tools=[ToolSpec(t.name, t.description, t.parameters, t.strict) for t in req.tools or ()],
         tool_choice=NamedTool(choice.name) if isinstance(choice, ToolChoiceFunction) else choice,
         parallel_tool_calls=req.parallel_tool_calls,
+        template_kwargs=effort_kwargs(req.reasoning.effort if req.reasoning is not None else None),
     )
 
 
@@ -189,7 +190,10 @@ class _Context:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "prompt_cache_key": req.prompt_cache_key,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {
+                "effort": req.reasoning.effort if req.reasoning is not None else None,
+                "summary": _summary(req),
+            },
             "safety_identifier": req.safety_identifier,
             "service_tier": "default",
             "store": req.store is not False,
@@ -227,6 +231,13 @@ class _Context:
             conversation = [*self.conversation, assistant]
             self.state.responses.put(StoredResponse(body, conversation))
         return body
+
+
+def _summary(req: ResponsesRequest) -> str | None:
+    reasoning = req.reasoning
+    if reasoning is None:
+        return None
+    return reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:

@@ -257,7 +257,8 @@ async def test_an_engine_failure_mid_stream_is_an_error_event(
         ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0]"),
         ({"input": "abc", "text": {"format": {"type": {"a": 1}}}}, "text.format"),
         ({"input": "abc", "temperature": 3}, "temperature"),
-        ({"input": "abc", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "abc", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"input": "abc", "reasoning": {"encrypted": True}}, "reasoning.encrypted"),
         ({"input": "abc", "bogus": 1}, "bogus"),
         ({"input": "abc", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"input": "x" * 80}, "input"),  # over the fake model's 64 tokens
