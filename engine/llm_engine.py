@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, Task
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestOutput
@@ -53,7 +53,7 @@ RECENT_STEPS = 240  # steps the detailed snapshot's timeline keeps
 
 
 class LLMEngine:
-    task = "generate"
+    task: Task = "generate"
 
     def __init__(
         self, config: EngineConfig, model_dir: Path | None = None, model_name: str | None = None
