@@ -13,7 +13,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.chat_translation import TurnEvents
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError, invalid_request
 from server.field_map import FieldMap
@@ -40,6 +39,7 @@ from server.turn import (
     TurnDelta,
     TurnEnd,
 )
+from server.turn_events import TurnEvents
 from server.turn_request import (
     NamedTool,
     Sampling,

@@ -1,5 +1,5 @@
-"""POST /v1/responses (and GET/DELETE /v1/responses/{id}): OpenAI's Responses API as a translation over the
-turn pipeline. Input items become turn messages, the output an assistant turn as `message` and `function_call`
+"""POST /v1/responses (and GET/DELETE /v1/responses/{id}): OpenAI's Responses API over the turn pipeline.
+Input items become turn messages, the output an assistant turn as `message` and `function_call`
 items; streams are typed events with sequence numbers; `store` keeps responses for `previous_response_id`."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.chat_translation import TurnEvents
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError
 from server.field_map import FieldMap
@@ -44,6 +43,7 @@ from server.turn import (
     TurnDelta,
     TurnEnd,
 )
+from server.turn_events import TurnEvents
 from server.turn_request import NamedTool, Sampling, ToolSpec, TurnMessage, TurnRequest
 
 CHAT_FIELD_NAMES = {
@@ -128,7 +128,7 @@ def responses_turn(
 
 
 class _Context:
-    """One Responses request: its translation to chat, and the response object around its output."""
+    """One Responses request: its plan, and the response object around its output."""
 
     def __init__(self, req: ResponsesRequest, state: ServerState) -> None:
         self.req = req

@@ -1,4 +1,4 @@
-"""Tool calling for the chat-shaped plan of every API surface (chat completions, Responses,
+"""Tool calling for the turn of every chat-like API surface (chat completions, Responses,
 Messages): request checks (400s naming the surface's field), the tool plan, and chat history ->
 template messages. Engine text -> tool calls is server/turn.py's."""
 
