@@ -22,6 +22,9 @@ from engine import (
     EngineHealth,
     EngineSnapshot,
     InvalidRequestError,
+    LoRAError,
+    LoRAInfo,
+    LoRANotFoundError,
     QueueFullError,
     RequestError,
     RequestOutput,
@@ -145,6 +148,16 @@ class FakeClientBase:
 
     async def abort(self, request_id: str) -> None:
         self.active.discard(request_id)
+
+    # LoRA adapters: the fakes serve none (and load none).
+    def loras(self) -> tuple[LoRAInfo, ...]:
+        return ()
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        raise LoRAError(f"this fake loads no LoRA adapters ({path})", "lora_path")
+
+    async def unload_lora(self, name: str) -> None:
+        raise LoRANotFoundError(name, ())
 
     async def start(self) -> None:
         pass
