@@ -16,6 +16,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_offload import KVTiers
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
@@ -36,6 +37,7 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
+from engine.executor.kv_store import model_fingerprint, open_kv_store
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
@@ -102,6 +104,7 @@ class LLMEngine:
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
             grammars=self.grammars, kv_spec=self.kv_spec,
         )  # fmt: skip
+        self._open_kv_tiers(quantization)
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
@@ -119,6 +122,24 @@ class LLMEngine:
             * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
             / (1 << 20),
         )
+
+    def _open_kv_tiers(self, weight_format: str | None) -> None:
+        """The KV offload tiers, when configured: the pool's evictions feed them, lookups read them."""
+        cache, bs, m = self.config.cache, self.config.cache.block_size, self.model
+        self.kv_store = None
+        if not (cache.kv_offload_memory or cache.kv_offload_dir):
+            return
+        fingerprint = model_fingerprint(
+            self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
+        )
+        self.kv_store = open_kv_store(
+            cache, fingerprint, self.kv_spec, bs, m.num_kv_heads, m.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+        if self.kv_store is not None:
+            self.kv.tiers = KVTiers(self.kv_store, bs)
+            self.kv.pool.on_evict = self.kv.tiers.on_evict
+            self.runner.attach_kv_store(self.kv_store)
 
     def _num_kv_blocks(self, block_size: int) -> int:
         cc = self.config.cache
