@@ -37,7 +37,7 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
-from engine.executor.kv_store import model_fingerprint, open_kv_store
+from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
@@ -126,20 +126,19 @@ class LLMEngine:
     def _open_kv_tiers(self, weight_format: str | None) -> None:
         """The KV offload tiers, when configured: the pool's evictions feed them, lookups read them."""
         cache, bs, m = self.config.cache, self.config.cache.block_size, self.model
-        self.kv_store = None
+        self.kv_store: TieredKVStore | None = None
         if not (cache.kv_offload_memory or cache.kv_offload_dir):
             return
         fingerprint = model_fingerprint(
             self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
         )
-        self.kv_store = open_kv_store(
-            cache, fingerprint, self.kv_spec, bs, m.num_kv_heads, m.head_dim,
-            self.dtype, self.device,
-        )  # fmt: skip
-        if self.kv_store is not None:
-            self.kv.tiers = KVTiers(self.kv_store, bs)
+        shape = (m.num_kv_heads, m.head_dim)
+        store = open_kv_store(cache, fingerprint, self.kv_spec, bs, shape, self.dtype, self.device)
+        self.kv_store = store
+        if store is not None:
+            self.kv.tiers = KVTiers(store, bs)
             self.kv.pool.on_evict = self.kv.tiers.on_evict
-            self.runner.attach_kv_store(self.kv_store)
+            self.runner.attach_kv_store(store)
 
     def _num_kv_blocks(self, block_size: int) -> int:
         cc = self.config.cache

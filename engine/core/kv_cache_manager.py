@@ -154,11 +154,9 @@ class KVCacheManager:
         found = [[self.pool.lookup(g, node) for node in nodes] for g in range(self.num_groups)]
         hit = len(nodes)
         loads: list[TierLoad] = []
-        if (
-            self.tiers is not None
-        ):  # the tiers fill the pool's gaps, up to the whole reusable prefix
-            hit, loads = self.tiers.extend(seq, found, max_blocks, self.windows,
-                                           self._longest_usable, self._first_needed)  # fmt: skip
+        tiers = self.tiers
+        if tiers is not None:  # the tiers fill the pool's gaps, up to the whole reusable prefix
+            hit, loads = tiers.extend(seq, found, max_blocks, self.windows, self._longest_usable)
         for g, blocks in enumerate(found):
             hit = min(hit, self._longest_usable(g, blocks, hit))
         if hit == 0:

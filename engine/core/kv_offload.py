@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from engine.core.block_pool import ROOT_NODE, BlockPool
+from engine.core.kv_cache_groups import first_needed_block
 from engine.core.request import Sequence
 
 Tier = Literal["memory", "disk"]
@@ -40,7 +41,7 @@ class TierKey:
         return f"{self.digest.hex()}-g{self.group}"
 
 
-def _hasher(namespace: str | None) -> hashlib._Hash:
+def _hasher(namespace: str | None) -> hashlib.blake2b:
     h = hashlib.blake2b(digest_size=16, person=_PERSON)
     h.update(b"\x00" if namespace is None else b"\x01" + namespace.encode() + b"\x00")
     return h
@@ -178,14 +179,18 @@ class KVTiers:
         max_blocks: int,
         windows: tuple[int | None, ...],
         usable: Callable[[int, list[int | None], int], int],
-        first_needed: Callable[[int, int], int],
     ) -> tuple[int, list[TierLoad]]:
         """Fill the pool lookup's gaps (`found`: per group, the pool's block per matched block) with
         TIER_BLOCK where a tier holds the block, up to `max_blocks`; returns the usable prefix length
         (the pool's own rules: `usable`) and the loads it takes. Only the blocks the hit needs are
         prepared (read from disk); one that fails is a gap, and the hit is worked out again."""
-        keys = PrefixKeys(seq.group.cache_namespace, seq.token_ids[: max_blocks * self.block_size],
-                          self.block_size)  # fmt: skip
+        tokens = seq.token_ids[: max_blocks * self.block_size]
+        keys = PrefixKeys(seq.group.cache_namespace, tokens, self.block_size)
+        bs = self.block_size
+
+        def first_needed(group: int, num_blocks: int) -> int:
+            return first_needed_block(windows[group], num_blocks * bs, bs)
+
         for g, blocks in enumerate(found):
             blocks.extend([None] * (max_blocks - len(blocks)))
             for i in range(max_blocks):

@@ -18,7 +18,7 @@ import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -43,7 +43,7 @@ def encode_entry(fingerprint: bytes, key: TierKey, payload: bytes) -> bytes:
     return body + hashlib.blake2b(body, digest_size=_CHECKSUM).digest()
 
 
-def decode_entry(data: bytes, fingerprint: bytes, key: TierKey) -> bytes | None | bool:
+def decode_entry(data: bytes, fingerprint: bytes, key: TierKey) -> bytes | None | Literal[False]:
     """The payload of an intact file for exactly `key`; False when the file is damaged (bad checksum,
     cut short, not ours); None when it is intact but holds another key (a collision, another model)."""
     if len(data) < _HEADER.size + _CHECKSUM:
@@ -166,14 +166,13 @@ class DiskTier:
         payload = decode_entry(data, self.fingerprint, key)
         if payload is None:
             return None  # an intact file of another prefix: a collision
-        if payload is False or len(payload) != self._nbytes(key.group):
+        if payload is False or len(payload) != self._nbytes(key.group):  # damaged
             self.stats.corrupt_entries += 1
             logger.warning("KV disk tier: %s is damaged (checksum or length): a miss", path.name)
             self._forget(key.name)
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
-        assert isinstance(payload, bytes)
         self.stats.disk_read_bytes += len(data)
         self.touch(key)
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

@@ -174,8 +174,7 @@ def open_kv_store(
     fingerprint: bytes,
     spec: KVCacheSpec,
     block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
+    head_shape: tuple[int, int],  # (kv_heads, head_dim)
     dtype: torch.dtype,
     device: torch.device,
 ) -> TieredKVStore | None:
@@ -183,9 +182,8 @@ def open_kv_store(
     if not cache.kv_offload_memory and cache.kv_offload_dir is None:
         return None
     stats = KVOffloadStats()
-    shapes = {
-        g: (len(group.layers), 2, block_size, num_kv_heads, head_dim)
-        for g, group in enumerate(spec.groups)
+    shapes: dict[int, tuple[int, ...]] = {
+        g: (len(group.layers), 2, block_size, *head_shape) for g, group in enumerate(spec.groups)
     }
     disk = None
     if cache.kv_offload_dir is not None:
