@@ -4,6 +4,7 @@ tokenizer; implements engine.core.engine_core.EngineCore."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -409,6 +410,7 @@ class LLMEngine:
             spec_num_drafts=t.spec_num_drafts,
             spec_num_draft_tokens=t.spec_num_draft_tokens,
             spec_num_accepted_tokens=t.spec_num_accepted_tokens,
+            kv_offload=copy.copy(self.kv_store.stats) if self.kv_store is not None else None,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
         )
