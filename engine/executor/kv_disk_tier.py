@@ -9,6 +9,7 @@ directory turns the tier off with one warning; requests never fail because of it
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
@@ -95,6 +96,7 @@ class DiskTier:
         self._update_fill()
         self.thread = threading.Thread(target=self._writer, name="kvserve-kv-disk", daemon=True)
         self.thread.start()
+        atexit.register(self.close)  # what is queued at shutdown still reaches the disk
 
     # -- index -------------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -245,5 +247,6 @@ class DiskTier:
         self.queue.join()
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=30)
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join(timeout=30)
