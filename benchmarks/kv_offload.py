@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.bench_utils import cpu_summary
 
@@ -48,10 +49,10 @@ def make_model(layers: int, out: Path) -> Path:
     return out
 
 
-def _engine(model: str | None, args: argparse.Namespace, variant: str, tmp: Path, **opts: object):
+def _engine(model: str | None, args: argparse.Namespace, variant: str, tmp: Path, **opts: Any):
     from engine import LLM
 
-    tiers: dict[str, object] = {}
+    tiers: dict[str, Any] = {}
     if variant == "memory":
         tiers = {"kv_offload_memory": 8 << 30}
     elif variant == "disk":
@@ -92,7 +93,7 @@ def chat(model: str | None, args: argparse.Namespace, variants: list[str], tmp: 
             same = same and all(a == answers[0] for a in answers)
             histories[s] = prompt + list(answers[0])
         print(f"  turn {turn + 1}/{args.turns}: history {len(histories[0])} tokens", flush=True)
-    result = {
+    result: dict[str, Any] = {
         "pool_blocks": num_blocks,
         "max_history_tokens": max(len(h) for h in histories),
         "prompt_tokens": prompt_total,
