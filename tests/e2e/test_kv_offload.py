@@ -12,10 +12,10 @@ import httpx
 
 from tests.e2e.conftest import ServerProcess
 
-ARGS = [
-    "--device", "cpu", "--dtype", "float32", "--quantization", "none", "--max-model-len", "256",
-    "--num-kv-blocks", "14", "--max-num-seqs", "4", "--log-level", "warning",
-]  # fmt: skip
+ARGS = (
+    "--device cpu --dtype float32 --quantization none --max-model-len 256 --num-kv-blocks 14 "
+    "--max-num-seqs 4 --log-level warning"
+).split()
 REUSABLE = 144  # 9 full blocks of a 160-token prompt (its last token is always computed)
 
 
@@ -25,8 +25,13 @@ def _prompts() -> list[list[int]]:
 
 
 def _complete(server: ServerProcess, prompt: list[int]) -> dict:
-    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "return_metrics": True}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_metrics": True,
+    }
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -45,7 +50,13 @@ def _metric(server: ServerProcess, name: str, tier: str) -> float:
 
 
 def test_tiers_through_the_server_and_a_restart(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    tier_args = [*ARGS, "--kv-offload-memory", "16MiB", "--kv-offload-dir", str(tmp_path / "kv")]
+    tier_args = [
+        *ARGS.split(),
+        "--kv-offload-memory",
+        "16MiB",
+        "--kv-offload-dir",
+        str(tmp_path / "kv"),
+    ]
     prompts = _prompts()
     server = ServerProcess(tiny_llama_dir, tier_args, tmp_path / "first.log")
     try:

@@ -168,8 +168,9 @@ def qwen2_sliding_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 def test_sliding_window_groups_take_tier_blocks(qwen2_sliding_dir):
     prompts = _prompts(seed=4)
-    ref = LLM(str(qwen2_sliding_dir), dtype="float32", quantization="none",
-              enable_prefix_caching=False)  # fmt: skip
+    ref = LLM(
+        str(qwen2_sliding_dir), dtype="float32", quantization="none", enable_prefix_caching=False
+    )
     expected = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)]
     llm = _llm(qwen2_sliding_dir, kv_offload_memory=32 << 20, num_blocks=2 * POOL)
     assert llm.engine.kv.num_groups == 2
