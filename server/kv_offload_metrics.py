@@ -38,11 +38,15 @@ class KVOffloadCollector:
         tokens.add_metric(["memory"], t.memory_hit_tokens)
         tokens.add_metric(["disk"], t.disk_hit_tokens)
         yield tokens
-        yield CounterMetricFamily(
+        misses = CounterMetricFamily(
             "kvserve_kv_offload_misses",
-            "Full prompt blocks neither the prefix cache nor an offload tier held.",
-            value=t.misses,
+            "Full prompt blocks the prefix cache lacked and this tier did not supply, by tier "
+            "(the host tier's misses include the disk tier's hits).",
+            labels=["tier"],
         )
+        misses.add_metric(["memory"], t.misses + t.disk_hits)
+        misses.add_metric(["disk"], t.misses)
+        yield misses
         moved = CounterMetricFamily(
             "kvserve_kv_offload_bytes",
             "Bytes moved: saved (pool to tiers), loaded (tiers to pool), disk written and read.",
