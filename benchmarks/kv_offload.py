@@ -12,7 +12,7 @@ The model is SmolLM2-135M's shape with `--layers` of its 30 layers and random we
 recompute to load-back scale with the layer count only weakly: both KV bytes and compute are per
 layer), or the bundled SmolLM2 itself with `--layers 0`.
 
-    python -m benchmarks.kv_offload                     # defaults: 4 sessions x 20 turns, 6 layers
+    python -m benchmarks.kv_offload      # 4 sessions x 20 turns of 200 tokens (to 4k), 4 layers
     python -m benchmarks.kv_offload --turns 5 --decode-reps 1   # a quick look
 """
 
@@ -166,11 +166,11 @@ def decode(model: str | None, args: argparse.Namespace, variants: list[str], tmp
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--layers", type=int, default=6, help="layers of SmolLM2's shape (0: SmolLM2)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of SmolLM2's shape (0: SmolLM2)")
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--user-tokens", type=int, default=80, help="new user tokens per turn")
-    ap.add_argument("--answer-tokens", type=int, default=20)
+    ap.add_argument("--user-tokens", type=int, default=160, help="new user tokens per turn")
+    ap.add_argument("--answer-tokens", type=int, default=40)
     ap.add_argument(
         "--pool-sessions", type=float, default=1.5, help="pool size in longest histories"
     )
@@ -178,7 +178,8 @@ def main() -> None:
     ap.add_argument("--decode-prompt", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--decode-reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    # One thread: on a shared 2-core machine, 2 threads stall on descheduled peers (20x slower).
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-chat", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args()
