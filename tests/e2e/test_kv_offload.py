@@ -51,7 +51,7 @@ def _metric(server: ServerProcess, name: str, tier: str) -> float:
 
 def test_tiers_through_the_server_and_a_restart(tiny_llama_dir: Path, tmp_path: Path) -> None:
     tier_args = [
-        *ARGS.split(),
+        *ARGS,
         "--kv-offload-memory",
         "16MiB",
         "--kv-offload-dir",
