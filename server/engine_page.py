@@ -119,6 +119,21 @@ def _tiers(snap: EngineSnapshot) -> dict[str, Any] | None:
     }
 
 
+def _kv_events(snap: EngineSnapshot) -> dict[str, Any] | None:
+    ev = snap.kv_events
+    if ev is None:
+        return None
+    return {
+        "endpoint": ev.endpoint,
+        "replay_endpoint": ev.replay_endpoint,
+        "topic": ev.topic,
+        "num_batches": ev.num_batches,
+        "num_events": ev.num_events,
+        "num_dropped": ev.num_dropped,
+        "alive": ev.alive,
+    }
+
+
 # Block states as the page draws them, one character per block.
 FREE, CACHED_FREE, HELD, SHARED = ".", "c", "h", "s"
 
@@ -186,6 +201,8 @@ def page_payload(
             "tables": tables,
         },
         "kv_offload": _tiers(snap),
+        # The KV events publisher (--kv-events-config), or null.
+        "kv_events": _kv_events(snap),
         # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting]
         "steps": steps,
         "requests": [

@@ -61,6 +61,12 @@
       $("t-tiers").textContent = `${tier(tiers.memory)} · ${tier(tiers.disk)}`;
       $("t-tiers").title = `blocks no tier held: ${tiers.misses}`;
     }
+    const ev = snap.kv_events;  // --kv-events-config: events published, where, dropped batches
+    $("t-events-card").hidden = !ev;
+    if (ev) {
+      $("t-events").textContent = ev.num_events + (ev.num_dropped ? " (" + ev.num_dropped + " dropped)" : "");
+      $("t-events").title = ev.endpoint + (ev.replay_endpoint ? ", replay " + ev.replay_endpoint : "") + (ev.alive ? "" : " (stopped)");
+    }
   }
 
   // -- timeline -------------------------------------------------------------------------------------
