@@ -118,3 +118,48 @@ def test_the_disk_format_rejects_damage_and_other_prefixes():
     assert decode_entry(data, b"g" * 16, key) is None  # another model's file
     collided = TierKey(key.digest, 0, None, other.tokens)  # same name, other tokens
     assert decode_entry(data, fp, collided) is None
+
+
+def _disk(directory, stats=None):
+    import torch
+
+    from engine.executor.kv_disk_tier import DiskTier
+
+    shapes: dict[int, tuple[int, ...]] = {0: (1, 2, BS, 1, 2)}
+    return DiskTier(directory, 1 << 20, b"f" * 16, stats or KVOffloadStats(), shapes, torch.float32)
+
+
+def test_a_disk_tier_that_cannot_start_or_fills_up_turns_off_with_one_warning(
+    tmp_path, caplog, monkeypatch
+):
+    import errno
+    import logging
+    from pathlib import Path
+
+    import torch
+
+    from engine.executor.kv_store import Entry
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="engine.executor.kv_disk_tier"):
+        broken = _disk(blocker / "kv")
+    assert not broken.enabled and not broken.stats.disk_enabled
+    assert [r.getMessage() for r in caplog.records if "disk tier off" in r.getMessage()]
+    caplog.clear()
+
+    disk = _disk(tmp_path / "kv")
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    keys = [PrefixKeys(None, list(range(12)), BS).key(i, 0) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="engine.executor.kv_disk_tier"):
+        for key in keys:
+            disk.write(key, Entry(torch.zeros(1, 2, BS, 1, 2)))
+        disk.flush()
+    assert len([r for r in caplog.records if "disk tier off" in r.getMessage()]) == 1
+    assert not disk.enabled and not any(disk.contains(k) for k in keys)
+    assert disk.read(keys[0]) is None
+    disk.close()
