@@ -36,6 +36,7 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
+from engine.core.step_budget import StepBudget, StepLoad
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
@@ -91,6 +92,10 @@ class LLMEngine:
         spec = config.speculative_config
         speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, speculator)
+        if self.device.type == "cpu" and config.scheduler.target_step_ms > 0:  # GPUs: fixed budget
+            self.scheduler.step_budget = StepBudget(
+                config.scheduler.target_step_ms / 1000, config.scheduler.max_num_batched_tokens
+            )
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
         )
@@ -318,6 +323,9 @@ class LLMEngine:
                     self.groups.pop(g.request_id, None)
 
         stats.duration = time.monotonic() - t0
+        if self.scheduler.step_budget is not None:  # the step-time budget learns from each step
+            load = StepLoad.of((s.num_new_tokens, s.start_pos) for s in sched.scheduled)
+            self.scheduler.step_budget.observe(load, stats.duration)
         stats.num_running = len(self.scheduler.running)
         stats.num_waiting = len(self.scheduler.waiting)
         stats.kv_cache_usage = self.kv.usage

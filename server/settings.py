@@ -330,6 +330,12 @@ OPTIONS: tuple[Option, ...] = (
         "tokens per engine step (decodes + prefill chunks)",
     ),
     Option(
+        "target-step-ms",
+        "scheduler.target_step_ms",
+        float,
+        "CPU: step time the prefill chunks aim at while streams decode (0: the fixed budget)",
+    ),
+    Option(
         "max-queued-requests",
         "scheduler.max_queued_requests",
         _int,

@@ -73,6 +73,7 @@ class CacheConfig:
 
 
 QUEUED_TOKENS_PER_BATCH = 32  # default max_queued_tokens = this x max_num_batched_tokens
+DEFAULT_TARGET_STEP_MS = 200.0  # CPU step-time budget: p99 inter-token latency ~<= 300 ms on 2 cores
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,13 @@ class SchedulerConfig:
     max_queued_requests: int = 256  # waiting requests beyond which admission fails
     # Waiting prompt tokens beyond which admission fails; None -> QUEUED_TOKENS_PER_BATCH steps' worth.
     max_queued_tokens: int | None = None
+    # CPU: the step time the prefill budget aims at while streams decode (engine.core.step_budget);
+    # 0 turns it off (max_num_batched_tokens every step). GPUs always run the fixed budget.
+    target_step_ms: float = DEFAULT_TARGET_STEP_MS
 
     def __post_init__(self) -> None:
+        if self.target_step_ms < 0:
+            raise ValueError("target_step_ms must be >= 0 (0: a fixed token budget)")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

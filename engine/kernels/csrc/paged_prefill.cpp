@@ -30,7 +30,7 @@ namespace {
 
 using namespace kvserve_attention;
 
-constexpr int64_t kRows = 16;      // chunk rows per work item (x group query vectors)
+constexpr int64_t kRows = 16;     // chunk rows per work item (x group query vectors)
 constexpr int64_t kKeyTile = 64;   // context tokens per K/V tile
 
 #ifdef KV_HAVE_AVX2_ATTENTION
