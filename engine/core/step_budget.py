@@ -118,7 +118,9 @@ class StepBudget:
             return max(0, room)  # nobody waits on this step (or no room to share)
         if not self.calibrated:
             return max(MIN_PREFILL_TOKENS, min(room, WARMUP_TOKENS, self._trusted()))
-        c0, c_dec, c_tok, c_pair = (max(0.0, c) * s for c, s in zip(self._coef, _SCALES))
+        c0, c_dec, c_tok, c_pair = (
+            max(0.0, c) * s for c, s in zip(self._coef, _SCALES, strict=True)
+        )
         spare = self.target_s - c0 - c_dec * num_decodes
         # c_pair / 2 n^2 + (c_tok + c_pair (start + 1/2)) n <= spare
         a = c_pair / 2
