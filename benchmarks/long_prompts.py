@@ -97,6 +97,8 @@ def ttft(args: argparse.Namespace) -> None:
     engine = build_engine(
         max_model_len=max(lengths) + 16, enable_prefix_caching=False, **_options(args)
     )
+    # A prompt plus its one token must fit the model's context (8k: 8191 tokens on an 8192 model).
+    lengths = [min(n, engine.max_model_len - 1) for n in lengths]
     timer, rng = AttentionTimer(), random.Random(0)
     engine.add_request("warm", _prompt(engine, 64, rng), _params(1))
     while engine.has_unfinished_requests():

@@ -22,6 +22,7 @@ from engine import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine.core.config import DEFAULT_TARGET_STEP_MS
 from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
@@ -104,6 +105,10 @@ def parse_optional_str(text: str) -> str | None:
     return text or None
 
 
+# An Option's default is its config field's, unless it sets serve_default.
+_FROM_CONFIG: Any = object()
+
+
 @dataclass(frozen=True)
 class Option:
     name: str  # the flag without dashes: "max-model-len"
@@ -113,6 +118,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     is_bool: bool = False
     metavar: str | None = None
+    serve_default: Any = _FROM_CONFIG  # the server's default where it differs from the engine's
 
     @property
     def dest(self) -> str:
@@ -124,6 +130,8 @@ class Option:
 
     @property
     def default(self) -> Any:
+        if self.serve_default is not _FROM_CONFIG:
+            return self.serve_default
         group, field = self.target.split(".")
         return {f.name: f for f in dataclasses.fields(_TARGETS[group])}[field].default
 
@@ -333,7 +341,9 @@ OPTIONS: tuple[Option, ...] = (
         "target-step-ms",
         "scheduler.target_step_ms",
         float,
-        "CPU: step time the prefill chunks aim at while streams decode (0: the fixed budget)",
+        "CPU: the step time prefill chunks aim at while streams decode, so they keep getting "
+        "tokens (0: --max-num-batched-tokens every step)",
+        serve_default=DEFAULT_TARGET_STEP_MS,
     ),
     Option(
         "max-queued-requests",

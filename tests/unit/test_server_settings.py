@@ -135,3 +135,17 @@ def test_model_as_a_flag_or_positional() -> None:
     assert resolve(_cli(["/models/a", "--model", "/models/a"]), {})["model"] == "/models/a"
     with pytest.raises(ValueError, match="two models given"):
         resolve(_cli(["/models/a", "--model", "/models/b"]), {})
+
+
+def test_target_step_ms_is_on_for_the_server_and_off_for_the_engine() -> None:
+    from engine.core.config import DEFAULT_TARGET_STEP_MS, SchedulerConfig
+
+    engine, _ = build_configs(resolve({}, {}))
+    assert engine.scheduler.target_step_ms == DEFAULT_TARGET_STEP_MS > 0
+    assert SchedulerConfig().target_step_ms == 0  # offline LLM(...): the fixed budget
+    engine, _ = build_configs(resolve(_cli(["--target-step-ms", "0"]), {}))
+    assert engine.scheduler.target_step_ms == 0
+    engine, _ = build_configs(resolve({}, {"KVSERVE_TARGET_STEP_MS": "350"}))
+    assert engine.scheduler.target_step_ms == 350
+    with pytest.raises(ValueError, match="target_step_ms"):
+        build_configs(resolve(_cli(["--target-step-ms", "-5"]), {}))

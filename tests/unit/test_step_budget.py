@@ -142,9 +142,7 @@ def test_long_prompts_do_not_freeze_decoding_streams():
     prefill_steps = [r for r in record if r[1] > 0]
     assert all(r[0] >= 4 for r in prefill_steps)  # the 4 streams decoded in every one of them
     steps = len(record)
-    assert all(
-        len(g.seqs[0].token_ids) - b >= steps for g, b in zip(streams, before, strict=True)
-    )
+    assert all(len(g.seqs[0].token_ids) - b >= steps for g, b in zip(streams, before, strict=True))
     settled = prefill_steps[CALIBRATION_STEPS + 3 :]
     assert max(seconds for _, _, seconds in settled) <= 1.05 * TARGET
     assert all(g.seqs[0].num_computed_tokens >= 3000 for g in long_prompts)  # both prefilled
