@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 WARMUP_TOKENS = 256  # the prefill chunk beside decodes before the fit has seen prefill steps
 MIN_PREFILL_TOKENS = 16  # a long prompt always moves at least this far per step
+# Prefill always gets at least this share of the target, even when the decodes alone fill it (a
+# busy machine, many streams): long prompts slow down there, but never crawl.
+MIN_PREFILL_SHARE = 0.25
 FORGETTING = 0.97  # per step: a step 23 steps ago weighs half as much as this one
 CALIBRATION_STEPS = 3  # prefill steps measured before the fit's predictions are used
 MAX_COVARIANCE = 1e8  # stop forgetting past this (long runs of alike steps teach the fit nothing)
@@ -121,13 +124,11 @@ class StepBudget:
         c0, c_dec, c_tok, c_pair = (
             max(0.0, c) * s for c, s in zip(self._coef, _SCALES, strict=True)
         )
-        spare = self.target_s - c0 - c_dec * num_decodes
+        spare = max(self.target_s - c0 - c_dec * num_decodes, MIN_PREFILL_SHARE * self.target_s)
         # c_pair / 2 n^2 + (c_tok + c_pair (start + 1/2)) n <= spare
         a = c_pair / 2
         b = c_tok + c_pair * (prefill_start + 0.5)
-        if spare <= 0:
-            n = 0.0
-        elif a > 0:
+        if a > 0:
             n = (-b + (b * b + 4 * a * spare) ** 0.5) / (2 * a)
         elif b > 0:
             n = spare / b
