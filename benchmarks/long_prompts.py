@@ -37,10 +37,11 @@ def build_engine(**options: Any) -> Any:
     return LLMEngine(EngineConfig.from_options(options.pop("model", None), **options))
 
 
-def _params(max_tokens: int) -> Any:
+def _params(max_tokens: int, stream: bool = False) -> Any:
     from engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    kind = "cumulative" if stream else "final"  # streamed: an output every step it makes a token
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
 
 
 def _prompt(engine: Any, length: int, rng: random.Random) -> list[int]:
@@ -154,7 +155,7 @@ def mixed_run(engine: Any, args: argparse.Namespace, seed: int) -> dict[str, flo
     streams = [f"s{seed}.{i}" for i in range(args.streams)]
     for rid in streams:
         engine.add_request(
-            rid, _prompt(engine, args.stream_prompt, rng), _params(args.stream_tokens)
+            rid, _prompt(engine, args.stream_prompt, rng), _params(args.stream_tokens, stream=True)
         )
     last: dict[str, float] = {}
     gaps: list[float] = []
