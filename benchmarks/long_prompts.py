@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,7 +40,8 @@ def build_engine(**options: Any) -> Any:
 def _params(max_tokens: int, stream: bool = False) -> Any:
     from engine import SamplingParams
 
-    kind = "cumulative" if stream else "final"  # streamed: an output every step it makes a token
+    # streamed: an output every step that makes a token
+    kind: Literal["cumulative", "final"] = "cumulative" if stream else "final"
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
 
 
@@ -86,11 +87,11 @@ class AttentionTimer:
             self.seconds += time.perf_counter() - t0
             return out
 
-        self.module.paged_prefill_attention = timed  # type: ignore[assignment]
+        self.module.paged_prefill_attention = timed
         try:
             yield
         finally:
-            self.module.paged_prefill_attention = self.tiled  # type: ignore[assignment]
+            self.module.paged_prefill_attention = self.tiled
 
 
 def ttft(args: argparse.Namespace) -> None:
