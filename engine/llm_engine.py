@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.block_hashes import DEFAULT_SEED
 from engine.core.config import EngineConfig
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
@@ -41,6 +42,7 @@ from engine.core.step_budget import StepBudget, StepLoad
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
+from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -90,6 +92,11 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
         )
+        events = config.kv_events_config
+        self.kv_events: KVEventStream | None = None
+        if events is not None and events.enabled:  # like vLLM, its hashes follow PYTHONHASHSEED
+            seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
+            self.kv_events = KVEventStream.start(events, self.kv, seed)
         spec = config.speculative_config
         speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
@@ -322,8 +329,23 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.publish()
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (KV events: AllBlocksCleared); False while requests hold
+        blocks. Call it between steps."""
+        done = self.kv.pool.reset_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def close(self) -> None:
+        """Stop what runs beside the steps (the KV events publisher); the engine steps no more."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def publish(self, detail: bool = False) -> EngineSnapshot:
         """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
@@ -384,6 +406,7 @@ class LLMEngine:
             spec_num_accepted_tokens=t.spec_num_accepted_tokens,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
+            kv_events=self.kv_events.publisher.state() if self.kv_events is not None else None,
         )
 
     def _snapshot_detail(self) -> SnapshotDetail:
