@@ -2,35 +2,35 @@
 
 A fixed budget (`max_num_batched_tokens`, 2048) lets one step carry a 2048-token prefill chunk, which
 on a small CPU takes seconds: every stream decoding beside it waits that long for its next token.
-Here a step's duration is modelled from what it carries,
+Here the engine's own step durations are split into two measured parts:
 
-    seconds = c0 + c_decode * decodes + c_token * prefill_tokens + c_pair * attention_pairs
+- the decode part: an exponentially weighted average of the steps that only decode;
+- the prefill part, what a step took beyond that, fitted as
 
-(attention_pairs: the query-key pairs the step's chunks attend, a chunk of n tokens after p cached
-ones reading n * (p + (n + 1) / 2)), fitted to the durations of the engine's own steps by recursive
-least squares with forgetting (recent steps weigh most: the machine and the load drift). Before a
-step, while streams are decoding, the budget is the largest prefill chunk whose predicted step fits
-the target step time (`target_step_ms`), so other users' tokens keep coming about once per target;
-with nothing decoding, no one waits, and prefill takes the full `max_num_batched_tokens`.
+      c_token * prefill_tokens + c_pair * attention_pairs
 
-Until the fit has seen a few prefill steps, or beyond twice the largest chunk it has measured, the
-budget stays at what was measured (starting from WARMUP_TOKENS): it grows only as steps confirm it."""
+  (attention_pairs: the query-key pairs the step's chunks attend, a chunk of n tokens after p cached
+  ones reading n * (p + (n + 1) / 2)) by least squares over recent prefill steps, older steps
+  weighing less (the machine and the load drift), both coefficients kept >= 0.
+
+Before a step, while streams decode, the budget is the largest prefill chunk whose predicted step
+fits the target step time (`target_step_ms`), so other users' tokens keep coming about once per
+target; with nothing decoding, no one waits, and prefill takes the full `max_num_batched_tokens`.
+Prefill always gets at least MIN_PREFILL_SHARE of the target and at least as long as the decodes
+take (on a machine too busy for the target, streams slow down to twice a decode step rather than
+long prompts crawling). The chunk starts at WARMUP_TOKENS and grows to at most twice the largest one
+measured: the fit is never trusted far beyond what it has seen."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-WARMUP_TOKENS = 256  # the prefill chunk beside decodes before the fit has seen prefill steps
+WARMUP_TOKENS = 64  # the prefill chunk beside decodes before the fit has seen prefill steps
 MIN_PREFILL_TOKENS = 16  # a long prompt always moves at least this far per step
-# Prefill always gets at least this share of the target, even when the decodes alone fill it (a
-# busy machine, many streams): long prompts slow down there, but never crawl.
-MIN_PREFILL_SHARE = 0.25
-FORGETTING = 0.97  # per step: a step 23 steps ago weighs half as much as this one
-CALIBRATION_STEPS = 3  # prefill steps measured before the fit's predictions are used
-MAX_COVARIANCE = 1e8  # stop forgetting past this (long runs of alike steps teach the fit nothing)
-# Feature scales: keep the least-squares system well conditioned (each feature near 1).
-_SCALES = (1.0, 1 / 16, 1 / 1024, 1 / (1 << 20))
+MIN_PREFILL_SHARE = 0.25  # of the target step time, the least prefill gets
+CALIBRATION_STEPS = 2  # prefill steps measured before the fit's predictions are used
+DECAY = 0.85  # per observed step: the weight of what came before (half-life about 4 steps)
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,6 @@ class StepLoad:
                 pairs += chunk_pairs(n, start)
         return cls(decodes, tokens, pairs)
 
-    def features(self) -> tuple[float, float, float, float]:
-        raw = (1.0, self.num_decodes, self.num_prefill_tokens, self.attention_pairs)
-        return (
-            raw[0] * _SCALES[0],
-            raw[1] * _SCALES[1],
-            raw[2] * _SCALES[2],
-            raw[3] * _SCALES[3],
-        )
-
 
 def chunk_pairs(n: int, start: int) -> float:
     """Query-key pairs of a causal chunk of n tokens after `start` cached ones."""
@@ -77,36 +68,60 @@ class StepBudget:
             raise ValueError(f"the target step time must be positive, got {target_step_s}")
         self.target_s = target_step_s
         self.max_tokens = max_tokens
-        size = len(_SCALES)
-        self._coef = [0.0] * size
-        self._p = [[1e4 if i == j else 0.0 for j in range(size)] for i in range(size)]
+        self.decode_s: float | None = None  # the decode part of a step (None: no decode step yet)
+        # Decayed sums of the prefill fit's normal equations, in units of 1k tokens and 1M pairs.
+        self._snn = self._snp = self._spp = self._sny = self._spy = 0.0
+        self.c_token = self.c_pair = 0.0  # seconds per prefill token, per attention pair
         self.num_prefill_steps = 0  # prefill steps observed
-        self.largest_chunk = 0  # the most prefill tokens of one observed step (decayed on misses)
+        self.largest_chunk = 0  # the most prefill tokens of one observed step
         self.last_budget = max_tokens
 
     # -- fitting -------------------------------------------------------------------------------
     def observe(self, load: StepLoad, seconds: float) -> None:
-        """One step's measured duration (recursive least squares, forgetting factor FORGETTING)."""
-        x = load.features()
-        p = self._p
-        px = [sum(p[i][j] * x[j] for j in range(len(x))) for i in range(len(x))]
-        denom = FORGETTING + sum(x[i] * px[i] for i in range(len(x)))
-        gain = [v / denom for v in px]
-        err = seconds - sum(c * v for c, v in zip(self._coef, x, strict=True))
-        self._coef = [c + g * err for c, g in zip(self._coef, gain, strict=True)]
-        forget = FORGETTING if sum(p[i][i] for i in range(len(x))) < MAX_COVARIANCE else 1.0
-        self._p = [
-            [(p[i][j] - gain[i] * px[j]) / forget for j in range(len(x))] for i in range(len(x))
-        ]
-        if load.num_prefill_tokens:
-            self.num_prefill_steps += 1
-            self.largest_chunk = max(self.largest_chunk, load.num_prefill_tokens)
-            if seconds > self.target_s * 1.5:  # it overshot: trust smaller chunks again
-                self.largest_chunk = max(MIN_PREFILL_TOKENS, load.num_prefill_tokens // 2)
+        """One step's measured duration."""
+        if not load.num_prefill_tokens:
+            if load.num_decodes:
+                prev = self.decode_s
+                self.decode_s = seconds if prev is None else DECAY * prev + (1 - DECAY) * seconds
+            return
+        base = (self.decode_s or 0.0) if load.num_decodes else 0.0
+        y = max(0.0, seconds - base)
+        n, p = load.num_prefill_tokens / 1e3, load.attention_pairs / 1e6
+        d = DECAY
+        self._snn, self._snp, self._spp = (
+            d * self._snn + n * n,
+            d * self._snp + n * p,
+            d * self._spp + p * p,
+        )
+        self._sny, self._spy = d * self._sny + n * y, d * self._spy + p * y
+        self._fit()
+        self.num_prefill_steps += 1
+        self.largest_chunk = max(self.largest_chunk, load.num_prefill_tokens)
+
+    def _fit(self) -> None:
+        """Non-negative least squares in two unknowns: the joint solution if both are >= 0, else
+        the better of the two one-coefficient fits."""
+        det = self._snn * self._spp - self._snp * self._snp
+        if det > 1e-12 * max(1e-30, self._snn * self._spp):
+            a = (self._sny * self._spp - self._spy * self._snp) / det
+            b = (self._spy * self._snn - self._sny * self._snp) / det
+            if a >= 0 and b >= 0:
+                self.c_token, self.c_pair = a / 1e3, b / 1e6
+                return
+        a = self._sny / self._snn if self._snn > 0 else 0.0  # tokens only
+        b = self._spy / self._spp if self._spp > 0 else 0.0  # pairs only
+        # residual sum of squares of each (up to the common sum of y^2)
+        rss_a = -2 * a * self._sny + a * a * self._snn
+        rss_b = -2 * b * self._spy + b * b * self._spp
+        if rss_a <= rss_b:
+            self.c_token, self.c_pair = max(0.0, a) / 1e3, 0.0
+        else:
+            self.c_token, self.c_pair = 0.0, max(0.0, b) / 1e6
 
     def predict(self, load: StepLoad) -> float:
-        """Predicted seconds of a step (coefficients clamped at 0: no step is cheaper for more)."""
-        return sum(max(0.0, c) * v for c, v in zip(self._coef, load.features(), strict=True))
+        """Predicted seconds of a step."""
+        decode = (self.decode_s or 0.0) if load.num_decodes else 0.0
+        return decode + self.c_token * load.num_prefill_tokens + self.c_pair * load.attention_pairs
 
     @property
     def calibrated(self) -> bool:
@@ -119,29 +134,23 @@ class StepBudget:
         room = self.max_tokens - num_decodes
         if num_decodes == 0 or room <= MIN_PREFILL_TOKENS:
             return max(0, room)  # nobody waits on this step (or no room to share)
+        trusted = 2 * self.largest_chunk if self.largest_chunk else WARMUP_TOKENS
         if not self.calibrated:
-            return max(MIN_PREFILL_TOKENS, min(room, WARMUP_TOKENS, self._trusted()))
-        c0, c_dec, c_tok, c_pair = (
-            max(0.0, c) * s for c, s in zip(self._coef, _SCALES, strict=True)
-        )
-        spare = max(self.target_s - c0 - c_dec * num_decodes, MIN_PREFILL_SHARE * self.target_s)
-        # c_pair / 2 n^2 + (c_tok + c_pair (start + 1/2)) n <= spare
-        a = c_pair / 2
-        b = c_tok + c_pair * (prefill_start + 0.5)
+            return max(MIN_PREFILL_TOKENS, min(room, WARMUP_TOKENS, trusted))
+        decode = self.decode_s or 0.0
+        spare = max(self.target_s - decode, MIN_PREFILL_SHARE * self.target_s, decode)
+        # c_pair / 2 n^2 + (c_token + c_pair (start + 1/2)) n <= spare
+        a = self.c_pair / 2
+        b = self.c_token + self.c_pair * (prefill_start + 0.5)
         if a > 0:
             n = (-b + (b * b + 4 * a * spare) ** 0.5) / (2 * a)
         elif b > 0:
             n = spare / b
         else:
             n = float(room)
-        return max(MIN_PREFILL_TOKENS, min(room, int(n), self._trusted()))
+        return max(MIN_PREFILL_TOKENS, min(room, int(n), trusted))
 
     def token_budget(self, num_decodes: int, prefill_start: int) -> int:
         """The whole step's budget: the decodes plus prefill_tokens()."""
         self.last_budget = num_decodes + self.prefill_tokens(num_decodes, prefill_start)
         return self.last_budget
-
-    def _trusted(self) -> int:
-        """Twice the largest chunk measured (WARMUP_TOKENS before any): the fit is not trusted far
-        beyond what it has seen."""
-        return 2 * self.largest_chunk if self.largest_chunk else WARMUP_TOKENS
