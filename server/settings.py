@@ -338,6 +338,24 @@ OPTIONS: tuple[Option, ...] = (
         "reuse KV blocks of shared prompt prefixes",
         is_bool=True,
     ),
+    Option(
+        "kv-offload-memory",
+        "cache.kv_offload_memory",
+        _optional_size,
+        "host-memory tier for KV blocks evicted from the prefix cache (e.g. 2GiB); default: none",
+    ),
+    Option(
+        "kv-offload-dir",
+        "cache.kv_offload_dir",
+        parse_optional_str,
+        "directory of a disk tier for evicted KV blocks (kept across restarts); default: none",
+    ),
+    Option(
+        "kv-offload-disk",
+        "cache.kv_offload_disk",
+        _optional_size,
+        "size of the disk tier (e.g. 20GiB); default: 10GiB",
+    ),
     Option("max-num-seqs", "scheduler.max_num_seqs", _int, "sequences running in one engine step"),
     Option(
         "max-num-batched-tokens",
@@ -491,9 +509,8 @@ def _convert(opt: Option, value: Any, source: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             result = value
-        elif isinstance(
-            value, dict
-        ):  # a config file's mapping (chat-template-kwargs, speculative-config)
+        elif isinstance(value, dict):
+            # A config file's mapping (chat-template-kwargs, speculative-config).
             result = opt.parse(json.dumps(value))
         elif isinstance(value, (list, tuple)):
             result = tuple(str(v) for v in value)
