@@ -40,11 +40,8 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
-<<<<<<< HEAD
 from engine.core.step_budget import StepBudget, StepLoad
-=======
 from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
->>>>>>> main
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled

@@ -33,12 +33,8 @@ from engine.core.sequence_update import (
     store_prompt_logprobs,
 )
 from engine.core.speculator import Speculator
-<<<<<<< HEAD
-from engine.core.stats import StepStats
-from engine.core.step_budget import StepBudget
-=======
 from engine.core.stats import StepKind, StepStats
->>>>>>> main
+from engine.core.step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
 
