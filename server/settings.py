@@ -23,7 +23,6 @@ from engine import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine.core.config import DEFAULT_TARGET_STEP_MS
 from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
@@ -106,10 +105,6 @@ def parse_optional_str(text: str) -> str | None:
     return text or None
 
 
-# An Option's default is its config field's, unless it sets serve_default.
-_FROM_CONFIG: Any = object()
-
-
 @dataclass(frozen=True)
 class Option:
     name: str  # the flag without dashes: "max-model-len"
@@ -119,7 +114,6 @@ class Option:
     choices: tuple[str, ...] | None = None
     is_bool: bool = False
     metavar: str | None = None
-    serve_default: Any = _FROM_CONFIG  # the server's default where it differs from the engine's
 
     @property
     def dest(self) -> str:
@@ -131,8 +125,6 @@ class Option:
 
     @property
     def default(self) -> Any:
-        if self.serve_default is not _FROM_CONFIG:
-            return self.serve_default
         group, field = self.target.split(".")
         return {f.name: f for f in dataclasses.fields(_TARGETS[group])}[field].default
 
@@ -368,8 +360,7 @@ OPTIONS: tuple[Option, ...] = (
         "scheduler.target_step_ms",
         float,
         "CPU: the step time prefill chunks aim at while streams decode, so they keep getting "
-        "tokens (0: --max-num-batched-tokens every step)",
-        serve_default=DEFAULT_TARGET_STEP_MS,
+        "tokens (0, the default: --max-num-batched-tokens every step)",
     ),
     Option(
         "max-queued-requests",

@@ -88,7 +88,6 @@ class CacheConfig:
 
 
 QUEUED_TOKENS_PER_BATCH = 32  # default max_queued_tokens = this x max_num_batched_tokens
-DEFAULT_TARGET_STEP_MS = 200.0  # kvserve serve's step-time budget on CPU (p99 ITL ~<= 300 ms)
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,8 @@ class SchedulerConfig:
     # Waiting prompt tokens beyond which admission fails; None -> QUEUED_TOKENS_PER_BATCH steps' worth.
     max_queued_tokens: int | None = None
     # CPU: the step time the prefill budget aims at while streams decode (engine.core.step_budget);
-    # 0: off, max_num_batched_tokens every step (the engine's default, for offline batches; the
-    # server's is DEFAULT_TARGET_STEP_MS). GPUs always run the fixed budget.
+    # 0: off, max_num_batched_tokens every step (the default until the budget is measured to pay on
+    # an idle machine: see README, Long prompts on CPU). GPUs always run the fixed budget.
     target_step_ms: float = 0.0
 
     def __post_init__(self) -> None:

@@ -137,14 +137,13 @@ def test_model_as_a_flag_or_positional() -> None:
         resolve(_cli(["/models/a", "--model", "/models/b"]), {})
 
 
-def test_target_step_ms_is_on_for_the_server_and_off_for_the_engine() -> None:
-    from engine.core.config import DEFAULT_TARGET_STEP_MS, SchedulerConfig
+def test_target_step_ms_is_off_by_default_and_set_by_flag_or_env() -> None:
+    from engine.core.config import SchedulerConfig
 
     engine, _ = build_configs(resolve({}, {}))
-    assert engine.scheduler.target_step_ms == DEFAULT_TARGET_STEP_MS > 0
-    assert SchedulerConfig().target_step_ms == 0  # offline LLM(...): the fixed budget
-    engine, _ = build_configs(resolve(_cli(["--target-step-ms", "0"]), {}))
-    assert engine.scheduler.target_step_ms == 0
+    assert engine.scheduler.target_step_ms == 0 == SchedulerConfig().target_step_ms
+    engine, _ = build_configs(resolve(_cli(["--target-step-ms", "200"]), {}))
+    assert engine.scheduler.target_step_ms == 200
     engine, _ = build_configs(resolve({}, {"KVSERVE_TARGET_STEP_MS": "350"}))
     assert engine.scheduler.target_step_ms == 350
     with pytest.raises(ValueError, match="target_step_ms"):
