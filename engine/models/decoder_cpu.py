@@ -11,6 +11,7 @@ from engine.kernels.attention import attend_cached, write_kv
 from engine.kernels.metadata import AttentionMetadata
 from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.decoder_layer import Attention, DecoderLayer
+from engine.models.kquant import BlockKWeight
 from engine.models.layers import RMSNorm
 from engine.models.quantization import linear
 from engine.models.rotary import apply_rotary
@@ -101,6 +102,11 @@ def decode_layer_args(layer: DecoderLayer) -> DecodeLayerArgs | None:
         elif isinstance(weight, BlockQ8Weight):
             tensors += [weight.qs, weight.d]
             kinds += [2, int(bias is not None), weight.out_features]
+        elif isinstance(weight, BlockKWeight):
+            tensors += [weight.qs, weight.sc, weight.dm]
+            kinds += [3, int(bias is not None), weight.out_features]
+        elif not isinstance(weight, torch.Tensor):
+            return None  # e.g. a fused weight whose parts use different block formats
         else:
             tensors.append(weight)
             kinds += [0, int(bias is not None), weight.shape[0]]

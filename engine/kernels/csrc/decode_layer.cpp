@@ -12,9 +12,9 @@
 namespace {
 
 // kinds[i] for each of the 4 matmuls (qkv, o, gate_up, down): 0 float [N, K] weight, 1 q4 blocks
-// (qs, d, m), 2 q8 blocks (qs, d); then has_bias, then the true output width (block weights are
-// padded to a multiple of 8 columns).
-enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ8 = 2 };
+// (qs, d, m), 2 q8 blocks (qs, d), 3 K-quant blocks (qs, sc, dm); then has_bias, then the true
+// output width (block weights are padded to a multiple of 8 columns).
+enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ8 = 2, kKQ = 3 };
 
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -23,6 +23,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const std::optional<at::Tensor>&)>
       q8;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const std::optional<at::Tensor>&)>
+      kq;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor,
                                 const at::Tensor&, int64_t, int64_t)>
@@ -42,6 +45,9 @@ const Ops& ops() {
         d.findSchemaOrThrow("kvserve::q8_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const std::optional<at::Tensor>&)>(),
+        d.findSchemaOrThrow("kvserve::kq_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const std::optional<at::Tensor>&)>(),
         d.findSchemaOrThrow("kvserve::rms_norm", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
         d.findSchemaOrThrow("kvserve::rope_write_kv", "")
@@ -69,6 +75,9 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t&
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   if (kind == kQ4) {
     out = ops().q4.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
+    next += 3;
+  } else if (kind == kKQ) {
+    out = ops().kq.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
     next += 3;
   } else {
     TORCH_CHECK(kind == kQ8, "decode_layer: unknown weight kind ", kind);
