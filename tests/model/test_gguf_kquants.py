@@ -1,0 +1,267 @@
+"""GGUF K-quants served as stored: Q4_K, Q5_K and Q6_K blocks (valid blocks built from random
+bytes with sane scales: the gguf package cannot quantize K-quants, and dequantization is what is
+checked) parsed bitwise as `gguf.quants.dequantize` reads them; the kq_linear kernels within
+tolerance of a float matmul, bitwise batch-invariant and bitwise equal on every ISA path this CPU
+runs; and a tiny random Llama written as a Q4_K_M-like file (Q4_K, Q5_K, Q6_K, Q8_0, F16 and F32
+tensors, fused weights whose parts mix them) served with every matmul as stored, each weight the
+file's blocks, greedy tokens equal to the same model on its dequantized float32 weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_kernels
+from engine.models.block_parts import BlockParts
+from engine.models.cpu_features import BLOCK_KERNEL_PATHS, block_kernel_probe
+from engine.models.kquant import KQUANT_BLOCK_BYTES, BlockKWeight, from_gguf_kblocks
+from engine.models.loader import find_bundled_model
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
+)
+
+KINDS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_kblocks(kind: str, rows: int, cols: int, rng: np.random.Generator, std: float = 0.1):
+    """[rows, cols / 256 * bytes] uint8: valid `kind` super-blocks whose weights spread about
+    `std` around 0 (random values and 6-bit scales; d, dmin fp16 chosen to centre them)."""
+    ks = cols // 256
+    b = rng.integers(0, 256, (rows, ks, KQUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    if kind == "Q6_K":  # w = d * sc * (q - 32), sc int8 per 16
+        b[..., 192:208] = rng.integers(-64, 64, (rows, ks, 16)).astype(np.int8).view(np.uint8)
+        d = np.full((rows, ks), std / (64 * 18), np.float16)
+        b[..., 208:210] = d.view(np.uint8).reshape(rows, ks, 2)
+        return b.reshape(rows, -1)
+    top = 15 if kind == "Q4_K" else 31  # w = d * sc * q - dmin * m; m = sc centres q around top/2
+    scale = rng.integers(16, 64, (rows, ks, 8), dtype=np.uint8)
+    # 12 bytes: 6-bit scales and mins of the 8 blocks (the first 4 in bytes 0-7, the rest split)
+    packed = np.zeros((rows, ks, 12), np.uint8)
+    for j in range(8):
+        sc, mn = scale[..., j], scale[..., j]
+        if j < 4:
+            packed[..., j] = sc
+            packed[..., 4 + j] = mn
+        else:
+            packed[..., 8 + j - 4] = (sc & 0x0F) | ((mn & 0x0F) << 4)
+            packed[..., j - 4] |= (sc >> 4) << 6
+            packed[..., j] |= (mn >> 4) << 6
+    b[..., 4:16] = packed
+    d = np.full((rows, ks), 2 * std / (40 * top), np.float16)
+    b[..., 0:2] = d.view(np.uint8).reshape(rows, ks, 2)
+    b[..., 2:4] = (d * (top / 2)).astype(np.float16).view(np.uint8).reshape(rows, ks, 2)
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_dequantize_bitwise_as_gguf(kind: str) -> None:
+    rng = np.random.default_rng(1)
+    raw = random_kblocks(kind, 13, 768, rng)
+    raw[0, :] = rng.integers(0, 256, raw.shape[1], dtype=np.uint8)  # any bytes, any scales
+    values = from_gguf_kblocks(kind, raw, (13, 768))
+    theirs = gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(13, 768)
+    ours = values.dequantize().numpy()
+    finite = np.isfinite(theirs).all(axis=1)  # random fp16 bytes may be inf/NaN scales
+    assert np.array_equal(ours[finite].view(np.uint32), theirs[finite].view(np.uint32))
+    # Interleaved for the kernels and read back: the same values, the same floats.
+    weight = BlockKWeight(values)
+    back = weight.values()
+    for field in ("q", "d", "dmin", "sc"):
+        assert torch.equal(getattr(back, field), getattr(values, field)), field
+    padded = 16 * raw.shape[1]  # the file's bytes of 16 rows (13 padded to 2 groups of 8)
+    assert padded < weight.nbytes <= padded * 1.03  # 148 / 180 / 212 bytes per 144 / 176 / 210
+
+
+def _paths() -> list[str]:
+    return [p for p in BLOCK_KERNEL_PATHS if block_kernel_probe(p) == ""]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernels_match_floats_and_agree_on_every_path(kind: str) -> None:
+    rng = np.random.default_rng(2)
+    rows, cols = 20, 512  # 3 column groups (the last padded), 2 super-blocks
+    values = from_gguf_kblocks(kind, random_kblocks(kind, rows, cols, rng), (rows, cols))
+    weight = BlockKWeight(values)
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(3))  # tiles of 4, and 1
+    expected = x @ values.dequantize().T
+    ops: Any = torch.ops.kvserve
+    auto = str(ops.block_kernels_path())
+    outs = {}
+    try:
+        for path in _paths():
+            ops.block_kernels_select(path)
+            outs[path] = weight.matmul(x)
+            alone = torch.cat([weight.matmul(x[i : i + 1]) for i in range(len(x))])
+            assert torch.equal(alone, outs[path]), path  # batch-invariant, bitwise
+    finally:
+        ops.block_kernels_select(auto)
+    assert "portable" in outs and len(outs) >= 2 or len(_paths()) == 1
+    for path, out in outs.items():
+        assert torch.equal(out, outs["portable"]), path
+    err = (outs["portable"] - expected).abs().max() / expected.abs().max()
+    assert err < 0.02, err  # int8 activations per block of 32
+
+
+# ---------------------------------------------------------------- a Q4_K_M-like file end to end
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+LAYER_TYPES = [
+    {  # as llama.cpp's Q4_K_M: Q6_K for attn_v and ffn_down in some layers
+        "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+        "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K",
+    },
+    {  # Q5_K, and Q8_0 / F16 tensors beside them; gate and up in different K-quants
+        "attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q5_K", "attn_output": "F16",
+        "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q8_0",
+    },
+]  # fmt: skip
+FUSED = {
+    "self_attn.qkv_weight": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_weight": ("attn_output",),
+    "mlp.gate_up_weight": ("ffn_gate", "ffn_up"),
+    "mlp.down_weight": ("ffn_down",),
+}
+SHAPES = {
+    "attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+    "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER),
+}  # fmt: skip
+SERVED_AS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q8_0": "q8_0"}
+
+
+def _write_kquant_gguf(path: Path) -> None:
+    bundled = GGUFReader(find_bundled_model())
+    writer = GGUFWriter(path, "llama")
+    for key, field in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    vocab = len(bundled.fields["tokenizer.ggml.tokens"].data)
+    writer.add_vocab_size(vocab)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_block_count(LAYERS)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    rng = np.random.default_rng(0)
+
+    def add(name: str, shape: tuple[int, int], kind: str, std: float = 0.1) -> None:
+        if kind in KQUANT_BLOCK_BYTES:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(name, random_kblocks(kind, *shape, rng, std), raw_dtype=qtype)
+            return
+        w = (rng.standard_normal(shape) * std).astype(np.float32)
+        if kind == "F16":
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf_quantize(w, qtype), raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+
+    add("token_embd.weight", (vocab, HIDDEN), "Q4_K", 0.5)
+    norm("output_norm.weight")
+    add("output.weight", (vocab, HIDDEN), "Q6_K", 0.5)  # large logits: clear greedy choices
+    for i, types in enumerate(LAYER_TYPES):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        for part, shape in SHAPES.items():
+            add(f"blk.{i}.{part}.weight", shape, types[part])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def kquant_llms(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LLM, LLM]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama-q4_k_m.gguf"
+    _write_kquant_gguf(path)
+    cache = str(tmp_path_factory.mktemp("cache"))
+    options = {"cache_dir": cache, "max_num_seqs": 4, "enable_prefix_caching": False}
+    stored = LLM(str(path), quantization="gguf", **options)
+    floats = LLM(str(path), dtype="float32", quantization="none", **options)
+    return path, stored, floats
+
+
+def _gguf_rows(reader: GGUFReader, name: str, heads: int | None) -> torch.Tensor:
+    """gguf's dequantization of a tensor, rows in HF order (llama.cpp permutes q/k rows)."""
+    tensor = next(t for t in reader.tensors if t.name == name)
+    w = gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    if heads is not None:  # GGUF row h*d + 2i + t is HF row h*d + t*d/2 + i
+        w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def test_every_weight_of_the_file_is_served_as_stored(kquant_llms: tuple[Path, LLM, LLM]) -> None:
+    path, stored, floats = kquant_llms
+    model, float_params = stored.engine.model, dict(floats.engine.model.named_parameters())
+    reader = GGUFReader(path)
+    for i, types in enumerate(LAYER_TYPES):
+        for ours, parts in FUSED.items():
+            owner, attr = ours.split(".")
+            weight = getattr(getattr(model.layers[i], owner), attr)
+            heads = {"attn_q": HEADS, "attn_k": KV_HEADS}
+            theirs = torch.cat(
+                [_gguf_rows(reader, f"blk.{i}.{p}.weight", heads.get(p)) for p in parts]
+            )
+            assert torch.equal(theirs, float_params[f"layers.{i}.{ours}"]), (i, ours)
+            kinds = [SERVED_AS.get(types[p]) for p in parts]
+            if None in kinds:  # the F16 tensor: packed from its floats as Q8_0
+                assert weight.kind == "q8_0", (i, ours)
+                continue
+            runs = [k for j, k in enumerate(kinds) if j == 0 or kinds[j - 1] != k]
+            assert weight.kind == "+".join(runs), (i, ours)
+            assert isinstance(weight, BlockParts) == (len(runs) > 1), (i, ours)
+            assert torch.equal(weight.dequantize(), theirs), (i, ours)  # bitwise gguf's floats
+    head = model.lm_head_weight
+    assert isinstance(head, BlockKWeight) and head.kind == "q6_k"
+    assert torch.equal(head.dequantize(), _gguf_rows(reader, "output.weight", None))
+    # the Q4_K embedding is looked up in the float table transformers dequantized
+    ids = torch.tensor([0, 3, 49151])
+    assert torch.equal(model.embed_tokens(ids), _gguf_rows(reader, "token_embd.weight", None)[ids])
+
+
+def test_greedy_tokens_follow_the_dequantized_model(kquant_llms: tuple[Path, LLM, LLM]) -> None:
+    """The same weights; only the int8 activations (per row and block of 32) differ from float32:
+    along the float model's greedy continuation (teacher-forced), every token's logprob is close,
+    and wherever float32's choice is clear, the K-quant kernels choose it too."""
+    _, stored, floats = kquant_llms
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [list(floats.tokenizer.encode(t)) for t in ("Hello there", "The capital of", "def")]
+    continuations = [list(o.outputs[0].token_ids) for o in floats.generate(prompts, params)]
+    forced = [p + c for p, c in zip(prompts, continuations, strict=True)]
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    ours = [o.prompt_logprobs for o in stored.generate(forced, score)]
+    theirs = [o.prompt_logprobs for o in floats.generate(forced, score)]
+    clear, worst = 0, 0.0
+    for prompt, mine, ref in zip(prompts, ours, theirs, strict=True):
+        assert mine is not None and ref is not None
+        for got, want in zip(mine[len(prompt) :], ref[len(prompt) :], strict=True):
+            assert got is not None and want is not None
+            worst = max(worst, abs(got.logprob - want.logprob))
+            if want.rank == 1 and want.top[0][1] - want.top[1][1] > 0.5:
+                assert got.rank == 1, (got, want)
+                clear += 1
+    print(f"K-quants vs float32: logprobs within {worst:.3f}; all {clear} clear choices kept")
+    assert worst < 0.3  # logits of std ~5 here: int8 activations move them by ~1%
+    assert clear >= 20
+    generated = [o.outputs[0].token_ids for o in stored.generate(prompts, params)]
+    alone = [stored.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert alone == generated and generated[0][0] == continuations[0][0]  # batch-invariant
