@@ -109,6 +109,39 @@ def from_gguf_kblocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> KVa
     return KValues(kvs, torch.from_numpy(q.reshape(n, k).copy()), d, dmin, _t(sc))
 
 
+def synthetic_kblocks(
+    kind: str, rows: int, cols: int, rng: np.random.Generator, std: float = 0.1
+) -> np.ndarray:
+    """For tests and benchmarks (the gguf package cannot quantize K-quants): [rows, cols / 256 *
+    bytes] uint8, valid `kind` super-blocks whose weights spread about `std` around 0 (random
+    values and 6-bit scales; d, dmin fp16 chosen to centre them)."""
+    ks = cols // 256
+    b = rng.integers(0, 256, (rows, ks, KQUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
+    if kind == "Q6_K":  # w = d * sc * (q - 32), sc int8 per 16
+        b[..., 192:208] = rng.integers(-64, 64, (rows, ks, 16)).astype(np.int8).view(np.uint8)
+        d = np.full((rows, ks), std / (64 * 18), np.float16)
+        b[..., 208:210] = d.view(np.uint8).reshape(rows, ks, 2)
+        return b.reshape(rows, -1)
+    top = 15 if kind == "Q4_K" else 31  # w = d * sc * q - dmin * m; m = sc centres q around top/2
+    scale = rng.integers(16, 64, (rows, ks, 8), dtype=np.uint8)
+    # 12 bytes: 6-bit scales and mins of the 8 blocks (the first 4 in bytes 0-7, the rest split)
+    packed = np.zeros((rows, ks, 12), np.uint8)
+    for j in range(8):
+        sc, mn = scale[..., j], scale[..., j]
+        if j < 4:
+            packed[..., j] = sc
+            packed[..., 4 + j] = mn
+        else:
+            packed[..., 8 + j - 4] = (sc & 0x0F) | ((mn & 0x0F) << 4)
+            packed[..., j - 4] |= (sc >> 4) << 6
+            packed[..., j] |= (mn >> 4) << 6
+    b[..., 4:16] = packed
+    d = np.full((rows, ks), 2 * std / (40 * top), np.float16)
+    b[..., 0:2] = d.view(np.uint8).reshape(rows, ks, 2)
+    b[..., 2:4] = (d * (top / 2)).astype(np.float16).view(np.uint8).reshape(rows, ks, 2)
+    return b.reshape(rows, -1)
+
+
 def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8))
 

@@ -114,6 +114,25 @@ def quantize_model(model: nn.Module, method: str | None, gguf_file: Path | None 
     return after
 
 
+# Bumped whenever a block format's kernel numerics change (what a served weight computes).
+BLOCK_NUMERICS_VERSION = 2  # 2: K-quants served as stored (were Q8_0 from floats)
+
+
+def served_formats(model: nn.Module) -> str:
+    """Which block format serves each matmul weight, as a short key: two loads whose KV could
+    differ (a K-quant file served as Q8_0 before, as stored now) get different keys. For caches
+    of computed values keyed by model identity (KV offload tiers)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8, person=b"kvserve-wfmt")
+    h.update(str(BLOCK_NUMERICS_VERSION).encode())
+    for name, module in model.named_modules():
+        kind = getattr(module, "kind", None)
+        if isinstance(kind, str) and hasattr(module, "matmul"):  # a block weight
+            h.update(f"{name}={kind};".encode())
+    return h.hexdigest()
+
+
 def _stored_blocks(model: nn.Module, gguf_file: Path | None) -> dict[str, StoredValues]:
     """The GGUF file's blocks for the weights they reproduce exactly (checked one by one)."""
     from engine.models.gguf_blocks import matches_float, read_block_weights

@@ -23,6 +23,7 @@ from engine.kernels import cpu_kernels
 from engine.models.block_parts import BlockParts
 from engine.models.cpu_features import BLOCK_KERNEL_PATHS, block_kernel_probe
 from engine.models.kquant import KQUANT_BLOCK_BYTES, BlockKWeight, from_gguf_kblocks
+from engine.models.kquant import synthetic_kblocks as random_kblocks
 from engine.models.loader import find_bundled_model
 
 pytestmark = pytest.mark.skipif(
@@ -30,36 +31,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 KINDS = ("Q4_K", "Q5_K", "Q6_K")
-
-
-def random_kblocks(kind: str, rows: int, cols: int, rng: np.random.Generator, std: float = 0.1):
-    """[rows, cols / 256 * bytes] uint8: valid `kind` super-blocks whose weights spread about
-    `std` around 0 (random values and 6-bit scales; d, dmin fp16 chosen to centre them)."""
-    ks = cols // 256
-    b = rng.integers(0, 256, (rows, ks, KQUANT_BLOCK_BYTES[kind]), dtype=np.uint8)
-    if kind == "Q6_K":  # w = d * sc * (q - 32), sc int8 per 16
-        b[..., 192:208] = rng.integers(-64, 64, (rows, ks, 16)).astype(np.int8).view(np.uint8)
-        d = np.full((rows, ks), std / (64 * 18), np.float16)
-        b[..., 208:210] = d.view(np.uint8).reshape(rows, ks, 2)
-        return b.reshape(rows, -1)
-    top = 15 if kind == "Q4_K" else 31  # w = d * sc * q - dmin * m; m = sc centres q around top/2
-    scale = rng.integers(16, 64, (rows, ks, 8), dtype=np.uint8)
-    # 12 bytes: 6-bit scales and mins of the 8 blocks (the first 4 in bytes 0-7, the rest split)
-    packed = np.zeros((rows, ks, 12), np.uint8)
-    for j in range(8):
-        sc, mn = scale[..., j], scale[..., j]
-        if j < 4:
-            packed[..., j] = sc
-            packed[..., 4 + j] = mn
-        else:
-            packed[..., 8 + j - 4] = (sc & 0x0F) | ((mn & 0x0F) << 4)
-            packed[..., j - 4] |= (sc >> 4) << 6
-            packed[..., j] |= (mn >> 4) << 6
-    b[..., 4:16] = packed
-    d = np.full((rows, ks), 2 * std / (40 * top), np.float16)
-    b[..., 0:2] = d.view(np.uint8).reshape(rows, ks, 2)
-    b[..., 2:4] = (d * (top / 2)).astype(np.float16).view(np.uint8).reshape(rows, ks, 2)
-    return b.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -265,3 +236,24 @@ def test_greedy_tokens_follow_the_dequantized_model(kquant_llms: tuple[Path, LLM
     generated = [o.outputs[0].token_ids for o in stored.generate(prompts, params)]
     alone = [stored.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert alone == generated and generated[0][0] == continuations[0][0]  # batch-invariant
+
+
+def test_the_served_formats_key_tells_k_quants_as_stored_apart(
+    kquant_llms: tuple[Path, LLM, LLM],
+) -> None:
+    """KV caches keyed by model identity must not reuse KV computed when these K-quants were served
+    as Q8_0 (before they were served as stored): the key names each weight's block format."""
+    from engine.models.quantization import _from_float, served_formats
+
+    _, stored, _ = kquant_llms
+    model = stored.engine.model
+    key = served_formats(model)
+    assert key == served_formats(model) and len(key) == 16
+    layer = model.layers[0].mlp
+    as_stored = layer.down_weight
+    try:
+        layer.down_weight = _from_float(as_stored.dequantize(), "q8_0")  # the old way
+        assert served_formats(model) != key
+    finally:
+        layer.down_weight = as_stored
+    assert served_formats(model) == key

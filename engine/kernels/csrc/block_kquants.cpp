@@ -261,6 +261,149 @@ namespace evex {
 KV_KQUANT_KERNELS(KQ_VNNI512, _mm256_dpbusd_epi32);
 }  // namespace evex
 
+// ---------------------------------------------------------------- AVX-512 VNNI (zmm)
+
+// Two column groups a, b side by side per zmm register (b == a for a lone last group, whose upper
+// half is then not stored), 8-row tiles: the same integers and float sequence per lane as above.
+constexpr int kRows512 = 8;
+constexpr int64_t kFewRows = 8;  // calls of fewer rows run the ymm kernels (one weight stream)
+
+KQ_VNNI512 inline void keep512(__m512i& v) { asm("" : "+v"(v)); }
+
+KQ_VNNI512 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {  // 32 bytes of each
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+KQ_VNNI512 inline __m512 half_pair(const c10::Half* a, const c10::Half* b) {  // 8 + 8 fp16
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+KQ_VNNI512 inline __m128i bytes_pair(const uint8_t* a, const uint8_t* b) {  // 8 + 8 bytes
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+}
+
+template <int BITS>
+KQ_VNNI512 inline void values512(const uint8_t* qa, const uint8_t* qb, int j, __m512i& lo,
+                                 __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+  lo = _mm512_and_si512(v, low);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  if constexpr (BITS == 5) {
+    const __m512i one = _mm512_set1_epi8(1);
+    const __m512i h = load_pair(qa + 128, qb + 128);
+    const __m512i bl = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * j)), one);
+    const __m512i bh = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * j + 1)), one);
+    lo = _mm512_or_si512(lo, _mm512_slli_epi16(bl, 4));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi16(bh, 4));
+  } else if constexpr (BITS == 6) {
+    const __m512i three = _mm512_set1_epi8(3);
+    const __m512i h = load_pair(qa + 128 + 32 * (j / 2), qb + 128 + 32 * (j / 2));
+    const int sh = 4 * (j % 2);
+    const __m512i bl = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(sh)), three);
+    const __m512i bh = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(sh + 2)), three);
+    lo = _mm512_or_si512(lo, _mm512_slli_epi16(bl, 4));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi16(bh, 4));
+  }
+}
+
+struct KPair {
+  const uint8_t *qa, *qb, *sa, *sb;
+  const c10::Half *da, *db;
+  bool two;
+};
+
+template <int BITS, int RM, bool PF>
+KQ_VNNI512 void kq_pair(const KPair& p, const QuantRows& x, int64_t r0, float* out, int64_t N) {
+  constexpr int64_t P = BITS;
+  constexpr bool Q6 = BITS == 6;
+  const int64_t KB = x.KB, K = x.K;
+  __m512 acc[RM];
+  for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t *qa = p.qa + b * P * 32, *qb = p.qb + b * P * 32;
+    if constexpr (PF) {
+      for (int64_t off = 0; off < P * 32; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(qa + kPrefetch * P * 32 + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(qb + kPrefetch * P * 32 + off), _MM_HINT_T0);
+      }
+    }
+    __m512i ilo[RM], ihi[RM];
+    for (int r = 0; r < RM; ++r) ilo[r] = _mm512_setzero_si512(), ihi[r] = ilo[r];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo, hi;
+      values512<BITS>(qa, qb, j, lo, hi);
+#pragma GCC unroll 8
+      for (int r = 0; r < RM; ++r) {
+        const int8_t* xb = x.q + (r0 + r) * K + b * kBlock;
+        ilo[r] = _mm512_dpbusd_epi32(ilo[r], lo, _mm512_set1_epi32(load4(xb + 4 * j)));
+        keep512(ilo[r]);
+        if constexpr (Q6) {
+          ihi[r] = _mm512_dpbusd_epi32(ihi[r], hi, _mm512_set1_epi32(load4(xb + 4 * j + 16)));
+          keep512(ihi[r]);
+        } else {
+          ilo[r] = _mm512_dpbusd_epi32(ilo[r], hi, _mm512_set1_epi32(load4(xb + 4 * j + 16)));
+          keep512(ilo[r]);
+        }
+      }
+    }
+    const int64_t s = (b / 8) * 16;
+    const __m512 d = half_pair(p.da + s, p.db + s);
+    const uint8_t *sa = p.sa + b * 16, *sb = p.sb + b * 16;
+    if constexpr (Q6) {
+      const __m512i slo = _mm512_cvtepi8_epi32(bytes_pair(sa, sb));
+      const __m512i shi = _mm512_cvtepi8_epi32(bytes_pair(sa + 8, sb + 8));
+#pragma GCC unroll 8
+      for (int r = 0; r < RM; ++r) {
+        const int32_t* hx = x.h + (r0 + r) * 2 * KB + 2 * b;
+        const __m512i lo = _mm512_sub_epi32(ilo[r], _mm512_set1_epi32(32 * hx[0]));
+        const __m512i hi = _mm512_sub_epi32(ihi[r], _mm512_set1_epi32(32 * hx[1]));
+        const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(slo, lo), _mm512_mullo_epi32(shi, hi));
+        const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * KB + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(t), acc[r]);
+      }
+    } else {
+      const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes_pair(sa, sb))));
+      const __m512 mn = _mm512_mul_ps(half_pair(p.da + s + 8, p.db + s + 8),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes_pair(sa + 8, sb + 8))));
+#pragma GCC unroll 8
+      for (int r = 0; r < RM; ++r) {
+        const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * KB + b]);
+        const __m512 sx = _mm512_set1_ps(x.s[(r0 + r) * KB + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(ilo[r]), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(mn, sx, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RM; ++r) {
+    if (p.two)
+      _mm512_storeu_ps(out + (r0 + r) * N, acc[r]);
+    else
+      _mm256_storeu_ps(out + (r0 + r) * N, _mm512_castps512_ps256(acc[r]));
+  }
+}
+
+template <int BITS>
+KQ_VNNI512 void kq_pairs(const KWeight& w, const QuantRows& x, int64_t r0, int64_t r1, int64_t g0,
+                         int64_t g1, int64_t N, float* out) {
+  const int64_t qstride = x.KB * BITS * 32, sstride = x.KB * 16, dstride = (x.KB / 8) * 16;
+  for (int64_t g = g0; g < g1; g += 2) {
+    const bool two = g + 1 < g1;
+    const int64_t h = two ? g + 1 : g;
+    const KPair p{w.qs + g * qstride, w.qs + h * qstride, w.sc + g * sstride,
+                  w.sc + h * sstride, w.dm + g * dstride, w.dm + h * dstride, two};
+    row_tiles<kRows512>(r0, r1, [&](auto rm, auto pf, int64_t r) {
+      kq_pair<BITS, decltype(rm)::value, decltype(pf)::value>(p, x, r, out + 8 * g, N);
+    });
+  }
+}
+
 }  // namespace
 
 namespace kvblock {
@@ -277,7 +420,10 @@ void kq_groups_avxvnni(const KWeight& w, const QuantRows& x, int64_t r0, int64_t
 
 void kq_groups_avx512vnni(const KWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                           int64_t g0, int64_t g1, int64_t N, float* out) {
-  evex::kq_groups(w, x, r0, r1, g0, g1, N, out);
+  if (r1 - r0 < kFewRows) return evex::kq_groups(w, x, r0, r1, g0, g1, N, out);
+  if (w.bits == 4) return kq_pairs<4>(w, x, r0, r1, g0, g1, N, out);
+  if (w.bits == 5) return kq_pairs<5>(w, x, r0, r1, g0, g1, N, out);
+  kq_pairs<6>(w, x, r0, r1, g0, g1, N, out);
 }
 
 }  // namespace kvblock
