@@ -38,7 +38,7 @@ LAYER_TYPES = [
         "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0",
     },
 ]  # fmt: skip
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1", "Q4_1": "q4_1"}  # GGUF type -> kvserve's block format
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> kvserve's block format
 HEAD_TYPE = "Q8_0"  # output.weight (untied); token_embd.weight is Q4_0
 # Our fused weight -> its llama.cpp parts, in fused row order.
 FUSED = {
@@ -181,7 +181,7 @@ def test_llama_cpp_blocks_load_as_stored(llms: tuple[LLM, LLM], tiny_gguf: Path)
                 values = BlockValues.cat(values_parts)
                 assert served_part.kind == values.kind, (i, ours)
                 served = served_part.values()
-                for field in ("q", "d", "m"):  # Q4_0 runs as Q4_1 with m = -8 d
+                for field in ("q", "d", "m"):  # Q4_0: m = -8 d (derived, not stored)
                     assert torch.equal(getattr(served, field), getattr(values, field)), (i, ours)
             assert torch.equal(weight.dequantize(), expected), (i, ours)  # transformers' floats
             kept += 1

@@ -81,7 +81,7 @@ EXPERT_PARTS = {
     **{f"mlp.experts.{e}.gate_up_weight": ("ffn_gate_exps", "ffn_up_exps") for e in range(4)},
     **{f"mlp.experts.{e}.down_weight": ("ffn_down_exps",) for e in range(4)},
 }
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1"}
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
 NORM_SHIFT = 1.0  # GGUF type -> kvserve's block format (Q4_0 as Q4_1)
 
 

@@ -257,3 +257,32 @@ def test_the_served_formats_key_tells_k_quants_as_stored_apart(
     finally:
         layer.down_weight = as_stored
     assert served_formats(model) == key
+
+
+def test_q4_0_is_served_in_its_own_18_bytes_per_block() -> None:
+    """Q4_0 (w = d (q - 8)) stores no minimum: the kernels derive m = -8 d (exact), so on every
+    path it computes bitwise what Q4_1 blocks with that m stored compute, from fewer bytes."""
+    from engine.models.block_quant import BlockQ4Weight, BlockValues, from_gguf_blocks
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((20, 96)).astype(np.float32)
+    raw = gguf_quantize(w, GGMLQuantizationType.Q4_0)
+    values = from_gguf_blocks("Q4_0", raw, (20, 96))
+    theirs = gguf_dequantize(raw, GGMLQuantizationType.Q4_0).reshape(20, 96)
+    assert np.array_equal(values.dequantize().numpy().view(np.uint32), theirs.view(np.uint32))
+    q4_0 = BlockQ4Weight(values)
+    as_q4_1 = BlockQ4Weight(BlockValues("q4_1", values.q, values.d, values.m))
+    assert q4_0.kind == "q4_0" and q4_0.m.numel() == 0
+    assert q4_0.nbytes == 24 * 3 * 18 and as_q4_1.nbytes == 24 * 3 * 20  # 20 rows padded to 24
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(5))
+    ops: Any = torch.ops.kvserve
+    auto = str(ops.block_kernels_path())
+    try:
+        for path in _paths():
+            ops.block_kernels_select(path)
+            assert torch.equal(q4_0.matmul(x), as_q4_1.matmul(x)), path
+            assert torch.equal(q4_0.matmul(x[:1]), as_q4_1.matmul(x)[:1]), path
+    finally:
+        ops.block_kernels_select(auto)
+    back = q4_0.values()
+    assert all(torch.equal(getattr(back, f), getattr(values, f)) for f in ("q", "d", "m"))

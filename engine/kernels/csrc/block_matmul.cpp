@@ -2,6 +2,7 @@
 // interleaved by 8 output columns so each SIMD lane accumulates its own column (no horizontal sums,
 // and products of 4-bit weights sum in int16 over a whole block before one int32 widening):
 //   q4 (GGUF Q4_1): qs uint8 [N/8, K/32, 4, 32], d, m fp16 [N/8, K/32, 8]; w = d * q + m, q in 0..15.
+//       GGUF Q4_0 (w = d * (q - 8)) is q4 with m empty: the kernels take m = -8 d (exact).
 //       In block b, byte 4c + i of vector j holds, for column c of the group, k = 32b + 4j + i in its
 //       low nibble and k = 32b + 4(j + 4) + i in its high nibble.
 //   q8 (GGUF Q8_0): qs int8 [N/8, K/32, 8, 32], d fp16 [N/8, K/32, 8]; w = d * q; byte 4c + i of
@@ -83,8 +84,10 @@ void q4_groups_ref(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t
       }
     const int64_t at = (g * x.KB + b) * 8 + c;
     const float dd = static_cast<float>(w.d[at]) * x.d[r * x.KB + b];
+    // Q4_0 (no m stored): m = -8 d, exact in float32, the value a stored fp16 m would have
+    const float mw = w.m != nullptr ? static_cast<float>(w.m[at]) : static_cast<float>(w.d[at]) * -8.f;
     acc = std::fma(dd, static_cast<float>(isum), acc);
-    acc = std::fma(static_cast<float>(w.m[at]), x.s[r * x.KB + b], acc);
+    acc = std::fma(mw, x.s[r * x.KB + b], acc);
   });
 }
 
@@ -219,10 +222,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                   qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "q4_linear: qs must be uint8 [N/8, K/32, 4, 32]");
   check_scales(d, qs, "q4_linear");
-  check_scales(m, qs, "q4_linear");
+  const bool q4_0 = m.numel() == 0;  // Q4_0: m = -8 d, derived in the kernels (2 bytes less)
+  if (!q4_0) check_scales(m, qs, "q4_linear");
   const at::Tensor xc = check_input(x, qs.size(1) * kBlock);
   const BlockWeight w{qs.data_ptr<uint8_t>(), nullptr, d.data_ptr<c10::Half>(),
-                      m.data_ptr<c10::Half>()};
+                      q4_0 ? nullptr : m.data_ptr<c10::Half>()};
   return run_groups(xc, w, qs.size(0), bias, true);
 }
 

@@ -75,7 +75,7 @@ struct ProbeCase {
   std::vector<uint8_t> w4 = std::vector<uint8_t>(G * KB * 128);
   std::vector<int8_t> w8 = std::vector<int8_t>(G * KB * 256);
   std::vector<c10::Half> wd = std::vector<c10::Half>(G * KB * 8), wm = wd;
-  std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4;
+  std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4, expect40 = expect4;
   std::vector<uint8_t> pk4 = u, pk8 = u;  // tile-packed q (for q4) and u (for q8)
   std::vector<float> pd = d, ps = s;
 
@@ -100,18 +100,20 @@ struct ProbeCase {
       wd[i] = static_cast<float>(next() % 1000) / 3000.f;
       wm[i] = -static_cast<float>(next() % 1000) / 5000.f;
     }
-    run(paths().back(), expect4.data(), expect8.data());
+    run(paths().back(), expect4.data(), expect8.data(), expect40.data());
   }
 
-  void run(const PathFns& p, float* out4, float* out8) const {
+  void run(const PathFns& p, float* out4, float* out8, float* out40) const {
     const kvblock::QuantRows x4{q.data(), u.data(), d.data(), s.data(), K, KB,
                                 pk4.data(), pd.data(), ps.data()};
     const kvblock::QuantRows x8{q.data(), u.data(), d.data(), s.data(), K, KB,
                                 pk8.data(), pd.data(), ps.data()};
     const kvblock::BlockWeight b4{w4.data(), nullptr, wd.data(), wm.data()};
     const kvblock::BlockWeight b8{nullptr, w8.data(), wd.data(), nullptr};
+    const kvblock::BlockWeight b40{w4.data(), nullptr, wd.data(), nullptr};  // Q4_0: no m
     p.q4(b4, x4, 0, M, 0, G, N, out4);
     p.q8(b8, x8, 0, M, 0, G, N, out8);
+    p.q4(b40, x4, 0, M, 0, G, N, out40);
   }
 };
 
@@ -160,16 +162,17 @@ std::string probe(const PathFns& p) {
 #if defined(__unix__)
   static const ProbeCase test;
   static const KProbeCase ktest;
-  std::vector<float> got4(test.expect4.size()), got8(test.expect8.size());
+  std::vector<float> got4(test.expect4.size()), got8(test.expect8.size()), got40(got4.size());
   std::vector<float> gotk(ktest.expect.size());
   const pid_t pid = fork();
   if (pid < 0) return "";  // no child process possible here: the flags are all there is to go by
   if (pid == 0) {
     alarm(30);  // a child that hangs (it should not: no locks, no allocation) dies instead
-    test.run(p, got4.data(), got8.data());
+    test.run(p, got4.data(), got8.data(), got40.data());
     ktest.run(p, gotk.data());
     const bool same =
         std::memcmp(got4.data(), test.expect4.data(), got4.size() * sizeof(float)) == 0 &&
+        std::memcmp(got40.data(), test.expect40.data(), got40.size() * sizeof(float)) == 0 &&
         std::memcmp(got8.data(), test.expect8.data(), got8.size() * sizeof(float)) == 0 &&
         std::memcmp(gotk.data(), ktest.expect.data(), gotk.size() * sizeof(float)) == 0;
     _exit(same ? 0 : 3);
