@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         ops.block_kernels_select(path)
         print(f"path: {path}")
         with torch.inference_mode():
-            rows = [int(r) for r in args.rows.split(",")]
-            compare_types(args.types.split(","), args.shape, rows, args.repeats, clock)
+            counts = [int(r) for r in args.rows.split(",")]
+            compare_types(args.types.split(","), args.shape, counts, args.repeats, clock)
         ops.block_kernels_select(auto)
         return 0
     threads = torch.get_num_threads()

@@ -36,19 +36,20 @@ class PartsValues:
 class BlockParts(nn.Module):
     """Block weights stacked along the output rows."""
 
-    def __init__(self, parts: list[nn.Module]) -> None:
+    def __init__(self, parts: list[Any]) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self._weights: list[Any] = list(parts)  # the same modules, typed for their kernels
         self.kind = "+".join(str(p.kind) for p in parts)
-        self.out_features = sum(int(p.out_features) for p in parts)  # type: ignore[misc]
-        self.in_features = int(parts[0].in_features)  # type: ignore[arg-type]
+        self.out_features = sum(int(p.out_features) for p in parts)
+        self.in_features = int(parts[0].in_features)
 
     @property
     def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in self.parts)
+        return sum(int(p.nbytes) for p in self._weights)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, K] -> [n, N] float32
-        return torch.cat([p.matmul(x) for p in self.parts], dim=1)  # type: ignore[operator]
+        return torch.cat([p.matmul(x) for p in self._weights], dim=1)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
-        return torch.cat([p.dequantize() for p in self.parts])  # type: ignore[operator]
+        return torch.cat([p.dequantize() for p in self._weights])

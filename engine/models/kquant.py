@@ -159,7 +159,9 @@ class BlockKWeight(_BlockWeight):
     def __init__(self, values: KValues) -> None:
         super().__init__(values)  # type: ignore[arg-type]  # shape is all it reads
         if self.in_features % SUPER:
-            raise ValueError(f"K-quant weights need input features divisible by 256: {values.shape}")
+            raise ValueError(
+                f"K-quant weights need input features divisible by 256: {values.shape}"
+            )
         self.kind = values.kind
         self.bits = BITS[values.kind]
         g, kb = self.groups, self.blocks
