@@ -170,7 +170,8 @@ class BlockKWeight(_BlockWeight):
         low, high = q & 0x0F, q >> 4
         planes = [low[:, :, 0] | (low[:, :, 1] << 4)]  # [g, b, j, c, i]
         if self.bits == 5:  # bit 2j + half
-            bit = (high[:, :, 0] | (high[:, :, 1] << 1)) << (2 * torch.arange(4)).view(4, 1, 1)
+            shift = (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1, 1)
+            bit = (high[:, :, 0] | (high[:, :, 1] << 1)) << shift
             planes.append(bit.sum(dim=2, keepdim=True, dtype=torch.uint8))
         elif self.bits == 6:  # vector j // 2, bits 4 (j % 2) + 2 half
             two = (high[:, :, 0] | (high[:, :, 1] << 2)).view(g, kb, 2, 2, GROUP, 4)
