@@ -206,7 +206,7 @@ def test_every_weight_of_the_file_is_served_as_stored(kquant_llms: tuple[Path, L
             assert weight.kind == "+".join(runs), (i, ours)
             assert isinstance(weight, BlockParts) == (len(runs) > 1), (i, ours)
             assert torch.equal(weight.dequantize(), theirs), (i, ours)  # bitwise gguf's floats
-    assert [args is not None for args in model._decode_calls()] == [False, False, True]
+    assert all(args is not None for args in model._decode_calls())  # parts too: one C++ call
     head = model.lm_head_weight
     assert isinstance(head, BlockKWeight) and head.kind == "q6_k"
     assert torch.equal(head.dequantize(), _gguf_rows(reader, "output.weight", None))
@@ -242,6 +242,19 @@ def test_greedy_tokens_follow_the_dequantized_model(kquant_llms: tuple[Path, LLM
     generated = [o.outputs[0].token_ids for o in stored.generate(prompts, params)]
     alone = [stored.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert alone == generated and generated[0][0] == continuations[0][0]  # batch-invariant
+    # Decode steps (one C++ call per layer, K-quant and mixed-part matmuls) give bitwise the
+    # logprobs the prefill of the same tokens (the Python layer) gives.
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in stored.generate(prompts, params)]
+    refed = [p + list(o.token_ids) for p, o in zip(prompts, outs, strict=True)]
+    scored = stored.generate(
+        refed, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    )
+    for prompt, out, again in zip(prompts, outs, scored, strict=True):
+        assert out.logprobs is not None and again.prompt_logprobs is not None
+        decoded = [e.logprob for e in out.logprobs]
+        prefilled = [e.logprob for e in again.prompt_logprobs[len(prompt) :] if e is not None]
+        assert decoded == prefilled
 
 
 def test_the_served_formats_key_tells_k_quants_as_stored_apart(
