@@ -94,8 +94,9 @@ def _type_weight(kind: str, w: torch.Tensor, rng: Any) -> Any:
     return (quantize_q8_0(w) if kind == "Q8_0" else quantize_q4_1(w)).to_weight()
 
 
-def compare_types(types: list[str], shape: str, rows_list: list[int], repeats: int,
-                  clock: Callable[[], float]) -> None:  # fmt: skip
+def compare_types(
+    types: list[str], shape: str, rows_list: list[int], repeats: int, clock: Callable[[], float]
+) -> None:
     """Every GGUF block type on one layer's matmuls, the types interleaved in each round."""
     import numpy as np
 
@@ -108,8 +109,10 @@ def compare_types(types: list[str], shape: str, rows_list: list[int], repeats: i
     macs = sum(n * k for n, k in shapes)
     per_weight = {t: sum(w.nbytes for w in ws) / macs for t, ws in layers.items()}
     base = "Q8_0" if "Q8_0" in types else types[0]
-    print(f"layer {shape} (hidden, kv, inter): {macs / 1e6:.1f}M weights; cells: median "
-          f"{'ms':>4}, G int8 op/s, weight GB/s, speed vs {base}")  # fmt: skip
+    print(
+        f"layer {shape} (hidden, kv, inter): {macs / 1e6:.1f}M weights; cells: median ms, "
+        f"G int8 op/s, weight GB/s, speed vs {base}"
+    )
     print("type  bytes/weight: " + ", ".join(f"{t} {per_weight[t]:.3f}" for t in types))
     print(f"{'rows':>4} " + " ".join(f"{t:>27}" for t in types))
     for rows in rows_list:
@@ -187,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     weights = [(w, head) for w, head in weights if w.shape[1] % 32 == 0]
     widths = {w.shape[1] for w, _ in weights}
     macs = sum(w.numel() for w, _ in weights)  # multiply-adds per row
-    print(f"{len(weights)} matmuls, {macs / 1e6:.1f}M weights; cells: median {args.clock} ms, "
-          "G int8 op/s, speed vs avx2")  # fmt: skip
+    print(
+        f"{len(weights)} matmuls, {macs / 1e6:.1f}M weights; cells: median {args.clock} ms, "
+        "G int8 op/s, speed vs avx2"
+    )
     base = "avx2" if "avx2" in paths else paths[-1]
     with torch.inference_mode():
         for fmt in args.formats.split(","):
@@ -204,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                     for p in paths
                 ]
                 fastest = min(med, key=med.__getitem__)
-                flag = "" if fastest == auto or med[auto] <= 1.05 * med[fastest] else (
-                    f"  <- {fastest} beats the automatic {auto}"
-                )  # fmt: skip
+                flag = (
+                    ""
+                    if fastest == auto or med[auto] <= 1.05 * med[fastest]
+                    else (f"  <- {fastest} beats the automatic {auto}")
+                )
                 print(f"{fmt}: {rows:>4} " + " ".join(f"{c:>22}" for c in cells) + flag, flush=True)
     ops.block_kernels_select(auto)
     return 0

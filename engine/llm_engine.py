@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.core.config import EngineConfig
+from engine.core.block_hashes import DEFAULT_SEED
+from engine.core.config import EngineConfig, Task
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import RequestOutput
@@ -40,6 +41,7 @@ from engine.core.stats import EngineTotals, StepStats
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
+from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -53,7 +55,7 @@ RECENT_STEPS = 240  # steps the detailed snapshot's timeline keeps
 
 
 class LLMEngine:
-    task = "generate"
+    task: Task = "generate"
 
     def __init__(
         self, config: EngineConfig, model_dir: Path | None = None, model_name: str | None = None
@@ -89,6 +91,11 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
         )
+        events = config.kv_events_config
+        self.kv_events: KVEventStream | None = None
+        if events is not None and events.enabled:  # like vLLM, its hashes follow PYTHONHASHSEED
+            seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
+            self.kv_events = KVEventStream.start(events, self.kv, seed)
         spec = config.speculative_config
         speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
@@ -132,9 +139,8 @@ class LLMEngine:
             budget = int(free * 0.8)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(
-                _GiB, total // 16
-            )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
+            # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy.
+            budget = min(_GiB, total // 16)
         num_blocks = max(2, budget // per_block)
         # No point holding more than every running sequence at full length, in every group.
         per_seq = len(self.kv_spec.groups) * -(-self.max_model_len // block_size)
@@ -314,8 +320,23 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.publish()
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (KV events: AllBlocksCleared); False while requests hold
+        blocks. Call it between steps."""
+        done = self.kv.pool.reset_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def close(self) -> None:
+        """Stop what runs beside the steps (the KV events publisher); the engine steps no more."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def publish(self, detail: bool = False) -> EngineSnapshot:
         """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
@@ -376,19 +397,16 @@ class LLMEngine:
             spec_num_accepted_tokens=t.spec_num_accepted_tokens,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
+            kv_events=self.kv_events.publisher.state() if self.kv_events is not None else None,
         )
 
     def _snapshot_detail(self) -> SnapshotDetail:
-        pool = self.kv.pool
-        holders: dict[int, list[str]] = {}
-        for seq_id in self.kv.block_tables:
-            for block_id in self.kv.held_blocks(seq_id):
-                holders.setdefault(block_id, []).append(seq_id)
+        pool = self.kv.pool.view  # read-only: the snapshot never touches the pool's structures
         blocks = tuple(
-            BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
-            for block_id, seq_ids in sorted(holders.items())
+            BlockHolders(block_id, pool.ref_count(block_id), tuple(seq_ids))
+            for block_id, seq_ids in sorted(self.kv.block_holders().items())
         )
-        cached_free = tuple(b for b in pool.free_queue if pool.is_cached_block(b))
+        cached_free = pool.cached_free_blocks()
         sc = self.config.scheduler
         return SnapshotDetail(
             blocks,

@@ -18,6 +18,7 @@ from engine import (
     POOLINGS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -142,6 +143,13 @@ def _optional_size(text: str) -> int | None:
 
 class _OptionError(argparse.ArgumentTypeError, ValueError):
     """A value error argparse shows with its message (it hides a plain ValueError's)."""
+
+
+def _kv_events_config(text: str) -> KVEventsConfig | None:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise _OptionError(str(e)) from None
 
 
 def _speculative_config(text: str) -> SpeculativeConfig | None:
@@ -351,6 +359,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="JSON",
     ),
     Option(
+        "kv-events-config",
+        "engine.kv_events_config",
+        _kv_events_config,
+        "publish KV cache events (vLLM's JSON and wire format) for KV-aware routers, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
+        metavar="JSON",
+    ),
+    Option(
         "log-stats-interval",
         "engine.log_stats_interval",
         float,
@@ -459,9 +476,8 @@ def _convert(opt: Option, value: Any, source: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             result = value
-        elif isinstance(
-            value, dict
-        ):  # a config file's mapping (chat-template-kwargs, speculative-config)
+        elif isinstance(value, dict):
+            # A config file's mapping (chat-template-kwargs, speculative-config).
             result = opt.parse(json.dumps(value))
         elif isinstance(value, (list, tuple)):
             result = tuple(str(v) for v in value)

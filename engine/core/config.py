@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from engine.core.kv_events import KVEventsConfig
 from engine.core.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TASKS = ("generate", "embed")
+Task = Literal["generate", "embed"]  # what a built engine does
+TASKS: tuple[Task, ...] = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
 QUANTIZATIONS = ("auto", "int8", "int4", "gguf")  # and "none" (stored as None)
 
@@ -106,10 +108,13 @@ class EngineConfig:
     log_stats_interval: float = 5.0  # seconds between INFO stats lines while busy (0 disables)
     # Speculative decoding (None: off). Given as vLLM's JSON text or a dict, parsed here.
     speculative_config: SpeculativeConfig | None = None
+    # KV cache events for external routers (None: off). vLLM's JSON text or a dict, parsed here.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         parsed = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", parsed)
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:
