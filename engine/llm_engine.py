@@ -4,6 +4,7 @@ tokenizer; implements engine.core.engine_core.EngineCore."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -17,6 +18,7 @@ from engine.core.block_hashes import DEFAULT_SEED
 from engine.core.config import EngineConfig, Task
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_offload import KVTiers
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
@@ -38,6 +40,7 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
+from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
@@ -109,6 +112,7 @@ class LLMEngine:
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
             grammars=self.grammars, kv_spec=self.kv_spec,
         )  # fmt: skip
+        self._open_kv_tiers(quantization)
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
@@ -126,6 +130,23 @@ class LLMEngine:
             * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
             / (1 << 20),
         )
+
+    def _open_kv_tiers(self, weight_format: str | None) -> None:
+        """The KV offload tiers, when configured: the pool's evictions feed them, lookups read them."""
+        cache, bs, m = self.config.cache, self.config.cache.block_size, self.model
+        self.kv_store: TieredKVStore | None = None
+        if not (cache.kv_offload_memory or cache.kv_offload_dir):
+            return
+        fingerprint = model_fingerprint(
+            self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
+        )
+        shape = (m.num_kv_heads, m.head_dim)
+        store = open_kv_store(cache, fingerprint, self.kv_spec, bs, shape, self.dtype, self.device)
+        self.kv_store = store
+        if store is not None:
+            self.kv.tiers = KVTiers(store, bs)
+            self.kv.pool.on_evict = self.kv.tiers.on_evict
+            self.runner.attach_kv_store(store)
 
     def _num_kv_blocks(self, block_size: int) -> int:
         cc = self.config.cache
@@ -395,6 +416,7 @@ class LLMEngine:
             spec_num_drafts=t.spec_num_drafts,
             spec_num_draft_tokens=t.spec_num_draft_tokens,
             spec_num_accepted_tokens=t.spec_num_accepted_tokens,
+            kv_offload=copy.copy(self.kv_store.stats) if self.kv_store is not None else None,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
             kv_events=self.kv_events.publisher.state() if self.kv_events is not None else None,

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from engine.core.config import Task
 
 from engine.core.kv_events import KVEventsState
+from engine.core.kv_offload import KVOffloadStats
 
 RequestState = Literal["waiting", "running", "preempted"]
 
@@ -97,6 +98,7 @@ class EngineSnapshot:
     kv_events: KVEventsState | None = None  # the KV events publisher, when events are on
     # Requests the async front holds (admitted, not yet ended), filled in when the snapshot is read.
     num_unfinished_requests: int = 0
+    kv_offload: KVOffloadStats | None = None  # the KV offload tiers' counters and fill (a copy)
     requests: tuple[RequestProgress, ...] = ()
     detail: SnapshotDetail | None = None
 
