@@ -47,6 +47,7 @@ from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
+from engine.models.quantization import served_formats
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.structured import GrammarCompiler
@@ -142,6 +143,8 @@ class LLMEngine:
         self.kv_store: TieredKVStore | None = None
         if not (cache.kv_offload_memory or cache.kv_offload_dir):
             return
+        if weight_format is not None:  # which block format serves each weight (K-quants: as stored)
+            weight_format = f"{weight_format}:{served_formats(m)}"
         fingerprint = model_fingerprint(
             self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
         )
