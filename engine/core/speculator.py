@@ -12,6 +12,7 @@ import weakref
 from engine.core.ngram_proposer import NgramIndex
 from engine.core.request import Sequence
 from engine.core.spec_config import SpeculativeConfig
+from engine.core.suffix_proposer import SequenceSuffix, SuffixCache
 
 DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance estimate
 # A step costs about (STEP_OVERHEAD_ROWS + rows) x the time of one row: on CPU at batch 1 an extra
@@ -27,7 +28,7 @@ MAX_PAUSE = 256
 class _SeqState:
     __slots__ = ("index", "accepted", "rejected", "pause", "resume_at", "probe")
 
-    def __init__(self, index: NgramIndex) -> None:
+    def __init__(self, index: NgramIndex | SequenceSuffix) -> None:
         self.index = index
         # Decayed counts of accepted drafts and of rejections (a verification stopping early):
         # accepted / (accepted + rejected) estimates the chance a draft token is accepted.
@@ -57,6 +58,14 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
+        self.suffix_cache: SuffixCache | None = None
+        if config.method == "suffix":
+            self.suffix_cache = SuffixCache(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
 
     def enabled_for_batch(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -85,7 +94,11 @@ class Speculator:
             state.pause = min(2 * state.pause, MAX_PAUSE)
             state.probe = True  # the estimate is kept: probes that succeed raise it again
             return []
-        return state.index.propose(seq.token_ids, length)
+        index = state.index
+        if isinstance(index, SequenceSuffix):
+            assert self.suffix_cache is not None
+            return index.propose(self.suffix_cache, seq.seq_id, seq.token_ids, length)
+        return index.propose(seq.token_ids, length)
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` drafts accepted the first `num_accepted`."""
@@ -99,7 +112,10 @@ class Speculator:
         state = self._states.get(seq)
         if state is None:
             c = self.config
-            state = self._states[seq] = _SeqState(
-                NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-            )
+            index: NgramIndex | SequenceSuffix
+            if c.method == "suffix":
+                index = SequenceSuffix(c.suffix_decoding_max_tree_depth, seq.num_prompt_tokens)
+            else:
+                index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+            state = self._states[seq] = _SeqState(index)
         return state

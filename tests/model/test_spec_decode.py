@@ -242,3 +242,33 @@ def test_sliding_window_model_identical(tmp_path, tiny_llama_dir):
     assert _answers(llm.generate(COPY_PROMPTS, _greedy(40))) == want
     assert _accepted(llm) > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 16}
+
+
+def test_suffix_greedy_identical_and_other_requests_outputs_help(tiny_llama_dir, base):
+    """Suffix decoding: identical greedy answers (mixed batch, then alone); a prompt asked again
+    gets its earlier answer proposed from the shared cache of outputs, so nearly every draft of
+    the second run is accepted, and long ones."""
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=8, speculative_config=SUFFIX)
+    prompts = COPY_PROMPTS + PLAIN_PROMPTS
+    expected = _answers(base.generate(prompts, _greedy(40)))
+    assert _answers(llm.generate(prompts, _greedy(40))) == expected
+    t = llm.engine.totals
+    drafted, accepted, drafts = (
+        t.spec_num_draft_tokens,
+        t.spec_num_accepted_tokens,
+        t.spec_num_drafts,
+    )
+    assert accepted > 0
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert _answers(llm.generate([prompt], _greedy(40))) == [want]
+    t = llm.engine.totals
+    again_drafted, again_accepted = (
+        t.spec_num_draft_tokens - drafted,
+        t.spec_num_accepted_tokens - accepted,
+    )
+    assert again_accepted >= 0.9 * again_drafted, (again_accepted, again_drafted)
+    assert again_accepted / (t.spec_num_drafts - drafts) > 3  # long accepted runs
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

@@ -49,7 +49,7 @@ def test_vllm_json_parses_with_vllm_defaults():
     ("value", "words"),
     [
         ('{"method": "eagle3", "model": "x"}', "'eagle3' is not supported"),
-        ('{"method": "suffix", "num_speculative_tokens": 3}', "'suffix' is not supported"),
+        ('{"method": "medusa", "num_speculative_tokens": 3}', "'medusa' is not supported"),
         ('{"model": "HuggingFaceTB/SmolLM2-135M", "num_speculative_tokens": 3}', "'draft_model'"),
         ('{"method": "magic", "num_speculative_tokens": 3}', "unknown speculative method 'magic'"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
@@ -80,7 +80,7 @@ def test_cli_flag_and_its_errors(capsys):
     assert engine_config.speculative_config == SpeculativeConfig("ngram", 3, 4, 4)
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "eagle"}'])
-    assert "'eagle' is not supported by kvserve; supported: ngram" in capsys.readouterr().err
+    assert "'eagle' is not supported by kvserve; supported: ngram, suffix" in capsys.readouterr().err
     env = {"KVSERVE_SPECULATIVE_CONFIG": flag}
     assert build_configs(resolve({}, env))[0].speculative_config == SpeculativeConfig(
         "ngram", 3, 4, 4
