@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 from engine.core.ngram_proposer import NgramIndex
 from engine.core.request import Sequence
@@ -23,6 +24,11 @@ DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance
 STEP_OVERHEAD_ROWS = 3.0
 FIRST_PAUSE = 8  # decode tokens of the first pause when no draft pays off; each pause doubles
 MAX_PAUSE = 256
+
+
+def grammar_cut(matcher: Any, drafts: list[int]) -> list[int]:
+    """The drafts before the first one the grammar rejects (checked without consuming)."""
+    return drafts[: matcher.validate_tokens(drafts)]
 
 
 class _SeqState:
@@ -74,9 +80,13 @@ class Speculator:
     def propose(self, seq: Sequence, budget: int, batch_size: int = 1) -> list[int]:
         """Draft tokens for `seq`'s next verification step: at most `budget`, never past its
         max_tokens or the model length (their bonus token included), none for constrained output;
-        as many as pay off among `batch_size` running sequences."""
-        if seq.matcher is not None or seq.group.max_output_tokens <= 0:
-            return []  # grammar-cut proposals are not built: constrained sequences decode plainly
+        as many as pay off among `batch_size` running sequences. With structured outputs the
+        proposal is cut where the grammar would reject it (checked without consuming)."""
+        matcher = seq.matcher
+        if seq.group.max_output_tokens <= 0 or (
+            matcher is not None and (matcher.is_error() or matcher.is_stopped())
+        ):
+            return []
         room = min(
             budget,
             self.config.num_speculative_tokens,
@@ -97,8 +107,12 @@ class Speculator:
         index = state.index
         if isinstance(index, SequenceSuffix):
             assert self.suffix_cache is not None
-            return index.propose(self.suffix_cache, seq.seq_id, seq.token_ids, length)
-        return index.propose(seq.token_ids, length)
+            drafts = index.propose(self.suffix_cache, seq.seq_id, seq.token_ids, length)
+        else:
+            drafts = index.propose(seq.token_ids, length)
+        if drafts and matcher is not None:
+            drafts = grammar_cut(matcher, drafts)
+        return drafts
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` drafts accepted the first `num_accepted`."""

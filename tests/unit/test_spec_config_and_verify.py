@@ -80,7 +80,9 @@ def test_cli_flag_and_its_errors(capsys):
     assert engine_config.speculative_config == SpeculativeConfig("ngram", 3, 4, 4)
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "eagle"}'])
-    assert "'eagle' is not supported by kvserve; supported: ngram, suffix" in capsys.readouterr().err
+    assert (
+        "'eagle' is not supported by kvserve; supported: ngram, suffix" in capsys.readouterr().err
+    )
     env = {"KVSERVE_SPECULATIVE_CONFIG": flag}
     assert build_configs(resolve({}, env))[0].speculative_config == SpeculativeConfig(
         "ngram", 3, 4, 4
@@ -122,6 +124,29 @@ def _group(prompt: list[int], max_tokens: int = 16, **params) -> RequestGroup:
     return group
 
 
+class _Grammar:
+    """A matcher that accepts the first `valid` tokens of any draft."""
+
+    def __init__(self, valid: int, stopped: bool = False) -> None:
+        self.valid, self.stopped = valid, stopped
+        self.checked: list[list[int]] = []
+        self.consumed = 0
+
+    def is_error(self) -> bool:
+        return False
+
+    def is_stopped(self) -> bool:
+        return self.stopped
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        self.checked.append(list(tokens))
+        return min(self.valid, len(tokens))
+
+    def consume_token(self, token: int) -> bool:
+        self.consumed += 1
+        return True
+
+
 def test_speculator_limits_and_back_off():
     config = SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=3)
     spec = Speculator(config, max_model_len=100)
@@ -130,7 +155,12 @@ def test_speculator_limits_and_back_off():
     assert spec.propose(seq, budget=1) == [3]
     assert spec.enabled_for_batch(2) and not spec.enabled_for_batch(3)
     seq.group.max_output_tokens = 50
-    seq.matcher = object()  # structured outputs: no proposals
+    seq.matcher = _Grammar(valid=1)  # structured outputs: cut where the grammar rejects
+    assert spec.propose(seq, 10) == [3]
+    assert seq.matcher.checked == [[3, 4, 5, 6]] and seq.matcher.consumed == 0  # checked only
+    seq.matcher = _Grammar(valid=0)
+    assert spec.propose(seq, 10) == []
+    seq.matcher = _Grammar(valid=3, stopped=True)  # a complete constraint: nothing to propose
     assert spec.propose(seq, 10) == []
     seq.matcher = None
     seq.token_ids += [3, 4, 5, 6, 1, 2]  # each growth keeps the suffix 1 2, then 3 4 5 6
