@@ -450,6 +450,8 @@ class LLMEngine:
                 stats.num_preemptions,
                 stats.num_running,
                 stats.num_waiting,
+                stats.spec_num_draft_tokens,
+                stats.spec_num_accepted_tokens,
             )
         )
 

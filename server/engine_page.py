@@ -133,6 +133,8 @@ def page_payload(
                 s.num_preemptions,
                 s.num_running,
                 s.num_waiting,
+                s.num_draft_tokens,
+                s.num_accepted_tokens,
             ]
             for s in detail.steps
             if s.step > after_step
@@ -168,7 +170,8 @@ def page_payload(
             "states": states.decode(),
             "tables": tables,
         },
-        # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting]
+        # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting,
+        #  draft tokens verified (among the prefill tokens), drafts accepted]
         "steps": steps,
         "requests": [
             [

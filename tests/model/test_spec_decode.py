@@ -313,3 +313,21 @@ def test_suffix_greedy_identical_and_other_requests_outputs_help(tiny_llama_dir,
     assert again_accepted >= 0.9 * again_drafted, (again_accepted, again_drafted)
     assert again_accepted / (t.spec_num_drafts - drafts) > 3  # long accepted runs
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_engine_page_marks_verification_steps(spec):
+    """The detailed snapshot's steps carry each step's verified and accepted draft tokens, and the
+    /engine page payload sends them with the step."""
+    from server.engine_page import page_payload
+
+    spec.generate(COPY_PROMPTS[:1], _greedy(24))
+    steps = spec.engine.build_snapshot(detail=True).detail.steps
+    verified = [s for s in steps if s.num_draft_tokens]
+    assert verified and any(s.num_accepted_tokens for s in verified)
+    assert all(
+        0 <= s.num_accepted_tokens <= s.num_draft_tokens <= s.num_prefill_tokens for s in steps
+    )
+    payload = page_payload(spec.engine.build_snapshot(detail=True), {})
+    rows = {row[0]: row for row in payload["steps"]}
+    for s in verified:
+        assert rows[s.step][7:9] == [s.num_draft_tokens, s.num_accepted_tokens]
