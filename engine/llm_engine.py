@@ -34,8 +34,10 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.core.spec_config import DRAFT_METHODS
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
+from engine.executor.draft_model import build_drafter
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
@@ -89,7 +91,13 @@ class LLMEngine:
             num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
         )
         spec = config.speculative_config
-        speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        drafter = None
+        if spec is not None and spec.method in DRAFT_METHODS:
+            drafter = build_drafter(
+                spec, self.model, self.device, self.dtype, self.tokenizer, mc, num_blocks,
+                block_size, self.max_model_len, config.scheduler.max_num_batched_tokens,
+            )  # fmt: skip
+        speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, speculator)
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram", "suffix")
+SUPPORTED_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
+DRAFT_METHODS = ("draft_model", "layer_skip")  # proposals by a model (greedy), in its own KV
 # vLLM's other methods: named in the error so a user knows it is not a typo.
 VLLM_METHODS = (
-    "draft_model",
     "eagle",
     "eagle3",
     "medusa",
@@ -35,6 +35,7 @@ KEYS = (
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
+    "num_draft_layers",
 )
 SUFFIX_KEYS = KEYS[6:10]
 # vLLM keys kvserve accepts only at the value that changes nothing.
@@ -60,11 +61,25 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = SUFFIX_MAX_CACHED_REQUESTS
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: the draft checkpoint (a folder with the target's tokenizer); layer_skip (kvserve's
+    # own method, no vLLM equivalent): the target's first num_draft_layers layers as the draft.
+    model: str | None = None
+    num_draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_METHODS:
             raise ValueError(_method_error(self.method))
         self._check_suffix()
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('speculative config: draft_model needs "model" (the draft\'s path)')
+        layers = self.num_draft_layers
+        if self.method == "layer_skip" and (
+            isinstance(layers, bool) or not isinstance(layers, int) or layers < 1
+        ):
+            raise ValueError(
+                f"speculative config: layer_skip needs num_draft_layers, a positive integer, "
+                f"got {layers!r}"
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -161,13 +176,15 @@ class SpeculativeConfig:
             )
         if method == "[ngram]":
             method = "ngram"
-        if method == "suffix" and model is None:
+        if method == "suffix":
             return cls._suffix(data)
+        if method in DRAFT_METHODS:
+            return cls._draft(str(method), data)
         if method != "ngram" or model not in (None, "[ngram]", "ngram"):
             raise ValueError(_method_error(str(method)))
-        misplaced = [k for k in SUFFIX_KEYS if k in data]
+        misplaced = [k for k in (*SUFFIX_KEYS, "num_draft_layers") if k in data]
         if misplaced:
-            raise ValueError(f"speculative config: {misplaced[0]} applies to method suffix only")
+            raise ValueError(f"speculative config: {misplaced[0]} does not apply to method ngram")
         if "num_speculative_tokens" not in data:
             raise ValueError("speculative config: ngram needs num_speculative_tokens")
         low: Any = data.get("prompt_lookup_min")
@@ -188,9 +205,13 @@ class SpeculativeConfig:
 
     @classmethod
     def _suffix(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
-        misplaced = [k for k in ("prompt_lookup_min", "prompt_lookup_max") if k in data]
+        misplaced = [
+            k
+            for k in ("prompt_lookup_min", "prompt_lookup_max", "num_draft_layers", "model")
+            if k in data
+        ]
         if misplaced:
-            raise ValueError(f"speculative config: {misplaced[0]} applies to method ngram only")
+            raise ValueError(f"speculative config: {misplaced[0]} does not apply to method suffix")
         depth = data.get("suffix_decoding_max_tree_depth", SUFFIX_MAX_TREE_DEPTH)
         # vLLM's default: proposals as long as the trie allows
         k = data.get("num_speculative_tokens", depth)
@@ -201,6 +222,26 @@ class SpeculativeConfig:
             num_speculative_tokens=k,
             disable_by_batch_size=data.get("disable_by_batch_size"),
             **{key: data[key] for key in SUFFIX_KEYS if key in data},
+        )
+
+    @classmethod
+    def _draft(cls, method: str, data: Mapping[str, Any]) -> SpeculativeConfig:
+        allowed = {"method", "model", "num_speculative_tokens", "disable_by_batch_size"}
+        if method == "layer_skip":
+            allowed = (allowed - {"model"}) | {"num_draft_layers"}
+        misplaced = [k for k in data if k in KEYS and k not in allowed]
+        if misplaced:
+            raise ValueError(
+                f"speculative config: {misplaced[0]} does not apply to method {method}"
+            )
+        if "num_speculative_tokens" not in data:
+            raise ValueError(f"speculative config: {method} needs num_speculative_tokens")
+        return cls(
+            method=method,
+            num_speculative_tokens=data["num_speculative_tokens"],
+            disable_by_batch_size=data.get("disable_by_batch_size"),
+            model=data.get("model"),
+            num_draft_layers=data.get("num_draft_layers"),
         )
 
 

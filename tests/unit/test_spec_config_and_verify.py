@@ -50,7 +50,12 @@ def test_vllm_json_parses_with_vllm_defaults():
     [
         ('{"method": "eagle3", "model": "x"}', "'eagle3' is not supported"),
         ('{"method": "medusa", "num_speculative_tokens": 3}', "'medusa' is not supported"),
-        ('{"model": "HuggingFaceTB/SmolLM2-135M", "num_speculative_tokens": 3}', "'draft_model'"),
+        ('{"model": "/some/draft"}', "draft_model needs num_speculative_tokens"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft_model needs \"model\""),
+        ('{"method": "layer_skip", "num_speculative_tokens": 3}', "needs num_draft_layers"),
+        ('{"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 1, '
+         '"model": "x"}', "model does not apply to method layer_skip"),
+        ('{"model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}', "does not apply"),
         ('{"method": "magic", "num_speculative_tokens": 3}', "unknown speculative method 'magic'"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),

@@ -38,9 +38,9 @@ def test_vllm_suffix_config():
         ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "non-negative"),
         ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "positive number"),
         ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "in \\[0, 1\\]"),
-        ({"method": "suffix", "prompt_lookup_min": 2}, "ngram only"),
+        ({"method": "suffix", "prompt_lookup_min": 2}, "not apply to method suffix"),
         ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 8},
-         "suffix only"),
+         "not apply to method ngram"),
     ],
 )  # fmt: skip
 def test_bad_suffix_configs_fail_clearly(value, words):
