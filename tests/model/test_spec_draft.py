@@ -159,3 +159,39 @@ def test_a_draft_with_another_tokenizer_is_a_clear_start_up_error(target_dir, tm
     (other / "vocab.json").unlink(missing_ok=True)
     with pytest.raises(ValueError, match="draft model's tokenizer differs from the target's"):
         LLM(str(target_dir), speculative_config={"model": str(other), "num_speculative_tokens": 3})
+
+
+def test_layer_skip_drafts_are_the_truncated_models_greedy_tokens(target_dir, monkeypatch):
+    """The layer-skip draft is the target's first N layers, then its final norm and LM head: its
+    drafts are what transformers' model cut to those layers generates greedily (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.executor.draft_model import DraftProposer
+
+    seen: list[tuple[list[int], list[int]]] = []
+    real = DraftProposer.propose
+
+    def recording(self, wants):
+        out = real(self, wants)
+        for seq, _ in wants:
+            if seq.seq_id in out:
+                seen.append((list(seq.token_ids), out[seq.seq_id]))
+        return out
+
+    monkeypatch.setattr(DraftProposer, "propose", recording)
+    llm = LLM(
+        str(target_dir), quantization="none", max_num_seqs=4,
+        speculative_config={"method": "layer_skip", "num_draft_layers": 2, "num_speculative_tokens": 4},
+    )  # fmt: skip
+    llm.generate(PROMPTS[:2], _greedy(12))
+    assert len(seen) >= 2
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    hf.model.layers = hf.model.layers[:2]
+    hf.config.num_hidden_layers = 2
+    for context, drafts in seen[:4]:
+        ids = torch.tensor([context])
+        out = hf.generate(
+            ids, max_new_tokens=len(drafts), do_sample=False, attention_mask=torch.ones_like(ids)
+        )
+        assert out[0, len(context) :].tolist() == drafts
