@@ -25,7 +25,8 @@ from engine.core.sampling_params import (
     check_token_ids,
     resolve_max_tokens,
 )
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.sequence_update import SequenceUpdater
 from engine.core.snapshot import (
     BlockHolders,
     EngineSnapshot,
@@ -98,10 +99,9 @@ class LLMEngine:
                 block_size, self.max_model_len, config.scheduler.max_num_batched_tokens,
             )  # fmt: skip
         speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, speculator)
-        self.output_processor = OutputProcessor(
-            self.scheduler, self.eos_token_ids, self.max_model_len
-        )
+        updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, speculator, updater)
+        self.output_processor = OutputProcessor()
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
         # Test-only fault hooks are a runner subclass chosen here, never a check inside a step.
         runner_class = FaultInjectingRunner if fault_injection_enabled() else ModelRunner
@@ -294,18 +294,10 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.publish()
             return []
-        stats = self._new_step_stats(sched)
-        now = time.monotonic()
-        for s in sched.scheduled:
-            m = s.seq.group.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-                stats.num_new_prompt_tokens += s.seq.group.num_prompt_tokens
         try:
             result = self.runner.execute(sched, self.eos_token_ids)
         except Exception as e:  # a failure of the whole batch: fail these requests, keep the engine
@@ -315,26 +307,19 @@ class LLMEngine:
             result = RunnerOutput(
                 errors={s.seq.seq_id: f"model execution failed: {e}" for s in sched.scheduled}
             )
-        self.scheduler.after_step(sched, result)
-        touched = self.output_processor.update(sched, result, stats)
+        update = self.scheduler.update_from_output(sched, result)
         outputs = []
-        for g in touched:
+        for g in update.groups:
             out = self.output_processor.make_output(g)
             if out is not None:
                 outputs.append(out)
                 if out.finished:  # a finished group always has its final output
                     self.groups.pop(g.request_id, None)
 
+        stats = update.stats  # the scheduler's own report of the step; its duration is timed here
         stats.duration = time.monotonic() - t0
-        stats.num_running = len(self.scheduler.running)
-        stats.num_waiting = len(self.scheduler.waiting)
-        stats.kv_cache_usage = self.kv.usage
-        stats.num_preemptions = len(sched.preempted)  # the schedule's own report
-        stats.prefix_cache_queries = self.kv.stats.queries - queries_before
-        stats.prefix_cache_hits = self.kv.stats.hits - hits_before
-        for (
-            s
-        ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
+        # Blocks a sample held through this step (shared ones count for each).
+        for s in sched.scheduled:
             s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
         self.publish()
@@ -421,18 +406,6 @@ class LLMEngine:
             self.kv.block_size,
             sc.max_num_batched_tokens,
             sc.max_num_seqs,
-        )
-
-    def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
-        if sched.num_prefill_tokens == 0:
-            kind = "decode"
-        else:
-            kind = "prefill" if sched.num_decode_tokens == 0 else "mixed"
-        return StepStats(
-            kind,
-            num_batched_tokens=sched.num_batched_tokens,
-            num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_tokens=sched.num_decode_tokens,
         )
 
     def _accumulate(self, stats: StepStats) -> None:
