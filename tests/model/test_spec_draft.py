@@ -195,3 +195,29 @@ def test_layer_skip_drafts_are_the_truncated_models_greedy_tokens(target_dir, mo
             ids, max_new_tokens=len(drafts), do_sample=False, attention_mask=torch.ones_like(ids)
         )
         assert out[0, len(context) :].tolist() == drafts
+
+
+def test_n_samples_seeded_sampling_and_structured_outputs(target_dir, draft_dir):
+    """With a draft model: n=2 greedy, seeded sampling (the same text with and without), and a
+    regex constraint (drafts cut by the grammar) all give plain decoding's answers."""
+    from engine import StructuredOutputs
+
+    base = LLM(str(target_dir), max_num_seqs=8)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, n=2, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=5, n=2, ignore_eos=True),
+        SamplingParams(
+            temperature=0.0, max_tokens=16,
+            structured_outputs=StructuredOutputs(regex=r"(ab){2,6}c"),
+        ),
+    ]  # fmt: skip
+    prompts = [PROMPTS[0], PROMPTS[1], "abababababc ababc abab"]
+    want = _answers(base.generate(prompts, params))
+    for draft in (target_dir, draft_dir):
+        llm = LLM(
+            str(target_dir), max_num_seqs=8,
+            speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+        )  # fmt: skip
+        assert _answers(llm.generate(prompts, params)) == want, draft
+        assert llm.engine.totals.spec_num_accepted_tokens > 0 or draft == draft_dir
+        assert _all_free(llm)
