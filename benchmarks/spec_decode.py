@@ -132,6 +132,7 @@ def speculator_for(llm: LLM, config: dict[str, Any]) -> Speculator:
         drafter = build_drafter(
             spec, e.model, e.device, e.dtype, e.tokenizer, e.config.model, e.kv.num_blocks,
             e.kv.block_size, e.max_model_len, e.config.scheduler.max_num_batched_tokens,
+            e.kv, lambda: e.runner.kv_caches,
         )  # fmt: skip
     return Speculator(spec, e.max_model_len, drafter)
 

@@ -97,6 +97,7 @@ class LLMEngine:
             drafter = build_drafter(
                 spec, self.model, self.device, self.dtype, self.tokenizer, mc, num_blocks,
                 block_size, self.max_model_len, config.scheduler.max_num_batched_tokens,
+                self.kv, lambda: self.runner.kv_caches,
             )  # fmt: skip
         speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)

@@ -8,12 +8,19 @@ token; the KV of rejected drafts is rolled back by keeping only the prefix the s
 the sequence), which gives each its first draft; then one batched decode forward per further draft.
 The draft's blocks are allocated from its own pool and freed with the target's sequence (finish,
 abort or preemption). Verification decides what is emitted, so the draft's choice only changes the
-speed, never the answer."""
+speed, never the answer.
+
+The layer-skip draft instead reads and writes the target's own KV of its layers (SharedKVDrafter):
+for every token the target has computed, that KV is what the draft would compute (the same layers
+over the same tokens), so the draft has no prefill, no pool and no rollback of its own. It computes
+only the sequence's last token and its drafts 1..k-1, in slots of the target's blocks past the
+computed tokens, which the target's own forward rewrites before anything reads them."""
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +29,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Sequence, SequenceStatus
 from engine.core.scheduler import ScheduledSeq
 from engine.core.spec_config import SpeculativeConfig
+from engine.executor.input_batch import InputBatch
 from engine.executor.model_runner import ModelRunner, model_kv_spec
 
 logger = logging.getLogger(__name__)
@@ -147,28 +155,105 @@ class DraftProposer:
         return shadow
 
     def _forward(self, chunks: list[tuple[Sequence, int]]) -> list[int]:
-        """Compute the next `n` tokens of each shadow; the greedy token after each chunk."""
-        order = sorted(range(len(chunks)), key=lambda i: chunks[i][1] != 1)  # decodes first
-        scheduled = []
-        for i in order:
-            shadow, n = chunks[i]
-            tables = self.kv.get_block_tables(shadow)
-            start = shadow.num_computed_tokens
-            scheduled.append(ScheduledSeq(shadow, n, start, tables, True, 0))
-        runner = self.runner
-        ids, pos, meta = runner.input_batch.prepare(scheduled)
-        hidden = self.model(ids, pos, runner.kv_caches, meta)  # [num_tokens, hidden]
-        ends, at = [], -1
-        for s in scheduled:
-            at += s.num_new_tokens
-            ends.append(at)
-        index = torch.tensor(ends, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden[index])  # [seqs, vocab]
-        best = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-        out = [0] * len(chunks)
-        for row, i in enumerate(order):
-            out[i] = int(best[row])
-        return out
+        return greedy_forward(
+            self.model, self.runner.input_batch, self.runner.kv_caches, self.kv, chunks,
+            self.vocab_size,
+        )  # fmt: skip
+
+
+def greedy_forward(
+    model: Any,
+    input_batch: InputBatch,
+    kv_caches: list[torch.Tensor],
+    kv: KVCacheManager,
+    chunks: list[tuple[Sequence, int]],
+    vocab_size: int,
+) -> list[int]:
+    """Compute the next `n` tokens of each (shadow, n); the greedy token after each chunk."""
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i][1] != 1)  # decodes first
+    scheduled = []
+    for i in order:
+        shadow, n = chunks[i]
+        tables = kv.get_block_tables(shadow)
+        scheduled.append(ScheduledSeq(shadow, n, shadow.num_computed_tokens, tables, True, 0))
+    ids, pos, meta = input_batch.prepare(scheduled)
+    hidden = model(ids, pos, kv_caches, meta)  # [num_tokens, hidden]
+    ends, at = [], -1
+    for s in scheduled:
+        at += s.num_new_tokens
+        ends.append(at)
+    index = torch.tensor(ends, dtype=torch.int64, device=hidden.device)
+    logits = model.compute_logits(hidden[index])  # [seqs, vocab]
+    best = logits[:, :vocab_size].argmax(dim=-1).tolist()
+    out = [0] * len(chunks)
+    for row, i in enumerate(order):
+        out[i] = int(best[row])
+    return out
+
+
+class SharedKVDrafter:
+    """engine.core.speculator.Drafter for layer skip: the target's first layers over the target's
+    own KV cache of those layers (its block tables, its pool)."""
+
+    def __init__(
+        self,
+        model: Any,
+        target_kv: KVCacheManager,
+        target_caches: Callable[[], list[torch.Tensor]],
+        layer_groups: list[int] | None,
+        block_size: int,
+        device: torch.device,
+        vocab_size: int,
+    ) -> None:
+        self.model = model
+        self.kv = target_kv
+        self._target_caches = target_caches  # the runner's per-layer caches (built after us)
+        self.input_batch = InputBatch(block_size, device, layer_groups=layer_groups)
+        self.vocab_size = vocab_size
+        self._shadows: dict[str, Sequence] = {}
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self._shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            shadow.status = SequenceStatus.FINISHED_ABORTED  # its input-batch row is reclaimed
+
+    @torch.inference_mode()
+    def propose(self, wants: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
+        kv = self.kv
+        live = []
+        for seq, k in wants:
+            # Slots for the last token and drafts 1..k-1 in the target's blocks: taken only from
+            # blocks it holds or a pool with room to spare (drafts never cause a preemption).
+            extra = kv.blocks_needed(seq.num_tokens + k - 1) - len(kv.get_block_table(seq))
+            if extra > 0 and kv.num_free_blocks < kv.num_groups * (extra + len(wants)):
+                continue
+            if not kv.allocate_slots(seq, k):
+                continue
+            shadow = self._shadows.get(seq.seq_id)
+            if shadow is None:
+                shadow = Sequence(seq.seq_id, seq.group, seq.index, [], seq.num_prompt_tokens)
+                shadow.status = SequenceStatus.RUNNING
+                self._shadows[seq.seq_id] = shadow
+            shadow.token_ids = list(seq.token_ids)
+            shadow.num_computed_tokens = seq.num_computed_tokens  # the target's KV up to here
+            live.append((shadow, k))
+        drafts: dict[str, list[int]] = {}
+        caches = self._target_caches()[: self.model.num_layers]
+        while live:
+            tokens = greedy_forward(
+                self.model, self.input_batch, caches, kv, [(s, 1) for s, _ in live],
+                self.vocab_size,
+            )  # fmt: skip
+            still = []
+            for (shadow, k), token in zip(live, tokens, strict=True):
+                shadow.num_computed_tokens += 1
+                out = drafts.setdefault(shadow.seq_id, [])
+                out.append(token)
+                if len(out) < k:
+                    shadow.token_ids.append(token)
+                    still.append((shadow, k))
+            live = still
+        return drafts
 
 
 def build_drafter(
@@ -182,9 +267,12 @@ def build_drafter(
     block_size: int,
     max_model_len: int,
     max_chunk: int,
-) -> DraftProposer:
+    target_kv: KVCacheManager | None = None,
+    target_caches: Callable[[], list[torch.Tensor]] | None = None,
+) -> DraftProposer | SharedKVDrafter:
     """The draft for `config` (draft_model: loaded from its folder, checked to share the target's
-    tokenizer and weight format; layer_skip: the target's first layers)."""
+    tokenizer and weight format; layer_skip: the target's first layers, over the target's KV when
+    `target_kv` and `target_caches` are given, else over its own)."""
     from engine.executor.model_runner import prepare_model
     from engine.models.loader import load_model, resolve_model
     from engine.text.tokenizer import Tokenizer
@@ -193,6 +281,17 @@ def build_drafter(
         assert config.num_draft_layers is not None
         model = first_layers(target, config.num_draft_layers)
         dtype = target_dtype
+        if target_kv is not None and target_caches is not None:
+            slots = model_kv_spec(target, max_model_len).layer_slots()[: model.num_layers]
+            groups = [g for g, _ in slots] if target_kv.num_groups > 1 else None
+            logger.info(
+                "speculative decoding: layer_skip draft, %d of %d layers, over the target's KV",
+                model.num_layers,
+                target.num_layers,
+            )
+            return SharedKVDrafter(
+                model, target_kv, target_caches, groups, block_size, device, target.vocab_size
+            )
     else:
         assert config.model is not None
         path = resolve_model(config.model, model_config.cache_dir)

@@ -99,8 +99,21 @@ def test_layer_skip_self_draft_identical(target_dir):
     drafter = _drafter(llm)
     assert drafter.model.num_layers == 2 and llm.engine.model.num_layers == 4
     assert drafter.model.layers[0] is llm.engine.model.layers[0]  # the target's weights, shared
+    assert drafter.kv is llm.engine.kv  # and the target's KV of those layers: no pool of its own
     assert llm.engine.totals.spec_num_draft_tokens > 0
     assert _all_free(llm)
+    # chunked prefill, a pool small enough to preempt, and prefix-cache hits
+    long_prompt = " ".join(PROMPTS) * 3
+    prompts = [long_prompt, *PROMPTS]
+    want = _answers(LLM(str(target_dir), max_num_seqs=4).generate(prompts, _greedy(40)))
+    tiny = LLM(
+        str(target_dir), max_num_seqs=4, max_num_batched_tokens=32, num_blocks=20, block_size=16,
+        speculative_config={"method": "layer_skip", "num_draft_layers": 3, "num_speculative_tokens": 3},
+    )  # fmt: skip
+    assert _answers(tiny.generate(prompts, _greedy(40))) == want
+    assert _answers(tiny.generate(prompts[1:3], _greedy(40))) == want[1:3]  # prefix hits
+    assert tiny.engine.scheduler.num_preemptions > 0 and tiny.engine.totals.spec_num_drafts > 0
+    assert tiny.engine.kv.num_free_blocks == tiny.engine.kv.num_blocks
     with pytest.raises(ValueError, match=r"num_draft_layers must be in \[1, 3\]"):
         LLM(
             str(target_dir),
@@ -162,15 +175,16 @@ def test_a_draft_with_another_tokenizer_is_a_clear_start_up_error(target_dir, tm
 
 
 def test_layer_skip_drafts_are_the_truncated_models_greedy_tokens(target_dir, monkeypatch):
-    """The layer-skip draft is the target's first N layers, then its final norm and LM head: its
-    drafts are what transformers' model cut to those layers generates greedily (float32)."""
+    """The layer-skip draft is the target's first N layers, then its final norm and LM head, over
+    the target's KV of those layers: its drafts are what transformers' model cut to those layers
+    generates greedily (float32), so the KV it reads is right."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.executor.draft_model import DraftProposer
+    from engine.executor.draft_model import SharedKVDrafter
 
     seen: list[tuple[list[int], list[int]]] = []
-    real = DraftProposer.propose
+    real = SharedKVDrafter.propose
 
     def recording(self, wants):
         out = real(self, wants)
@@ -179,7 +193,7 @@ def test_layer_skip_drafts_are_the_truncated_models_greedy_tokens(target_dir, mo
                 seen.append((list(seq.token_ids), out[seq.seq_id]))
         return out
 
-    monkeypatch.setattr(DraftProposer, "propose", recording)
+    monkeypatch.setattr(SharedKVDrafter, "propose", recording)
     llm = LLM(
         str(target_dir), quantization="none", max_num_seqs=4,
         speculative_config={"method": "layer_skip", "num_draft_layers": 2, "num_speculative_tokens": 4},
