@@ -130,3 +130,17 @@ def test_speculator_uses_the_suffix_proposer():
     assert spec.propose(seq, budget=10) == [8, 9, 10]  # match of 3: at most 3 (factor 1.0)
     seq.token_ids += [8, 9]
     assert spec.propose(seq, budget=10) == [10, 11, 12, 1, 5]  # match 5, and room for 5
+
+
+def test_a_long_prompt_is_indexed_over_several_steps(monkeypatch):
+    from engine.core import suffix_proposer
+
+    monkeypatch.setattr(suffix_proposer, "MAX_FEED_PER_STEP", 4)
+    cache = SuffixCache(8, 0, 4.0, 0.0)
+    own = SequenceSuffix(8, 0)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]
+    assert own.propose(cache, "s", tokens, 3) == [3, 4]  # 4 tokens indexed: [1, 2] -> 3, 4 only
+    assert own.num_fed == 4
+    own.propose(cache, "s", tokens, 3)
+    assert own.propose(cache, "s", tokens, 3) == [3, 4, 5]  # caught up
+    assert own.num_fed == len(tokens) - 1
