@@ -9,7 +9,7 @@ rounds, their ratios to plain decoding, the acceptance rate and mean accepted le
 line.
 
     python -m benchmarks.spec_decode [--rounds 3] [--max-tokens 128] [--concurrency 1 32]
-        [--variants plain ngram suffix layer_skip draft_model] [--draft-layers 8]
+        [--variants plain ngram suffix layer_skip draft_model] [--draft-layers 8] [--threads 1]
 """
 
 from __future__ import annotations
@@ -150,10 +150,13 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=8, help="layer_skip's draft layers")
     parser.add_argument("--draft-model", default=None, help="default: the target's first layers")
     parser.add_argument("--workloads", nargs="+", default=["grounded", "random-words"])
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: a shared machine's OpenMP spin)"
+    )
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args()
 
-    llm = LLM(args.model, max_num_seqs=64)
+    llm = LLM(args.model, max_num_seqs=64, num_threads=args.threads)
     tok = llm.tokenizer
     k = args.num_speculative_tokens
     tmp = tempfile.TemporaryDirectory()
@@ -190,6 +193,7 @@ def main() -> None:
         llm.engine.scheduler.speculator = spec
         llm.generate(all_workloads["grounded"][:1], SamplingParams(max_tokens=8))
     print(cpu_summary())
+    print(f"threads: {args.threads}, max_tokens: {args.max_tokens}, rounds: {args.rounds}")
     for name in speculators:
         print(f"  {name}: {configs.get(name, 'no speculation')}")
     names = list(speculators)
