@@ -16,12 +16,15 @@ from engine.core.spec_config import DRAFT_METHODS, SpeculativeConfig
 from engine.core.suffix_proposer import SequenceSuffix, SuffixCache
 
 DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance estimate
-# A step costs about (STEP_OVERHEAD_ROWS + rows) x the time of one row: on CPU at batch 1 an extra
-# row adds about 0.25-0.3 of a decode step. An accepted draft saves its sequence one row and its
-# share of a step's fixed cost; a rejected one wastes its row. So draft position j pays while the
-# chance of reaching and accepting it exceeds 1 / (1 + STEP_OVERHEAD_ROWS / batch): about 0.25 for
-# one sequence, 0.9 for 32, where only near-certain drafts are worth their rows.
+# A step costs about (STEP_OVERHEAD_ROWS + decode rows + DRAFT_ROW_COST x draft rows) x the time
+# of one row: on CPU at batch 1 an extra row adds about 0.25-0.3 of a decode step, and a verified
+# draft row costs more than a decode row (benchmarks/spec_decode.py at concurrency 32: drafts with
+# 81% acceptance cost a third of the throughput). An accepted draft saves its sequence one row and
+# its share of a step's fixed cost; a rejected one wastes its row. So draft position j pays while
+# the chance of reaching and accepting it exceeds DRAFT_ROW_COST / (1 + STEP_OVERHEAD_ROWS / batch):
+# about 0.31 for one sequence, 0.9 for 8, and never from about 12 on (but for the probes).
 STEP_OVERHEAD_ROWS = 3.0
+DRAFT_ROW_COST = 1.25
 FIRST_PAUSE = 8  # decode tokens of the first pause when no draft pays off; each pause doubles
 MAX_PAUSE = 256
 
@@ -157,7 +160,8 @@ class Speculator:
         state = self._state(seq)
         if seq.num_tokens < state.resume_at:
             return 0
-        length = state.draft_length(room, 1.0 / (1.0 + STEP_OVERHEAD_ROWS / max(1, batch_size)))
+        threshold = DRAFT_ROW_COST / (1.0 + STEP_OVERHEAD_ROWS / max(1, batch_size))
+        length = state.draft_length(room, threshold)
         if length == 0:  # not paying off: decode plainly for a while, then probe again
             state.resume_at = seq.num_tokens + state.pause
             state.pause = min(2 * state.pause, MAX_PAUSE)
