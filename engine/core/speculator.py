@@ -22,7 +22,7 @@ DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance
 # 81% acceptance cost a third of the throughput). An accepted draft saves its sequence one row and
 # its share of a step's fixed cost; a rejected one wastes its row. So draft position j pays while
 # the chance of reaching and accepting it exceeds DRAFT_ROW_COST / (1 + STEP_OVERHEAD_ROWS / batch):
-# about 0.31 for one sequence, 0.9 for 8, and never from about 12 on (but for the probes).
+# about 0.31 for one sequence, 0.9 for 8, and never from 12 on (not even a probe).
 STEP_OVERHEAD_ROWS = 3.0
 DRAFT_ROW_COST = 1.25
 FIRST_PAUSE = 8  # decode tokens of the first pause when no draft pays off; each pause doubles
@@ -161,6 +161,8 @@ class Speculator:
         if seq.num_tokens < state.resume_at:
             return 0
         threshold = DRAFT_ROW_COST / (1.0 + STEP_OVERHEAD_ROWS / max(1, batch_size))
+        if threshold >= 1.0:
+            return 0  # no draft pays at this batch size: no probes either, the estimate is kept
         length = state.draft_length(room, threshold)
         if length == 0:  # not paying off: decode plainly for a while, then probe again
             state.resume_at = seq.num_tokens + state.pause
