@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.core.block_hashes import DEFAULT_SEED as BLOCK_HASH_SEED
+from engine.core.block_hashes import external_block_hashes
 from engine.core.config import (
     DTYPES,
     POOLINGS,
@@ -29,6 +31,7 @@ from engine.core.errors import (
     SamplingParamsError,
     WrongTaskError,
 )
+from engine.core.kv_events import KVEventsConfig, KVEventsState
 from engine.core.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -122,6 +125,10 @@ __all__ = [
     "SamplingParamsError",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "KVEventsConfig",
+    "KVEventsState",
+    "BLOCK_HASH_SEED",
+    "external_block_hashes",
     "StructuredOutputs",
     "WrongTaskError",
     "ReasoningFormat",

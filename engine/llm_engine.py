@@ -4,6 +4,7 @@ tokenizer; implements engine.core.engine_core.EngineCore."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import torch
 
-from engine.core.config import EngineConfig
+from engine.core.block_hashes import DEFAULT_SEED
+from engine.core.config import EngineConfig, Task
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_offload import KVTiers
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
@@ -39,9 +42,11 @@ from engine.core.spec_config import DRAFT_METHODS
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
 from engine.executor.draft_model import build_drafter
+from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
+from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -55,7 +60,7 @@ RECENT_STEPS = 240  # steps the detailed snapshot's timeline keeps
 
 
 class LLMEngine:
-    task = "generate"
+    task: Task = "generate"
 
     def __init__(
         self, config: EngineConfig, model_dir: Path | None = None, model_name: str | None = None
@@ -91,6 +96,11 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
         )
+        events = config.kv_events_config
+        self.kv_events: KVEventStream | None = None
+        if events is not None and events.enabled:  # like vLLM, its hashes follow PYTHONHASHSEED
+            seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
+            self.kv_events = KVEventStream.start(events, self.kv, seed)
         spec = config.speculative_config
         drafter = None
         if spec is not None and spec.method in DRAFT_METHODS:
@@ -111,6 +121,7 @@ class LLMEngine:
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
             grammars=self.grammars, kv_spec=self.kv_spec,
         )  # fmt: skip
+        self._open_kv_tiers(quantization)
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
@@ -129,6 +140,23 @@ class LLMEngine:
             / (1 << 20),
         )
 
+    def _open_kv_tiers(self, weight_format: str | None) -> None:
+        """The KV offload tiers, when configured: the pool's evictions feed them, lookups read them."""
+        cache, bs, m = self.config.cache, self.config.cache.block_size, self.model
+        self.kv_store: TieredKVStore | None = None
+        if not (cache.kv_offload_memory or cache.kv_offload_dir):
+            return
+        fingerprint = model_fingerprint(
+            self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
+        )
+        shape = (m.num_kv_heads, m.head_dim)
+        store = open_kv_store(cache, fingerprint, self.kv_spec, bs, shape, self.dtype, self.device)
+        self.kv_store = store
+        if store is not None:
+            self.kv.tiers = KVTiers(store, bs)
+            self.kv.pool.on_evict = self.kv.tiers.on_evict
+            self.runner.attach_kv_store(store)
+
     def _num_kv_blocks(self, block_size: int) -> int:
         cc = self.config.cache
         if cc.num_blocks is not None:
@@ -141,9 +169,8 @@ class LLMEngine:
             budget = int(free * 0.8)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(
-                _GiB, total // 16
-            )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
+            # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy.
+            budget = min(_GiB, total // 16)
         num_blocks = max(2, budget // per_block)
         # No point holding more than every running sequence at full length, in every group.
         per_seq = len(self.kv_spec.groups) * -(-self.max_model_len // block_size)
@@ -323,8 +350,23 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.publish()
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (KV events: AllBlocksCleared); False while requests hold
+        blocks. Call it between steps."""
+        done = self.kv.pool.reset_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def close(self) -> None:
+        """Stop what runs beside the steps (the KV events publisher); the engine steps no more."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def publish(self, detail: bool = False) -> EngineSnapshot:
         """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
@@ -383,21 +425,19 @@ class LLMEngine:
             spec_num_drafts=t.spec_num_drafts,
             spec_num_draft_tokens=t.spec_num_draft_tokens,
             spec_num_accepted_tokens=t.spec_num_accepted_tokens,
+            kv_offload=copy.copy(self.kv_store.stats) if self.kv_store is not None else None,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
+            kv_events=self.kv_events.publisher.state() if self.kv_events is not None else None,
         )
 
     def _snapshot_detail(self) -> SnapshotDetail:
-        pool = self.kv.pool
-        holders: dict[int, list[str]] = {}
-        for seq_id in self.kv.block_tables:
-            for block_id in self.kv.held_blocks(seq_id):
-                holders.setdefault(block_id, []).append(seq_id)
+        pool = self.kv.pool.view  # read-only: the snapshot never touches the pool's structures
         blocks = tuple(
-            BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
-            for block_id, seq_ids in sorted(holders.items())
+            BlockHolders(block_id, pool.ref_count(block_id), tuple(seq_ids))
+            for block_id, seq_ids in sorted(self.kv.block_holders().items())
         )
-        cached_free = tuple(b for b in pool.free_queue if pool.is_cached_block(b))
+        cached_free = pool.cached_free_blocks()
         sc = self.config.scheduler
         return SnapshotDetail(
             blocks,

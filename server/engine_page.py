@@ -102,6 +102,38 @@ async def _events(
         await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
 
 
+def _tiers(snap: EngineSnapshot) -> dict[str, Any] | None:
+    """The KV offload tiers' fill and hits (None: no tiers)."""
+    t = snap.kv_offload
+    if t is None:
+        return None
+    return {
+        "memory": [t.memory_bytes, t.memory_capacity, t.memory_entries, t.memory_hits],
+        "disk": [
+            t.disk_bytes,
+            t.disk_capacity if t.disk_enabled else 0,
+            t.disk_entries,
+            t.disk_hits,
+        ],
+        "misses": t.misses,
+    }
+
+
+def _kv_events(snap: EngineSnapshot) -> dict[str, Any] | None:
+    ev = snap.kv_events
+    if ev is None:
+        return None
+    return {
+        "endpoint": ev.endpoint,
+        "replay_endpoint": ev.replay_endpoint,
+        "topic": ev.topic,
+        "num_batches": ev.num_batches,
+        "num_events": ev.num_events,
+        "num_dropped": ev.num_dropped,
+        "alive": ev.alive,
+    }
+
+
 # Block states as the page draws them, one character per block.
 FREE, CACHED_FREE, HELD, SHARED = ".", "c", "h", "s"
 
@@ -170,6 +202,9 @@ def page_payload(
             "states": states.decode(),
             "tables": tables,
         },
+        "kv_offload": _tiers(snap),
+        # The KV events publisher (--kv-events-config), or null.
+        "kv_events": _kv_events(snap),
         # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting,
         #  draft tokens verified (among the prefill tokens), drafts accepted]
         "steps": steps,

@@ -18,6 +18,7 @@ from engine import (
     POOLINGS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -142,6 +143,13 @@ def _optional_size(text: str) -> int | None:
 
 class _OptionError(argparse.ArgumentTypeError, ValueError):
     """A value error argparse shows with its message (it hides a plain ValueError's)."""
+
+
+def _kv_events_config(text: str) -> KVEventsConfig | None:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise _OptionError(str(e)) from None
 
 
 def _speculative_config(text: str) -> SpeculativeConfig | None:
@@ -322,6 +330,24 @@ OPTIONS: tuple[Option, ...] = (
         "reuse KV blocks of shared prompt prefixes",
         is_bool=True,
     ),
+    Option(
+        "kv-offload-memory",
+        "cache.kv_offload_memory",
+        _optional_size,
+        "host-memory tier for KV blocks evicted from the prefix cache (e.g. 2GiB); default: none",
+    ),
+    Option(
+        "kv-offload-dir",
+        "cache.kv_offload_dir",
+        parse_optional_str,
+        "directory of a disk tier for evicted KV blocks (kept across restarts); default: none",
+    ),
+    Option(
+        "kv-offload-disk",
+        "cache.kv_offload_disk",
+        _optional_size,
+        "size of the disk tier (e.g. 20GiB); default: 10GiB",
+    ),
     Option("max-num-seqs", "scheduler.max_num_seqs", _int, "sequences running in one engine step"),
     Option(
         "max-num-batched-tokens",
@@ -347,6 +373,15 @@ OPTIONS: tuple[Option, ...] = (
         _speculative_config,
         "speculative decoding as vLLM's JSON, e.g. "
         '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+        metavar="JSON",
+    ),
+    Option(
+        "kv-events-config",
+        "engine.kv_events_config",
+        _kv_events_config,
+        "publish KV cache events (vLLM's JSON and wire format) for KV-aware routers, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
         metavar="JSON",
     ),
     Option(
@@ -458,9 +493,8 @@ def _convert(opt: Option, value: Any, source: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             result = value
-        elif isinstance(
-            value, dict
-        ):  # a config file's mapping (chat-template-kwargs, speculative-config)
+        elif isinstance(value, dict):
+            # A config file's mapping (chat-template-kwargs, speculative-config).
             result = opt.parse(json.dumps(value))
         elif isinstance(value, (list, tuple)):
             result = tuple(str(v) for v in value)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
 
 ROOT_NODE = 0  # parent node of a sequence's first block
 NO_NODE = -1  # a block holding no registered content
@@ -89,6 +91,14 @@ class PrefixTrie:
             node = self.parents.pop(node)
 
 
+class BlockPoolListener(Protocol):
+    """Told when a block's content enters or leaves the prefix cache (KV events)."""
+
+    def block_stored(self, group: int, node: int) -> None: ...
+    def block_removed(self, group: int, node: int) -> None: ...
+    def cleared(self) -> None: ...
+
+
 class BlockPool:
     """Physical blocks with reference counts. Free blocks wait in LRU order (oldest first); a free
     block may still hold cached content (it keeps its node) until it is reused."""
@@ -101,10 +111,19 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[tuple[int, int], int] = {}  # (group, node) -> block id
         self.trie = PrefixTrie()
+        # Called as (pool, group, node, block id) when a cached block is evicted, before its content
+        # is dropped (the KV offload tiers save it; engine.core.kv_offload).
+        self.on_evict: Callable[[BlockPool, int, int, int], None] | None = None
+        self.listener: BlockPoolListener | None = None  # KV events (engine.core.kv_event_recorder)
 
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
+
+    @property
+    def view(self) -> BlockPoolView:
+        """A read-only view of the pool for observers (the detail snapshot)."""
+        return BlockPoolView(self)
 
     def allocate(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
@@ -134,9 +153,25 @@ class BlockPool:
         self.block_nodes[block_id] = node
         self.block_groups[block_id] = group
         self.trie.ref(node)
+        if self.listener is not None:
+            self.listener.block_stored(group, node)
 
     def lookup(self, group: int, node: int) -> int | None:
         return self.cached.get((group, node))
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); only while no block is held, so
+        False (and nothing changed) when a sequence still holds one."""
+        if self.num_free != self.num_blocks:
+            return False
+        for block_id, node in enumerate(self.block_nodes):
+            if node != NO_NODE:
+                self.block_nodes[block_id] = NO_NODE
+                del self.cached[(self.block_groups[block_id], node)]
+                self.trie.unref(node)
+        if self.listener is not None:
+            self.listener.cleared()
+        return True
 
     def is_cached_block(self, block_id: int) -> bool:
         return self.block_nodes[block_id] != NO_NODE
@@ -144,6 +179,41 @@ class BlockPool:
     def _evict(self, block_id: int) -> None:
         node = self.block_nodes[block_id]
         if node != NO_NODE:
+            if self.on_evict is not None:
+                self.on_evict(self, self.block_groups[block_id], node, block_id)
             self.block_nodes[block_id] = NO_NODE
             del self.cached[(self.block_groups[block_id], node)]
+            if self.listener is not None:
+                self.listener.block_removed(self.block_groups[block_id], node)
             self.trie.unref(node)
+
+
+class BlockPoolView:
+    """What a BlockPool holds now, read-only: for observers such as the engine's detail snapshot,
+    which must not reach into the pool's own structures."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    def ref_count(self, block_id: int) -> int:
+        """References to `block_id` (0: free)."""
+        return self._pool.ref_counts[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether `block_id` holds registered prefix-cache content."""
+        return self._pool.is_cached_block(block_id)
+
+    def cached_free_blocks(self) -> tuple[int, ...]:
+        """Free blocks that still hold cached content, in eviction order (the next evicted first)."""
+        pool = self._pool
+        return tuple(b for b in pool.free_queue if pool.is_cached_block(b))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from engine.core.kv_events import KVEventsConfig
 from engine.core.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TASKS = ("generate", "embed")
+Task = Literal["generate", "embed"]  # what a built engine does
+TASKS: tuple[Task, ...] = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
 QUANTIZATIONS = ("auto", "int8", "int4", "gguf")  # and "none" (stored as None)
 
@@ -62,8 +64,21 @@ class CacheConfig:
         None  # bytes for K+V of all layers; None -> a default for the device
     )
     enable_prefix_caching: bool = True
+    # KV offload tiers of evicted prefix blocks (engine.core.kv_offload): host-memory bytes (None or
+    # 0: no host tier), a directory for the disk tier (None: none) and its bytes (None: 10 GiB).
+    kv_offload_memory: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a size of at least 0 bytes")
+        if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
+            raise ValueError(
+                "KV offload tiers keep evicted prefix blocks: they need prefix caching"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -106,10 +121,13 @@ class EngineConfig:
     log_stats_interval: float = 5.0  # seconds between INFO stats lines while busy (0 disables)
     # Speculative decoding (None: off). Given as vLLM's JSON text or a dict, parsed here.
     speculative_config: SpeculativeConfig | None = None
+    # KV cache events for external routers (None: off). vLLM's JSON text or a dict, parsed here.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         parsed = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", parsed)
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:

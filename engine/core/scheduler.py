@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, PrefixHit
+from engine.core.kv_offload import KVTransfers
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
 from engine.core.sequence_update import (
@@ -32,7 +33,7 @@ from engine.core.sequence_update import (
     store_prompt_logprobs,
 )
 from engine.core.speculator import Speculator
-from engine.core.stats import StepStats
+from engine.core.stats import StepKind, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,14 @@ class SchedulerOutput:
     num_draft_tokens: int = 0  # proposed tokens to verify (part of num_prefill_tokens)
     num_new_prompt_tokens: int = 0  # prompt tokens of requests scheduled for the first time
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)  # this step's lookups
+    kv_transfers: KVTransfers | None = None  # KV offload: blocks to save / load before the forward
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> StepKind:
         if self.num_prefill_tokens == 0:
             return "decode"
         return "prefill" if self.num_decode_tokens == 0 else "mixed"
@@ -105,7 +107,6 @@ class Scheduler:
         self.updater = updater or SequenceUpdater(frozenset(), sys.maxsize)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
         # seq id -> how many later sequences were admitted while this one could not get KV blocks
         self.bypassed: dict[str, int] = {}
 
@@ -129,9 +130,6 @@ class Scheduler:
     @property
     def num_waiting_tokens(self) -> int:
         return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -181,6 +179,7 @@ class Scheduler:
         num_decode = sum(1 for s in scheduled if s.is_decode)
         total = sum(s.num_new_tokens for s in scheduled)
         num_drafts = sum(len(s.draft_token_ids) for s in scheduled)
+        transfers = self.kv.tiers.take() if self.kv.tiers is not None and scheduled else None
         num_new_prompt = 0
         now = time.monotonic()
         for s in scheduled:
@@ -197,6 +196,7 @@ class Scheduler:
             num_drafts,
             num_new_prompt,
             lookups,
+            transfers,
         )
 
     def _drafts(self, speculator: Speculator, seq: Sequence, budget: int) -> list[int]:
@@ -239,6 +239,7 @@ class Scheduler:
             self.bypassed.pop(seq.seq_id, None)
             if seq.status is SequenceStatus.WAITING and looked_up:  # first admission, a real lookup
                 self.kv.record_prefix_query(seq.num_tokens, num_cached, lookups)
+                self.kv.record_tier_query(seq, num_cached)
                 seq.num_cached_tokens = num_cached
             elif seq.num_lost_tokens:  # resumed: what the prefix cache does not give back is redone
                 seq.group.metrics.num_recomputed_tokens += max(0, seq.num_lost_tokens - num_cached)
@@ -287,9 +288,7 @@ class Scheduler:
         seq.num_lost_tokens = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
-        seq.num_preemptions += 1
         seq.group.metrics.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 

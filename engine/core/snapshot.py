@@ -7,7 +7,13 @@ caller asks for them (the /engine page, while someone watches it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.core.config import Task
+
+from engine.core.kv_events import KVEventsState
+from engine.core.kv_offload import KVOffloadStats
 
 RequestState = Literal["waiting", "running", "preempted"]
 
@@ -71,7 +77,7 @@ class EngineSnapshot:
     """Engine state after step `num_steps`. `num_running`/`num_waiting` count sequences (an n > 1
     request has n); `num_requests_*` count requests. Counters since start-up are monotonic."""
 
-    task: str
+    task: Task
     num_steps: int
     time: float  # time.monotonic() when it was built
     num_running: int = 0
@@ -92,8 +98,10 @@ class EngineSnapshot:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    kv_events: KVEventsState | None = None  # the KV events publisher, when events are on
     # Requests the async front holds (admitted, not yet ended), filled in when the snapshot is read.
     num_unfinished_requests: int = 0
+    kv_offload: KVOffloadStats | None = None  # the KV offload tiers' counters and fill (a copy)
     requests: tuple[RequestProgress, ...] = ()
     detail: SnapshotDetail | None = None
 

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, Task
 from engine.core.errors import InvalidRequestError, WrongTaskError
 from engine.core.outputs import EmbeddingOutput
 from engine.core.sampling_params import (
@@ -35,7 +35,7 @@ class _EmbedRequest:
 
 
 class EmbeddingEngine:
-    task = "embed"
+    task: Task = "embed"
 
     def __init__(self, config: EngineConfig, model_dir: Path, model_name: str) -> None:
         self.config = config
