@@ -112,7 +112,7 @@ def test_layer_skip_self_draft_identical(target_dir):
     )  # fmt: skip
     assert _answers(tiny.generate(prompts, _greedy(40))) == want
     assert _answers(tiny.generate(prompts[1:3], _greedy(40))) == want[1:3]  # prefix hits
-    assert tiny.engine.scheduler.num_preemptions > 0 and tiny.engine.totals.spec_num_drafts > 0
+    assert tiny.engine.totals.num_preemptions > 0 and tiny.engine.totals.spec_num_drafts > 0
     assert tiny.engine.kv.num_free_blocks == tiny.engine.kv.num_blocks
     with pytest.raises(ValueError, match=r"num_draft_layers must be in \[1, 3\]"):
         LLM(
@@ -133,7 +133,7 @@ def test_chunked_prefill_and_preemption(target_dir):
         speculative_config={"model": str(target_dir), "num_speculative_tokens": 3},
     )  # fmt: skip
     assert _answers(llm.generate(prompts, _greedy(40))) == want
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.totals.num_preemptions > 0
     assert llm.engine.totals.spec_num_accepted_tokens > 0
     assert _all_free(llm)
 
