@@ -38,9 +38,11 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.core.spec_config import DRAFT_METHODS
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
 from engine.core.step_budget import StepBudget, StepLoad
+from engine.executor.draft_model import build_drafter
 from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
@@ -102,7 +104,14 @@ class LLMEngine:
             seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
             self.kv_events = KVEventStream.start(events, self.kv, seed)
         spec = config.speculative_config
-        speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        drafter = None
+        if spec is not None and spec.method in DRAFT_METHODS:
+            drafter = build_drafter(
+                spec, self.model, self.device, self.dtype, self.tokenizer, mc, num_blocks,
+                block_size, self.max_model_len, config.scheduler.max_num_batched_tokens,
+                self.kv, lambda: self.runner.kv_caches,
+            )  # fmt: skip
+        speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, speculator, updater)
         if self.device.type == "cpu" and config.scheduler.target_step_ms > 0:  # GPUs: fixed budget
@@ -474,6 +483,8 @@ class LLMEngine:
                 stats.num_preemptions,
                 stats.num_running,
                 stats.num_waiting,
+                stats.spec_num_draft_tokens,
+                stats.spec_num_accepted_tokens,
             )
         )
 
