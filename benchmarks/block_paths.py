@@ -8,6 +8,13 @@ the measured peak of vpdpbusd, with the CPU flags and the automatic choice.
 q8 = Q8_0 blocks everywhere; q4 = Q4_1 blocks for the layers (Q4_0 files run as Q4_1) with the
 head in Q8_0, as --quantization int4 serves it. Paths whose probe fails here are skipped. A path
 faster than the automatic choice on this CPU is a bug in the choice: it is flagged.
+
+    PYTHONPATH=. python -m benchmarks.block_paths --types Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K
+
+times the GGUF block types against each other instead (interleaved, on the path --paths names
+first that runs, default the automatic one), on one Llama-shaped layer whose input widths are
+multiples of 256 (--shape hidden,kv,inter; K-quants need them): G int8 op/s, bytes per weight as
+served, weight GB/s, and speed against Q8_0.
 """
 
 from __future__ import annotations
@@ -69,6 +76,66 @@ def _time_paths(
     return {p: statistics.median(s) for p, s in samples.items()}
 
 
+def _type_weight(kind: str, w: torch.Tensor, rng: Any) -> Any:
+    """`w`'s shape as a block weight of GGUF type `kind` (K-quants: valid random blocks)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from engine.models.block_quant import from_gguf_blocks, quantize_q4_1, quantize_q8_0
+    from engine.models.kquant import KQUANT_BLOCK_BYTES, from_gguf_kblocks, synthetic_kblocks
+
+    n, k = w.shape
+    if kind in KQUANT_BLOCK_BYTES:
+        return from_gguf_kblocks(kind, synthetic_kblocks(kind, n, k, rng), (n, k)).to_weight()
+    if kind == "Q4_0":
+        raw = quantize(w.numpy().astype(np.float32), GGMLQuantizationType.Q4_0)
+        return from_gguf_blocks("Q4_0", raw, (n, k)).to_weight()
+    return (quantize_q8_0(w) if kind == "Q8_0" else quantize_q4_1(w)).to_weight()
+
+
+def compare_types(
+    types: list[str], shape: str, rows_list: list[int], repeats: int, clock: Callable[[], float]
+) -> None:
+    """Every GGUF block type on one layer's matmuls, the types interleaved in each round."""
+    import numpy as np
+
+    hidden, kv, inter = (int(v) for v in shape.split(","))
+    shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    floats = [torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes]
+    layers = {t: [_type_weight(t, w, rng) for w in floats] for t in types}
+    macs = sum(n * k for n, k in shapes)
+    per_weight = {t: sum(w.nbytes for w in ws) / macs for t, ws in layers.items()}
+    base = "Q8_0" if "Q8_0" in types else types[0]
+    print(
+        f"layer {shape} (hidden, kv, inter): {macs / 1e6:.1f}M weights; cells: median ms, "
+        f"G int8 op/s, weight GB/s, speed vs {base}"
+    )
+    print("type  bytes/weight: " + ", ".join(f"{t} {per_weight[t]:.3f}" for t in types))
+    print(f"{'rows':>4} " + " ".join(f"{t:>27}" for t in types))
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
+        samples: dict[str, list[float]] = {t: [] for t in types}
+        for t in types:  # warm-up
+            for w in layers[t]:
+                w.matmul(xs[w.in_features])
+        for _ in range(repeats):
+            for t in types:
+                start = clock()
+                for w in layers[t]:
+                    w.matmul(xs[w.in_features])
+                samples[t].append(clock() - start)
+        med = {t: statistics.median(v) for t, v in samples.items()}
+        cells = [
+            f"{med[t] * 1e3:7.2f} {2 * macs * rows / med[t] / 1e9:6.1f} "
+            f"{per_weight[t] * macs / med[t] / 1e9:5.1f} {med[base] / med[t]:4.2f}x"
+            for t in types
+        ]
+        print(f"{rows:>4} " + " ".join(f"{c:>27}" for c in cells), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_utils import cpu_summary
     from engine.kernels import cpu_kernels
@@ -87,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="cpu: this process's CPU time (robust on a shared machine), wall: elapsed time",
     )
+    parser.add_argument("--types", default=None, help="compare GGUF block types instead")
+    parser.add_argument("--shape", default="2048,512,5632", help="--types: hidden,kv,inter")
     args = parser.parse_args(argv)
     if not cpu_kernels.available():
         parser.error("the block kernels could not be built or loaded (see the log)")
@@ -98,6 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [f"{p}: {block_kernel_probe(p)}" for p in args.paths.split(",") if p not in paths]
     if skipped:
         print("skipped:", "; ".join(skipped))
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.types:
+        path = paths[0] if args.paths != ",".join(PATHS) else auto
+        ops.block_kernels_select(path)
+        print(f"path: {path}")
+        with torch.inference_mode():
+            counts = [int(r) for r in args.rows.split(",")]
+            compare_types(args.types.split(","), args.shape, counts, args.repeats, clock)
+        ops.block_kernels_select(auto)
+        return 0
     threads = torch.get_num_threads()
     for isa in ("avx512vnni", "avxvnni"):
         if isa in paths:
@@ -115,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(weights)} matmuls, {macs / 1e6:.1f}M weights; cells: median {args.clock} ms, "
         "G int8 op/s, speed vs avx2"
     )
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     base = "avx2" if "avx2" in paths else paths[-1]
     with torch.inference_mode():
         for fmt in args.formats.split(","):

@@ -39,9 +39,11 @@ from engine.core.snapshot import (
     SnapshotDetail,
     StepRecord,
 )
+from engine.core.spec_config import DRAFT_METHODS
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
 from engine.core.step_budget import StepBudget, StepLoad
+from engine.executor.draft_model import build_drafter
 from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.lora_adapters import LoRAAdapters
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
@@ -50,6 +52,7 @@ from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
 from engine.models.lora_weights import LoRAAdapter
+from engine.models.quantization import served_formats
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.structured import GrammarCompiler
@@ -104,7 +107,14 @@ class LLMEngine:
             seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
             self.kv_events = KVEventStream.start(events, self.kv, seed)
         spec = config.speculative_config
-        speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        drafter = None
+        if spec is not None and spec.method in DRAFT_METHODS:
+            drafter = build_drafter(
+                spec, self.model, self.device, self.dtype, self.tokenizer, mc, num_blocks,
+                block_size, self.max_model_len, config.scheduler.max_num_batched_tokens,
+                self.kv, lambda: self.runner.kv_caches,
+            )  # fmt: skip
+        speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, speculator, updater, config.lora.max_loras
@@ -152,6 +162,8 @@ class LLMEngine:
         self.kv_store: TieredKVStore | None = None
         if not (cache.kv_offload_memory or cache.kv_offload_dir):
             return
+        if weight_format is not None:  # which block format serves each weight (K-quants: as stored)
+            weight_format = f"{weight_format}:{served_formats(m)}"
         fingerprint = model_fingerprint(
             self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
         )
@@ -518,6 +530,8 @@ class LLMEngine:
                 stats.num_preemptions,
                 stats.num_running,
                 stats.num_waiting,
+                stats.spec_num_draft_tokens,
+                stats.spec_num_accepted_tokens,
             )
         )
 

@@ -165,6 +165,8 @@ def page_payload(
                 s.num_preemptions,
                 s.num_running,
                 s.num_waiting,
+                s.num_draft_tokens,
+                s.num_accepted_tokens,
             ]
             for s in detail.steps
             if s.step > after_step
@@ -203,7 +205,8 @@ def page_payload(
         "kv_offload": _tiers(snap),
         # The KV events publisher (--kv-events-config), or null.
         "kv_events": _kv_events(snap),
-        # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting]
+        # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting,
+        #  draft tokens verified (among the prefill tokens), drafts accepted]
         "steps": steps,
         "requests": [
             [

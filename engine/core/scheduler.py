@@ -152,6 +152,8 @@ class Scheduler:
         speculator = self.speculator
         if speculator is not None and not speculator.enabled_for_batch(len(self.running)):
             speculator = None
+        if speculator is not None:
+            speculator.begin_step(self.running)  # a draft model proposes for all at once
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -314,6 +316,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)  # a draft model's KV goes with the target's
         seq.num_lost_tokens = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
@@ -413,6 +417,8 @@ class Scheduler:
             self.bypassed.pop(seq.seq_id, None)
         seq.status = status
         self.kv.free(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
 
 def _step_order(s: ScheduledSeq) -> tuple[bool, int]:

@@ -54,6 +54,9 @@ class StepRecord:
     num_preemptions: int
     num_running: int  # sequences running after it
     num_waiting: int
+    # Speculative decoding: draft tokens verified in it (part of num_prefill_tokens), and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
+DRAFT_METHODS = ("draft_model", "layer_skip")  # proposals by a model (greedy), in its own KV
 # vLLM's other methods: named in the error so a user knows it is not a typo.
 VLLM_METHODS = (
-    "suffix",
-    "draft_model",
     "eagle",
     "eagle3",
     "medusa",
@@ -32,11 +31,20 @@ KEYS = (
     "prompt_lookup_max",
     "disable_by_batch_size",
     "model",
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+    "num_draft_layers",
 )
+SUFFIX_KEYS = KEYS[6:10]
 # vLLM keys kvserve accepts only at the value that changes nothing.
 NEUTRAL_KEYS = {"draft_tensor_parallel_size": 1, "disable_log_stats": False}
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's ngram default for both bounds when neither is given
 MAX_SPECULATIVE_TOKENS = 64
+SUFFIX_MAX_TREE_DEPTH = 24  # vLLM's default
+# vLLM keeps 10000 requests' outputs (in C++); kvserve's tries are Python objects, so fewer by default.
+SUFFIX_MAX_CACHED_REQUESTS = 256
 
 
 @dataclass(frozen=True)
@@ -47,10 +55,31 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # longest suffix n-gram matched (ngram)
     # No proposals in a step once this many sequences run (None: never disabled by load).
     disable_by_batch_size: int | None = None
+    # suffix: trie depth (match + proposal), requests whose outputs the shared trie keeps, proposal
+    # length per matched token, and the least estimated chance of a proposed run (vLLM's names).
+    suffix_decoding_max_tree_depth: int = SUFFIX_MAX_TREE_DEPTH
+    suffix_decoding_max_cached_requests: int = SUFFIX_MAX_CACHED_REQUESTS
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: the draft checkpoint (a folder with the target's tokenizer); layer_skip (kvserve's
+    # own method, no vLLM equivalent): the target's first num_draft_layers layers as the draft.
+    model: str | None = None
+    num_draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SUPPORTED_METHODS:
             raise ValueError(_method_error(self.method))
+        self._check_suffix()
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('speculative config: draft_model needs "model" (the draft\'s path)')
+        layers = self.num_draft_layers
+        if self.method == "layer_skip" and (
+            isinstance(layers, bool) or not isinstance(layers, int) or layers < 1
+        ):
+            raise ValueError(
+                f"speculative config: layer_skip needs num_draft_layers, a positive integer, "
+                f"got {layers!r}"
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -73,6 +102,33 @@ class SpeculativeConfig:
         ):
             raise ValueError(
                 f"speculative config: disable_by_batch_size must be an integer of at least 2, got {limit!r}"
+            )
+
+    def _check_suffix(self) -> None:
+        depth, cached = (
+            self.suffix_decoding_max_tree_depth,
+            self.suffix_decoding_max_cached_requests,
+        )
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= 1024:
+            raise ValueError(
+                f"speculative config: suffix_decoding_max_tree_depth must be an integer in "
+                f"[2, 1024], got {depth!r}"
+            )
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(
+                f"speculative config: suffix_decoding_max_cached_requests must be a non-negative "
+                f"integer, got {cached!r}"
+            )
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(
+                f"speculative config: suffix_decoding_max_spec_factor must be a positive number, "
+                f"got {factor!r}"
+            )
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(
+                f"speculative config: suffix_decoding_min_token_prob must be a number in [0, 1], "
+                f"got {prob!r}"
             )
 
     @classmethod
@@ -115,11 +171,20 @@ class SpeculativeConfig:
         if method is None and model is not None:
             method = "ngram" if model in ("[ngram]", "ngram") else "draft_model"
         if method is None:
-            raise ValueError('speculative config needs a "method" (kvserve supports: ngram)')
+            raise ValueError(
+                f'speculative config needs a "method" (kvserve supports: {", ".join(SUPPORTED_METHODS)})'
+            )
         if method == "[ngram]":
             method = "ngram"
+        if method == "suffix":
+            return cls._suffix(data)
+        if method in DRAFT_METHODS:
+            return cls._draft(str(method), data)
         if method != "ngram" or model not in (None, "[ngram]", "ngram"):
             raise ValueError(_method_error(str(method)))
+        misplaced = [k for k in (*SUFFIX_KEYS, "num_draft_layers") if k in data]
+        if misplaced:
+            raise ValueError(f"speculative config: {misplaced[0]} does not apply to method ngram")
         if "num_speculative_tokens" not in data:
             raise ValueError("speculative config: ngram needs num_speculative_tokens")
         low: Any = data.get("prompt_lookup_min")
@@ -136,6 +201,47 @@ class SpeculativeConfig:
             prompt_lookup_min=low,
             prompt_lookup_max=high,
             disable_by_batch_size=data.get("disable_by_batch_size"),
+        )
+
+    @classmethod
+    def _suffix(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
+        misplaced = [
+            k
+            for k in ("prompt_lookup_min", "prompt_lookup_max", "num_draft_layers", "model")
+            if k in data
+        ]
+        if misplaced:
+            raise ValueError(f"speculative config: {misplaced[0]} does not apply to method suffix")
+        depth = data.get("suffix_decoding_max_tree_depth", SUFFIX_MAX_TREE_DEPTH)
+        # vLLM's default: proposals as long as the trie allows
+        k = data.get("num_speculative_tokens", depth)
+        if isinstance(k, int) and not isinstance(k, bool) and isinstance(depth, int):
+            k = min(k, MAX_SPECULATIVE_TOKENS) if "num_speculative_tokens" not in data else k
+        return cls(
+            method="suffix",
+            num_speculative_tokens=k,
+            disable_by_batch_size=data.get("disable_by_batch_size"),
+            **{key: data[key] for key in SUFFIX_KEYS if key in data},
+        )
+
+    @classmethod
+    def _draft(cls, method: str, data: Mapping[str, Any]) -> SpeculativeConfig:
+        allowed = {"method", "model", "num_speculative_tokens", "disable_by_batch_size"}
+        if method == "layer_skip":
+            allowed = (allowed - {"model"}) | {"num_draft_layers"}
+        misplaced = [k for k in data if k in KEYS and k not in allowed]
+        if misplaced:
+            raise ValueError(
+                f"speculative config: {misplaced[0]} does not apply to method {method}"
+            )
+        if "num_speculative_tokens" not in data:
+            raise ValueError(f"speculative config: {method} needs num_speculative_tokens")
+        return cls(
+            method=method,
+            num_speculative_tokens=data["num_speculative_tokens"],
+            disable_by_batch_size=data.get("disable_by_batch_size"),
+            model=data.get("model"),
+            num_draft_layers=data.get("num_draft_layers"),
         )
 
 

@@ -19,7 +19,12 @@ from engine.executor.input_batch import InputBatch
 from engine.executor.kv_store import TieredKVStore
 from engine.executor.kv_transfer import KVTransferRunner
 from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
-from engine.executor.spec_verify import GeneratorRewind, num_accepted, verification_rows
+from engine.executor.spec_verify import (
+    GeneratorRewind,
+    grammar_cut_masks,
+    num_accepted,
+    verification_rows,
+)
 from engine.kernels.attention import (
     allocate_kv_cache,
     attention_backend,
@@ -182,18 +187,27 @@ class ModelRunner:
     def _token_bitmask(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """[rows, words] int32 allowed-token bits (-1 = all allowed) when any row is constrained.
 
-        A matcher in an error state gets no mask: the output processor fails its request alone."""
+        A matcher in an error state gets no mask: the output processor fails its request alone.
+        A verified sequence's rows get the masks after each of its drafts (grammar_cut_masks)."""
         constrained = []
+        verified = []
         for row, s in enumerate(seqs):
             matcher = s.seq.matcher
-            if matcher is not None and not matcher.is_error():
+            if matcher is None or matcher.is_error():
+                continue
+            if not s.draft_token_ids:
                 constrained.append((matcher, row))
-        if not constrained:
+            elif row == 0 or seqs[row - 1] is not s:
+                verified.append((s, row))
+        if not constrained and not verified:
             return None
         assert self.grammars is not None, "a constrained sequence needs the grammar compiler"
         words = bitmask_words(self.model.vocab_size)
         bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
-        self.grammars.fill_bitmask(constrained, bitmask)
+        if constrained:
+            self.grammars.fill_bitmask(constrained, bitmask)
+        for s, row in verified:
+            grammar_cut_masks(self.grammars, s.seq.matcher, s.draft_token_ids, bitmask, row)
         return bitmask
 
     def _sample(

@@ -9,11 +9,16 @@ rejection sampling against a point-mass draft: d is accepted with probability p_
 rejection the token comes from p_target with d removed and renormalised (Gumbel-max conditioned on not
 picking d), so the target distribution is kept exactly. A seeded sequence's generator is rewound so it
 advances once per emitted token, as in plain decoding: the same seed gives the same text with and
-without speculation."""
+without speculation.
+
+With structured outputs the drafts are ones the grammar accepts (the speculator cut them there), and
+row j is masked by the grammar's state after d_1..d_j: the matcher consumes the drafts one by one for
+the masks and is rolled back, so it holds only emitted tokens, as in plain decoding."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -35,6 +40,27 @@ def verification_rows(base: SamplingRow, drafts: list[int]) -> list[SamplingRow]
         dataclasses.replace(base, token_ids=base.token_ids + drafts[:j])
         for j in range(1, len(drafts) + 1)
     ]
+
+
+def grammar_cut_masks(
+    grammars: Any, matcher: Any, drafts: list[int], bitmask: torch.Tensor, first_row: int
+) -> None:
+    """Rows first_row..first_row + k of `bitmask`: the allowed tokens before each draft and after
+    the last; the matcher ends where it started."""
+    consumed = 0
+    try:
+        for j, token in enumerate(drafts):
+            grammars.fill_bitmask([(matcher, first_row + j)], bitmask)
+            if not matcher.consume_token(token):
+                # Not expected (the drafts were validated): row j's mask does not allow the draft,
+                # so verification stops there and the rows after it (left unmasked) are unused.
+                break
+            consumed += 1
+        else:
+            grammars.fill_bitmask([(matcher, first_row + len(drafts))], bitmask)
+    finally:
+        if consumed:
+            matcher.rollback(consumed)
 
 
 def num_accepted(sampled: list[int], drafts: list[int]) -> int:

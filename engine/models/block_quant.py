@@ -30,10 +30,11 @@ def kernels() -> object:
 
 @dataclass
 class BlockValues:
-    """A weight's blocks before interleaving: q [N, K] (uint8 0..15 for q4_1, int8 for q8_0),
-    d and m [N, K/32] float32 (m all zero for q8_0). Row slices and concatenations are exact."""
+    """A weight's blocks before interleaving: q [N, K] (uint8 0..15 for q4_1 and q4_0, int8 for
+    q8_0), d and m [N, K/32] float32 (m all zero for q8_0, -8 d for q4_0). Row slices and
+    concatenations are exact."""
 
-    kind: str  # "q4_1" | "q8_0"
+    kind: str  # "q4_1" | "q4_0" | "q8_0"
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
@@ -45,7 +46,7 @@ class BlockValues:
     def dequantize(self) -> torch.Tensor:  # [N, K] float32, as GGUF dequantizes (d * q + m)
         n, k = self.shape
         w = self.q.float().view(n, k // BLOCK, BLOCK) * self.d[..., None]
-        if self.kind == "q4_1":
+        if self.kind in ("q4_1", "q4_0"):
             w = w + self.m[..., None]
         return w.view(n, k)
 
@@ -65,7 +66,7 @@ class BlockValues:
         )
 
     def to_weight(self) -> BlockQ4Weight | BlockQ8Weight:
-        return BlockQ4Weight(self) if self.kind == "q4_1" else BlockQ8Weight(self)
+        return BlockQ4Weight(self) if self.kind in ("q4_1", "q4_0") else BlockQ8Weight(self)
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N, K // 32, 32] float32
@@ -111,7 +112,8 @@ GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockValues:
     """A GGUF tensor's stored bytes ([N, K/32 * block bytes]) as blocks, exactly: Q8_0 and Q4_1 as
-    they are, Q4_0 (w = d * (q - 8)) as Q4_1 with m = -8 d (exact in float32)."""
+    they are, Q4_0 (w = d * (q - 8)) as q4_0: Q4_1's arithmetic with m = -8 d (exact in float32),
+    which the kernels derive from d instead of storing it."""
     if kind not in GGUF_BLOCK_BYTES:
         raise ValueError(f"GGUF type {kind} is not stored as blocks kvserve runs directly")
     n, k = shape
@@ -127,7 +129,7 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Bloc
         m = -8.0 * d
     packed = torch.from_numpy(blocks[..., size - 16 :].copy())  # [N, K/32, 16]
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k)  # GGUF: low nibbles first
-    return BlockValues("q4_1", q, d, m)
+    return BlockValues("q4_1" if kind == "Q4_1" else "q4_0", q, d, m)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -201,21 +203,25 @@ class BlockQ8Weight(_BlockWeight):
 
 class BlockQ4Weight(_BlockWeight):
     """Q4_1 blocks, qs [N/8, K/32, 4, 32] uint8 (vector j, lane c: column c's values 4j..4j+3 in the
-    low nibbles and 4j+16..4j+19 in the high ones); d, m [N/8, K/32, 8] fp16."""
+    low nibbles and 4j+16..4j+19 in the high ones); d, m [N/8, K/32, 8] fp16. Q4_0 (kind q4_0)
+    stores no m (empty): the kernels take m = -8 d, so it reads 18 bytes per block, as stored."""
 
     qs: torch.Tensor
     m: torch.Tensor
-    kind = "q4_1"
 
     def __init__(self, values: BlockValues) -> None:
         super().__init__(values)
+        self.kind = values.kind
         g, kb = self.groups, self.blocks
         q = _pad_rows(values.q, g * GROUP).view(g, GROUP, kb, 2, 4, 4)  # [g, c, b, half, j, i]
         q = q.permute(0, 2, 3, 4, 1, 5)  # [g, b, half, j, c, i]
         packed = q[:, :, 0] | (q[:, :, 1] << 4)  # [g, b, j, c, i]
         self.register_buffer("qs", packed.contiguous().view(g, kb, 4, 32))
         self.register_buffer("d", _group_scales(_pad_rows(values.d, g * GROUP), g))
-        self.register_buffer("m", _group_scales(_pad_rows(values.m, g * GROUP), g))
+        if self.kind == "q4_0":
+            self.register_buffer("m", torch.empty(0, dtype=torch.float16))
+        else:
+            self.register_buffer("m", _group_scales(_pad_rows(values.m, g * GROUP), g))
 
     @property
     def nbytes(self) -> int:
@@ -232,9 +238,12 @@ class BlockQ4Weight(_BlockWeight):
         q = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [g, b, half, j, c, i]
         q = q.permute(0, 4, 1, 2, 3, 5).reshape(g * GROUP, -1)
         d = self.d.float().transpose(1, 2).reshape(g * GROUP, kb)
-        m = self.m.float().transpose(1, 2).reshape(g * GROUP, kb)
+        if self.kind == "q4_0":
+            m = -8.0 * d
+        else:
+            m = self.m.float().transpose(1, 2).reshape(g * GROUP, kb)
         n = self.out_features
-        return BlockValues("q4_1", q[:n], d[:n], m[:n])
+        return BlockValues(self.kind, q[:n], d[:n], m[:n])
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
         return self.values().dequantize()

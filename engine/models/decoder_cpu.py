@@ -9,8 +9,10 @@ import torch
 from engine.kernels import cpu_kernels
 from engine.kernels.attention import attend_cached, write_kv
 from engine.kernels.metadata import AttentionMetadata
+from engine.models.block_parts import BlockParts
 from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.decoder_layer import Attention, DecoderLayer, run_mlp
+from engine.models.kquant import BlockKWeight
 from engine.models.layers import RMSNorm
 from engine.models.lora_apply import LayerLoRA, add_lora
 from engine.models.quantization import linear
@@ -93,24 +95,46 @@ def decode_layer_args(layer: DecoderLayer) -> DecodeLayerArgs | None:
         return None
     tensors: list[torch.Tensor] = [n.weight for n in norms]
     kinds: list[int] = []
+    tail: list[int] = []  # each parts weight's part count, then its parts' (kind, width)
     for weight, bias in (
         (attn.qkv_weight, attn.qkv_bias),
         (attn.o_weight, attn.o_bias),
         (mlp.gate_up_weight, mlp.gate_up_bias),
         (mlp.down_weight, mlp.down_bias),
     ):
-        if isinstance(weight, BlockQ4Weight):
-            tensors += [weight.qs, weight.d, weight.m]
-            kinds += [1, int(bias is not None), weight.out_features]
-        elif isinstance(weight, BlockQ8Weight):
-            tensors += [weight.qs, weight.d]
-            kinds += [2, int(bias is not None), weight.out_features]
+        if isinstance(weight, BlockParts):
+            described = [_block_kind(p, tensors) for p in weight.parts]
+            if None in described:
+                return None
+            kinds += [4, int(bias is not None), weight.out_features]
+            tail += [len(described), *(v for kind in described for v in kind or ())]
+        elif not isinstance(weight, torch.Tensor):
+            kind = _block_kind(weight, tensors)
+            if kind is None:
+                return None
+            kinds += [kind[0], int(bias is not None), kind[1]]
         else:
             tensors.append(weight)
             kinds += [0, int(bias is not None), weight.shape[0]]
         if bias is not None:
             tensors.append(bias)
-    if len(norms) == 4:
-        kinds.append(1)  # q/k norm weights follow the two block norms
+    if len(norms) == 4 or tail:
+        kinds.append(int(len(norms) == 4))  # q/k norm weights follow the two block norms
+    kinds += tail
     heads, kv_heads = attn.num_heads, attn.num_kv_heads
     return tensors, kinds, norm1.eps, heads, kv_heads, attn.scale, attn.window, attn.softcap
+
+
+def _block_kind(weight: object, tensors: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(kind, true width) of a block weight for csrc/decode_layer.cpp, its tensors appended to
+    `tensors`; None for a weight it cannot run."""
+    if isinstance(weight, BlockQ4Weight):
+        tensors += [weight.qs, weight.d, weight.m]
+        return 1, weight.out_features
+    if isinstance(weight, BlockQ8Weight):
+        tensors += [weight.qs, weight.d]
+        return 2, weight.out_features
+    if isinstance(weight, BlockKWeight):
+        tensors += [weight.qs, weight.sc, weight.dm]
+        return 3, weight.out_features
+    return None

@@ -1,4 +1,5 @@
-"""A GGUF file's quantized tensors as kvserve's block weights, exactly as stored: llama.cpp's tensor
+"""A GGUF file's quantized tensors (Q4_0, Q4_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K) as
+kvserve's block weights, exactly as stored: llama.cpp's tensor
 names (per `general.architecture`) mapped to the model's fused matmul weights, its rotary row order
 for q/k undone where its converter applies one (the llama arch only), and every mapped weight checked
 against the float weights the model loaded (the same file, dequantized)."""
@@ -14,7 +15,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from engine.models.block_parts import PartsValues
 from engine.models.block_quant import GGUF_BLOCK_BYTES, BlockValues, from_gguf_blocks
+from engine.models.kquant import KQUANT_BLOCK_BYTES, SUPER, KValues, from_gguf_kblocks
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +82,26 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return gguf.transpose(1, 2).reshape(rows)  # [head, t, i] in HF order
 
 
-def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
+StoredValues = BlockValues | KValues | PartsValues
+
+
+def _stored(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockValues | KValues:
+    if kind in KQUANT_BLOCK_BYTES:
+        return from_gguf_kblocks(kind, raw, shape)
+    return from_gguf_blocks(kind, raw, shape)
+
+
+def _tensor_bytes(kind: str, values: int) -> int:
+    if kind in KQUANT_BLOCK_BYTES:
+        return values // SUPER * KQUANT_BLOCK_BYTES[kind]
+    return values // 32 * GGUF_BLOCK_BYTES[kind]
+
+
+def read_block_weights(path: Path, model: Any) -> dict[str, StoredValues]:
     """Our matmul weight name (as in model.named_parameters / quantizable_weights) -> its stored
-    blocks, for every weight all of whose GGUF parts are in a block format kvserve runs directly.
-    Weights missing here (float or other GGUF types) are quantized from the float weights."""
+    blocks, for every weight all of whose GGUF parts are in a block format kvserve runs directly
+    (parts in different formats each keep their own). Weights missing here (float or other GGUF
+    types) are quantized from the float weights."""
     arch_name, tensors = read_gguf_index(path)
     arch = GGUF_ARCHS.get(arch_name or "")
     if arch is None:
@@ -91,19 +110,19 @@ def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
         )
         return {}
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    parts: dict[str, dict[int, BlockValues]] = {}
+    parts: dict[str, dict[int, BlockValues | KValues]] = {}
     for tensor in tensors:
         kind = _GGUF_TYPES.get(tensor.type_id)
-        if kind not in GGUF_BLOCK_BYTES or len(tensor.shape) not in (2, 3):
+        if kind is None or len(tensor.shape) not in (2, 3):
             continue
         k, n = tensor.shape[:2]  # GGUF lists the fastest dimension first
         experts = tensor.shape[2] if len(tensor.shape) == 3 else 1
         name, part = _our_name(tensor.name, model, arch)
-        if name is None or k % 32 or ("{}" in name) != (len(tensor.shape) == 3):
+        whole = SUPER if kind in KQUANT_BLOCK_BYTES else 32
+        if name is None or k % whole or ("{}" in name) != (len(tensor.shape) == 3):
             continue
-        size = experts * n * (k // 32) * GGUF_BLOCK_BYTES[kind]
-        raw = data[tensor.offset : tensor.offset + size]
-        values = from_gguf_blocks(kind, raw, (experts * n, k))  # experts one after another
+        raw = data[tensor.offset : tensor.offset + _tensor_bytes(kind, experts * n * k)]
+        values = _stored(kind, raw, (experts * n, k))  # experts one after another
         if len(tensor.shape) == 3:  # `name` is a pattern with the expert's index to fill in
             for e in range(experts):
                 rows = values.rows(torch.arange(e * n, (e + 1) * n))
@@ -113,15 +132,29 @@ def read_block_weights(path: Path, model: Any) -> dict[str, BlockValues]:
             heads = model.num_heads if "attn_q" in tensor.name else model.num_kv_heads
             values = values.rows(_unpermute_rows(n, heads))
         parts.setdefault(name, {})[part] = values
-    found = {}
+    found: dict[str, StoredValues] = {}
     for name, by_part in parts.items():
         want = arch.num_parts(name)
-        kinds = {values.kind for values in by_part.values()}
-        if len(kinds) > 1:  # e.g. Q8_0 attn_v beside Q4_0 attn_q/k: one fused weight holds one
-            logger.info("%s: GGUF parts stored as %s; packing it from floats", name, sorted(kinds))
-        elif sorted(by_part) == list(range(want)):
-            found[name] = BlockValues.cat([by_part[i] for i in range(want)])
+        if sorted(by_part) != list(range(want)):
+            continue  # a part in a float or other GGUF type: packed from the floats
+        found[name] = _fuse([by_part[i] for i in range(want)])
     return found
+
+
+def _fuse(ordered: list[BlockValues | KValues]) -> StoredValues:
+    """One weight from its parts: blocks of one format concatenated, else runs of equal formats
+    side by side (e.g. Q6_K attn_v beside Q4_K attn_q/k: each part's own kernel)."""
+    runs: list[list[BlockValues | KValues]] = []
+    for values in ordered:
+        if runs and runs[-1][0].kind == values.kind:
+            runs[-1].append(values)
+        else:
+            runs.append([values])
+    fused: list[BlockValues | KValues] = [
+        KValues.cat(run) if isinstance(run[0], KValues) else BlockValues.cat(run)  # type: ignore[arg-type]
+        for run in runs
+    ]
+    return fused[0] if len(fused) == 1 else PartsValues(list(fused))
 
 
 def _our_name(gguf_name: str, model: Any, arch: GGUFArch) -> tuple[str | None, int]:
@@ -141,7 +174,8 @@ def _our_name(gguf_name: str, model: Any, arch: GGUFArch) -> tuple[str | None, i
     return None, 0
 
 
-_GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # the ggml type ids of the formats run as stored
+# The ggml type ids of the formats run as stored.
+_GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 @dataclass(frozen=True)
@@ -220,6 +254,6 @@ def _skip_value(f: BinaryIO, vtype: int) -> None:
         raise ValueError(f"unknown GGUF metadata type {vtype}")
 
 
-def matches_float(values: BlockValues, weight: torch.Tensor) -> bool:
+def matches_float(values: StoredValues, weight: torch.Tensor) -> bool:
     """The stored blocks dequantize to exactly the float weight the model loaded from this file."""
     return values.shape == tuple(weight.shape) and torch.equal(values.dequantize(), weight.float())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +15,15 @@ from torch import nn
 from engine.models.block_quant import (
     BlockQ4Weight,
     BlockQ8Weight,
-    BlockValues,
     BlockWeight,
     quantize_q4_1,
     quantize_q8_0,
 )
+
+if TYPE_CHECKING:
+    from engine.models.block_parts import BlockParts
+    from engine.models.gguf_blocks import StoredValues
+    from engine.models.kquant import BlockKWeight
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +31,9 @@ QUANTIZATIONS = ("int8", "int4", "gguf")
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | BlockWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | BlockWeight | BlockKWeight | BlockParts,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear for a plain [out, in] weight, or the block kernel for a quantized one."""
     if isinstance(weight, torch.Tensor):
@@ -107,7 +114,26 @@ def quantize_model(model: nn.Module, method: str | None, gguf_file: Path | None 
     return after
 
 
-def _stored_blocks(model: nn.Module, gguf_file: Path | None) -> dict[str, BlockValues]:
+# Bumped whenever a block format's kernel numerics change (what a served weight computes).
+BLOCK_NUMERICS_VERSION = 2  # 2: K-quants served as stored (were Q8_0 from floats)
+
+
+def served_formats(model: nn.Module) -> str:
+    """Which block format serves each matmul weight, as a short key: two loads whose KV could
+    differ (a K-quant file served as Q8_0 before, as stored now) get different keys. For caches
+    of computed values keyed by model identity (KV offload tiers)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8, person=b"kvserve-wfmt")
+    h.update(str(BLOCK_NUMERICS_VERSION).encode())
+    for name, module in model.named_modules():
+        kind = getattr(module, "kind", None)
+        if isinstance(kind, str) and hasattr(module, "matmul"):  # a block weight
+            h.update(f"{name}={kind};".encode())
+    return h.hexdigest()
+
+
+def _stored_blocks(model: nn.Module, gguf_file: Path | None) -> dict[str, StoredValues]:
     """The GGUF file's blocks for the weights they reproduce exactly (checked one by one)."""
     from engine.models.gguf_blocks import matches_float, read_block_weights
 

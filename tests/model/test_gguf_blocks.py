@@ -16,6 +16,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
+from engine.models.block_parts import BlockParts
 from engine.models.block_quant import BlockQ8Weight, BlockValues, from_gguf_blocks
 from engine.models.gguf_blocks import read_gguf_index
 from engine.models.loader import find_bundled_model
@@ -32,12 +33,12 @@ LAYER_TYPES = [
         "attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
         "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0",
     },
-    {  # qkv mixes Q8_0 and Q4_0 (one fused weight cannot hold both); attn_output is float
+    {  # qkv mixes Q8_0 and Q4_0 (served part by part); attn_output is float
         "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "F32",
         "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0",
     },
 ]  # fmt: skip
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1", "Q4_1": "q4_1"}  # GGUF type -> kvserve's block format
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> kvserve's block format
 HEAD_TYPE = "Q8_0"  # output.weight (untied); token_embd.weight is Q4_0
 # Our fused weight -> its llama.cpp parts, in fused row order.
 FUSED = {
@@ -163,21 +164,28 @@ def test_llama_cpp_blocks_load_as_stored(llms: tuple[LLM, LLM], tiny_gguf: Path)
             owner_name, attr = ours.split(".")
             weight = getattr(getattr(layer, owner_name), attr)
             expected = float_params[f"layers.{i}.{ours}"]
-            formats = {FORMATS.get(types[p]) for p in parts}
-            if None in formats or len(formats) > 1:
+            formats = [FORMATS.get(types[p]) for p in parts]
+            if None in formats:
                 # not runnable as stored: packed from the float weights as Q8_0
                 assert isinstance(weight, BlockQ8Weight), (i, ours)
                 err = (weight.dequantize() - expected).abs().max() / expected.abs().max()
                 assert 0 < err < 1 / 127, (i, ours)
                 continue
-            values = BlockValues.cat([_stored_values(reader, f"blk.{i}.{p}.weight") for p in parts])
-            assert weight.kind == formats.pop()
-            served = weight.values()
-            for field in ("q", "d", "m"):  # Q4_0 runs as Q4_1 with m = -8 d
-                assert torch.equal(getattr(served, field), getattr(values, field)), (i, ours)
+            stored = [_stored_values(reader, f"blk.{i}.{p}.weight") for p in parts]
+            if len(set(formats)) > 1:  # parts in different formats: each its own blocks
+                assert isinstance(weight, BlockParts), (i, ours)
+                runs = [(weight.parts[0], stored[:2]), (weight.parts[1], stored[2:])]
+            else:
+                runs = [(weight, stored)]
+            for served_part, values_parts in runs:
+                values = BlockValues.cat(values_parts)
+                assert served_part.kind == values.kind, (i, ours)
+                served = served_part.values()
+                for field in ("q", "d", "m"):  # Q4_0: m = -8 d (derived, not stored)
+                    assert torch.equal(getattr(served, field), getattr(values, field)), (i, ours)
             assert torch.equal(weight.dequantize(), expected), (i, ours)  # transformers' floats
             kept += 1
-    assert kept == 6
+    assert kept == 7
     head = model.lm_head_weight
     assert isinstance(head, BlockQ8Weight)
     assert torch.equal(head.values().q, _stored_values(reader, "output.weight").q)

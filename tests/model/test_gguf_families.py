@@ -28,6 +28,7 @@ from gguf.quants import quantize as gguf_quantize
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
 from engine.models import MODEL_REGISTRY
+from engine.models.block_parts import BlockParts
 from engine.models.block_quant import BlockQ8Weight
 from engine.models.gguf_blocks import GGUF_ARCHS
 from engine.models.loader import find_bundled_model
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.skipif(
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 PROMPTS = ["Hello there", "The capital of France is", "def f(x):"]
 # Per layer, the block type of each llama.cpp matmul ("F32": a float tensor). Layer 1's attn_v
-# differs from its attn_q/attn_k, so its fused qkv cannot be served as stored (packed as Q8_0).
+# differs from its attn_q/attn_k: its fused qkv is served as stored part by part.
 SEPARATE_TYPES = [
     {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
      "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
@@ -80,7 +81,7 @@ EXPERT_PARTS = {
     **{f"mlp.experts.{e}.gate_up_weight": ("ffn_gate_exps", "ffn_up_exps") for e in range(4)},
     **{f"mlp.experts.{e}.down_weight": ("ffn_down_exps",) for e in range(4)},
 }
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1"}
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
 NORM_SHIFT = 1.0  # GGUF type -> kvserve's block format (Q4_0 as Q4_1)
 
 
@@ -98,9 +99,9 @@ class Family:
         return getattr(self.config, "head_dim", None) or HIDDEN // HEADS
 
     def num_as_stored(self) -> int:
-        """Fused weights all of whose parts share one block type."""
+        """Fused weights all of whose parts are in block types served as stored."""
         return sum(
-            len({types[p] for p in parts}) == 1 and types[parts[0]] in FORMATS
+            all(types[p] in FORMATS for p in parts)
             for types in self.layer_types
             for parts in self.parts.values()
         )
@@ -323,11 +324,14 @@ def test_every_block_weight_is_the_files_blocks(served: tuple) -> None:
             owner, attr = ours.rsplit(".", 1)
             weight = getattr(layer.get_submodule(owner), attr)
             expected = float_params[f"layers.{i}.{ours}"]  # what transformers dequantized
-            formats = {FORMATS.get(types[p]) for p in parts}
-            if None in formats or len(formats) > 1:  # not runnable as stored: Q8_0 from floats
+            formats = [FORMATS.get(types[p]) for p in parts]
+            if None in formats:  # not runnable as stored: Q8_0 from floats
                 assert isinstance(weight, BlockQ8Weight), (i, ours)
                 continue
-            assert weight.kind == formats.pop(), (i, ours)
+            if len(set(formats)) > 1:  # parts in different formats: each its own blocks
+                assert isinstance(weight, BlockParts), (i, ours)
+            else:
+                assert weight.kind == formats[0], (i, ours)
             stored_parts = [_dequantized(reader, f"blk.{i}.{p}.weight") for p in parts]
             if ".experts." in ours:  # [experts, rows, cols]: this expert's rows
                 expert = int(ours.split(".")[2])

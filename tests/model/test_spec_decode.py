@@ -5,9 +5,12 @@ mid-verification leaves every KV block free."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputs
+from engine.core import speculator
 from engine.core.sequence_update import SequenceUpdater
 from engine.kernels import cpu_kernels
 
@@ -19,6 +22,7 @@ SPEC = {
     "prompt_lookup_min": 1,
     "prompt_lookup_max": 3,
 }
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 16}
 COPY_PROMPTS = [
     "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over",
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
@@ -126,15 +130,55 @@ def test_greedy_n_samples_identical(base, spec):
     assert _answers(spec.generate(COPY_PROMPTS, greedy_n)) == want
 
 
-def test_constrained_sequences_decode_plainly_beside_speculating_ones(base, spec):
-    regex = SamplingParams(
-        temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputs(regex=r"(ab){2,6}c")
-    )
-    prompts = [COPY_PROMPTS[0], COPY_PROMPTS[1]]
-    params = [regex, _greedy()]
+JSON_PROMPT = (
+    'Records: {"name": "Ada", "id": 7} {"name": "Bob", "id": 8} {"name": "Cy", "id": 9} '
+    '{"name": "Ada", "id": 7} {"name": "'
+)
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "id": {"type": "integer", "maximum": 99},
+        },
+        "required": ["name", "id"],
+        "additionalProperties": False,
+    }
+)
+
+
+@pytest.mark.parametrize("method", [SPEC, SUFFIX])
+def test_constrained_requests_speculate_with_grammar_cut_drafts(
+    base, tiny_llama_dir, method, monkeypatch
+):
+    """Structured outputs speculate too: a proposal is cut where the grammar rejects it, each
+    verified row is masked by the grammar after the drafts before it, and the answer is the same
+    as without speculation (a JSON schema and a regex, beside an unconstrained request)."""
+    cuts = []
+    real_cut = speculator.grammar_cut
+
+    def recording(matcher, drafts):
+        kept = real_cut(matcher, drafts)
+        cuts.append((len(drafts), len(kept)))
+        return kept
+
+    monkeypatch.setattr(speculator, "grammar_cut", recording)
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=8, speculative_config=method)
+    params = [
+        _greedy(40, structured_outputs=StructuredOutputs(json=SCHEMA)),
+        _greedy(24, structured_outputs=StructuredOutputs(regex=r"(ab){2,6}c")),
+        _greedy(),
+    ]
+    prompts = [JSON_PROMPT, "abababababc ababc abababc abab", COPY_PROMPTS[0]]
     want = _answers(base.generate(prompts, params))
-    assert _answers(spec.generate(prompts, params)) == want
-    assert want[0][0][1] and set(want[0][0][1]) <= set("abc")
+    assert want[0][0][1].startswith('{"name": "') and set(want[1][0][1]) <= set("abc")
+    for _ in range(2):  # the second round: the suffix cache knows the answers
+        assert _answers(llm.generate(prompts, params)) == want
+    before = llm.engine.totals.spec_num_accepted_tokens
+    assert _answers(llm.generate(prompts[:2], params[:2])) == want[:2]  # constrained only
+    assert llm.engine.totals.spec_num_accepted_tokens > before, "constrained drafts accepted"
+    assert any(kept < proposed for proposed, kept in cuts), "no draft was cut by the grammar"
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("quantization", ["int4", "none"])
@@ -242,3 +286,48 @@ def test_sliding_window_model_identical(tmp_path, tiny_llama_dir):
     assert _answers(llm.generate(COPY_PROMPTS, _greedy(40))) == want
     assert _accepted(llm) > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_suffix_greedy_identical_and_other_requests_outputs_help(tiny_llama_dir, base):
+    """Suffix decoding: identical greedy answers (mixed batch, then alone); a prompt asked again
+    gets its earlier answer proposed from the shared cache of outputs, so nearly every draft of
+    the second run is accepted, and long ones."""
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=8, speculative_config=SUFFIX)
+    prompts = COPY_PROMPTS + PLAIN_PROMPTS
+    expected = _answers(base.generate(prompts, _greedy(40)))
+    assert _answers(llm.generate(prompts, _greedy(40))) == expected
+    t = llm.engine.totals
+    drafted, accepted, drafts = (
+        t.spec_num_draft_tokens,
+        t.spec_num_accepted_tokens,
+        t.spec_num_drafts,
+    )
+    assert accepted > 0
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert _answers(llm.generate([prompt], _greedy(40))) == [want]
+    t = llm.engine.totals
+    again_drafted, again_accepted = (
+        t.spec_num_draft_tokens - drafted,
+        t.spec_num_accepted_tokens - accepted,
+    )
+    assert again_accepted >= 0.9 * again_drafted, (again_accepted, again_drafted)
+    assert again_accepted / (t.spec_num_drafts - drafts) > 3  # long accepted runs
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_engine_page_marks_verification_steps(spec):
+    """The detailed snapshot's steps carry each step's verified and accepted draft tokens, and the
+    /engine page payload sends them with the step."""
+    from server.engine_page import page_payload
+
+    spec.generate(COPY_PROMPTS[:1], _greedy(24))
+    steps = spec.engine.build_snapshot(detail=True).detail.steps
+    verified = [s for s in steps if s.num_draft_tokens]
+    assert verified and any(s.num_accepted_tokens for s in verified)
+    assert all(
+        0 <= s.num_accepted_tokens <= s.num_draft_tokens <= s.num_prefill_tokens for s in steps
+    )
+    payload = page_payload(spec.engine.build_snapshot(detail=True), {})
+    rows = {row[0]: row for row in payload["steps"]}
+    for s in verified:
+        assert rows[s.step][7:9] == [s.num_draft_tokens, s.num_accepted_tokens]

@@ -49,8 +49,13 @@ def test_vllm_json_parses_with_vllm_defaults():
     ("value", "words"),
     [
         ('{"method": "eagle3", "model": "x"}', "'eagle3' is not supported"),
-        ('{"method": "suffix", "num_speculative_tokens": 3}', "'suffix' is not supported"),
-        ('{"model": "HuggingFaceTB/SmolLM2-135M", "num_speculative_tokens": 3}', "'draft_model'"),
+        ('{"method": "medusa", "num_speculative_tokens": 3}', "'medusa' is not supported"),
+        ('{"model": "/some/draft"}', "draft_model needs num_speculative_tokens"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft_model needs \"model\""),
+        ('{"method": "layer_skip", "num_speculative_tokens": 3}', "needs num_draft_layers"),
+        ('{"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 1, '
+         '"model": "x"}', "model does not apply to method layer_skip"),
+        ('{"model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}', "does not apply"),
         ('{"method": "magic", "num_speculative_tokens": 3}', "unknown speculative method 'magic'"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
@@ -80,7 +85,9 @@ def test_cli_flag_and_its_errors(capsys):
     assert engine_config.speculative_config == SpeculativeConfig("ngram", 3, 4, 4)
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "eagle"}'])
-    assert "'eagle' is not supported by kvserve; supported: ngram" in capsys.readouterr().err
+    assert (
+        "'eagle' is not supported by kvserve; supported: ngram, suffix" in capsys.readouterr().err
+    )
     env = {"KVSERVE_SPECULATIVE_CONFIG": flag}
     assert build_configs(resolve({}, env))[0].speculative_config == SpeculativeConfig(
         "ngram", 3, 4, 4
@@ -122,6 +129,29 @@ def _group(prompt: list[int], max_tokens: int = 16, **params) -> RequestGroup:
     return group
 
 
+class _Grammar:
+    """A matcher that accepts the first `valid` tokens of any draft."""
+
+    def __init__(self, valid: int, stopped: bool = False) -> None:
+        self.valid, self.stopped = valid, stopped
+        self.checked: list[list[int]] = []
+        self.consumed = 0
+
+    def is_error(self) -> bool:
+        return False
+
+    def is_stopped(self) -> bool:
+        return self.stopped
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        self.checked.append(list(tokens))
+        return min(self.valid, len(tokens))
+
+    def consume_token(self, token: int) -> bool:
+        self.consumed += 1
+        return True
+
+
 def test_speculator_limits_and_back_off():
     config = SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=3)
     spec = Speculator(config, max_model_len=100)
@@ -130,15 +160,20 @@ def test_speculator_limits_and_back_off():
     assert spec.propose(seq, budget=1) == [3]
     assert spec.enabled_for_batch(2) and not spec.enabled_for_batch(3)
     seq.group.max_output_tokens = 50
-    seq.matcher = object()  # structured outputs: no proposals
+    seq.matcher = _Grammar(valid=1)  # structured outputs: cut where the grammar rejects
+    assert spec.propose(seq, 10) == [3]
+    assert seq.matcher.checked == [[3, 4, 5, 6]] and seq.matcher.consumed == 0  # checked only
+    seq.matcher = _Grammar(valid=0)
+    assert spec.propose(seq, 10) == []
+    seq.matcher = _Grammar(valid=3, stopped=True)  # a complete constraint: nothing to propose
     assert spec.propose(seq, 10) == []
     seq.matcher = None
     seq.token_ids += [3, 4, 5, 6, 1, 2]  # each growth keeps the suffix 1 2, then 3 4 5 6
     assert spec.propose(seq, 10) == [3, 4, 5, 6]  # optimistic start: the full draft
     spec.record(seq, 4, 0)
-    assert spec.propose(seq, 10) == [3, 4]  # acceptance about 0.5: positions 1-2 still pay
-    spec.record(seq, 2, 0)
-    assert spec.propose(seq, 10) == [3]
+    assert spec.propose(seq, 10) == [3]  # acceptance about 0.5: position 1 still pays
+    spec.record(seq, 1, 0)
+    assert spec.propose(seq, 10) == [3]  # about 0.34
     spec.record(seq, 1, 0)
     assert spec.propose(seq, 10) == []  # no position pays: a pause starts
     seq.token_ids += [3, 4, 5, 6, 1, 2]
@@ -271,10 +306,15 @@ def test_stats_log_line_reports_acceptance(caplog):
 def test_under_load_only_near_certain_drafts_are_proposed():
     spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000)
     seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=200).seqs[0]
-    assert spec.propose(seq, 10, batch_size=32) == []  # 0.8 acceptance is not enough at 32
+    assert spec.propose(seq, 10, batch_size=8) == []  # 0.8 acceptance is not enough at 8
     seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
-    assert spec.propose(seq, 10, batch_size=32) == [3]  # a one-draft probe after the pause
+    assert spec.propose(seq, 10, batch_size=8) == [3]  # a one-draft probe after the pause
     for _ in range(8):
         spec.record(seq, 1, 1)
-    assert spec.propose(seq, 10, batch_size=32) == [3, 4, 5, 6]  # always accepted: full drafts
+    assert spec.propose(seq, 10, batch_size=8) == [3, 4, 5, 6]  # always accepted: full drafts
     assert spec.propose(seq, 10, batch_size=1) == [3, 4, 5, 6]
+    # at 32 a verified row costs more than it saves, however likely: no drafts, no probes
+    for _ in range(3):
+        assert spec.propose(seq, 10, batch_size=32) == []
+        seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
+    assert spec.propose(seq, 10, batch_size=2) == [3, 4, 5, 6]  # the estimate was kept

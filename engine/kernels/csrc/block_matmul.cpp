@@ -2,6 +2,7 @@
 // interleaved by 8 output columns so each SIMD lane accumulates its own column (no horizontal sums,
 // and products of 4-bit weights sum in int16 over a whole block before one int32 widening):
 //   q4 (GGUF Q4_1): qs uint8 [N/8, K/32, 4, 32], d, m fp16 [N/8, K/32, 8]; w = d * q + m, q in 0..15.
+//       GGUF Q4_0 (w = d * (q - 8)) is q4 with m empty: the kernels take m = -8 d (exact).
 //       In block b, byte 4c + i of vector j holds, for column c of the group, k = 32b + 4j + i in its
 //       low nibble and k = 32b + 4(j + 4) + i in its high nibble.
 //   q8 (GGUF Q8_0): qs int8 [N/8, K/32, 8, 32], d fp16 [N/8, K/32, 8]; w = d * q; byte 4c + i of
@@ -83,8 +84,10 @@ void q4_groups_ref(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t
       }
     const int64_t at = (g * x.KB + b) * 8 + c;
     const float dd = static_cast<float>(w.d[at]) * x.d[r * x.KB + b];
+    // Q4_0 (no m stored): m = -8 d, exact in float32, the value a stored fp16 m would have
+    const float mw = w.m != nullptr ? static_cast<float>(w.m[at]) : static_cast<float>(w.d[at]) * -8.f;
     acc = std::fma(dd, static_cast<float>(isum), acc);
-    acc = std::fma(static_cast<float>(w.m[at]), x.s[r * x.KB + b], acc);
+    acc = std::fma(mw, x.s[r * x.KB + b], acc);
   });
 }
 
@@ -119,35 +122,49 @@ struct Scratch {
   std::vector<int8_t> q;
   std::vector<uint8_t> u, pk;
   std::vector<float> d, s, pd, ps;
+  std::vector<int32_t> h;
 };
 
 // Every path quantizes to the same bytes (the AVX2 quantizer rounds exactly as the portable one).
-QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool q4) {
+// `kquant`: for the K-quant kernels, which read q, d, s and the half-block sums h only.
+QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool q4,
+                        bool kquant = false) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
+  const bool offset_u = path.offset_u && !kquant, packed = path.packed && !kquant;
   thread_local Scratch scratch;
   scratch.q.resize(M * K), scratch.d.resize(M * KB), scratch.s.resize(M * KB);
-  if (path.offset_u) scratch.u.resize(M * K);
-  if (path.packed) scratch.pk.resize(M * K), scratch.pd.resize(M * KB), scratch.ps.resize(M * KB);
+  if (offset_u) scratch.u.resize(M * K);
+  if (packed) scratch.pk.resize(M * K), scratch.pd.resize(M * KB), scratch.ps.resize(M * KB);
+  if (kquant) scratch.h.resize(M * 2 * KB);
   const float* xp = x.data_ptr<float>();
   int8_t* q = scratch.q.data();
-  uint8_t* u = path.offset_u ? scratch.u.data() : nullptr;
+  uint8_t* u = offset_u ? scratch.u.data() : nullptr;
   float *d = scratch.d.data(), *s = scratch.s.data();
   // (pointers taken here: inside the workers, `scratch` names each worker's own thread_local)
-  uint8_t* pk = path.packed ? scratch.pk.data() : nullptr;
-  float* pd = path.packed ? scratch.pd.data() : nullptr;
-  float* ps = path.packed ? scratch.ps.data() : nullptr;
+  uint8_t* pk = packed ? scratch.pk.data() : nullptr;
+  float* pd = packed ? scratch.pd.data() : nullptr;
+  float* ps = packed ? scratch.ps.data() : nullptr;
+  int32_t* h = kquant ? scratch.h.data() : nullptr;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
       if (u != nullptr)  // q + 128 in 0..255, as two's complement bytes xor 0x80
         for (int64_t k = m * K; k < (m + 1) * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
-      if (path.packed) {
+      if (packed) {
         const uint8_t* bytes = q4 ? reinterpret_cast<const uint8_t*>(q) + m * K : u + m * K;
         kvblock::pack_row(m, M, K, bytes, d + m * KB, s + m * KB, pk, pd, ps);
       }
+      if (h != nullptr)
+        for (int64_t i = 2 * m * KB; i < 2 * (m + 1) * KB; ++i) {
+          int32_t sum = 0;
+          for (int64_t k = 0; k < kBlock / 2; ++k) sum += q[i * (kBlock / 2) + k];
+          h[i] = sum;
+        }
     }
   });
-  return {q, u, d, s, K, KB, pk, pd, ps};
+  QuantRows rows{q, u, d, s, K, KB, pk, pd, ps};
+  rows.h = h;
+  return rows;
 }
 
 // Column groups split across threads (each output element wholly on one thread); rows in panels so
@@ -164,6 +181,23 @@ at::Tensor run_groups(const at::Tensor& x, const BlockWeight& w, int64_t groups,
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowPanel)
       run(w, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
+  });
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+// The K-quant matmul (block_kquants.cpp), split across threads as run_groups does.
+at::Tensor run_kquant(const at::Tensor& x, const kvblock::KWeight& w, int64_t groups,
+                      const std::optional<at::Tensor>& bias) {
+  const kvblock::PathFns& path = kvblock::current_path();
+  const QuantRows rows = quantize_rows(x, path, true, true);
+  const int64_t M = x.size(0), N = 8 * groups;
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* o = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(2, groups / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowPanel)
+      path.kq(w, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
   });
   if (bias.has_value()) out.add_(*bias);
   return out;
@@ -188,10 +222,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                   qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "q4_linear: qs must be uint8 [N/8, K/32, 4, 32]");
   check_scales(d, qs, "q4_linear");
-  check_scales(m, qs, "q4_linear");
+  const bool q4_0 = m.numel() == 0;  // Q4_0: m = -8 d, derived in the kernels (2 bytes less)
+  if (!q4_0) check_scales(m, qs, "q4_linear");
   const at::Tensor xc = check_input(x, qs.size(1) * kBlock);
   const BlockWeight w{qs.data_ptr<uint8_t>(), nullptr, d.data_ptr<c10::Half>(),
-                      m.data_ptr<c10::Half>()};
+                      q4_0 ? nullptr : m.data_ptr<c10::Half>()};
   return run_groups(xc, w, qs.size(0), bias, true);
 }
 
@@ -206,14 +241,37 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return run_groups(xc, w, qs.size(0), bias, false);
 }
 
+// K-quants (block_matmul.h's KWeight): qs uint8 [N/8, K/32, bits, 32], sc uint8 [N/8, K/32, 2, 8],
+// dm fp16 [N/8, K/256, 2, 8]; bits = qs.size(2): 4 Q4_K, 5 Q5_K, 6 Q6_K.
+at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc,
+                     const at::Tensor& dm, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qs.dim() == 4 && qs.size(2) >= 4 && qs.size(2) <= 6 && qs.size(3) == 32 &&
+                  qs.size(1) % 8 == 0 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "kq_linear: qs must be uint8 [N/8, K/32, 4..6, 32] with K a multiple of 256");
+  TORCH_CHECK(sc.scalar_type() == at::kByte && sc.is_contiguous() && sc.dim() == 4 &&
+                  sc.size(0) == qs.size(0) && sc.size(1) == qs.size(1) && sc.size(2) == 2 &&
+                  sc.size(3) == 8,
+              "kq_linear: sc must be uint8 [N/8, K/32, 2, 8]");
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.dim() == 4 &&
+                  dm.size(0) == qs.size(0) && dm.size(1) * 8 == qs.size(1) && dm.size(2) == 2 &&
+                  dm.size(3) == 8,
+              "kq_linear: dm must be float16 [N/8, K/256, 2, 8]");
+  const at::Tensor xc = check_input(x, qs.size(1) * kBlock);
+  const kvblock::KWeight w{qs.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
+                           dm.data_ptr<c10::Half>(), static_cast<int>(qs.size(2))};
+  return run_kquant(xc, w, qs.size(0), bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor");
+  m.def("kq_linear(Tensor x, Tensor qs, Tensor sc, Tensor dm, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("q4_linear", q4_linear);
   m.impl("q8_linear", q8_linear);
+  m.impl("kq_linear", kq_linear);
 }

@@ -28,6 +28,9 @@ struct QuantRows {
   const uint8_t* pk = nullptr;
   const float* pd = nullptr;
   const float* ps = nullptr;
+  // For the K-quant kernels only (else null): each row's integer sums of its int8 activations per
+  // half block of 16, h [M, 2 KB].
+  const int32_t* h = nullptr;
 };
 
 constexpr int64_t kPackRows = 8;
@@ -52,6 +55,20 @@ struct BlockWeight {
   const c10::Half* m;
 };
 
+// A K-quant weight (block_kquants.cpp), per group of 8 columns: qs uint8 [KB, bits, 32] (4 vectors
+// of low nibbles as q4's, then 1 (Q5_K) or 2 (Q6_K) vectors of higher bits), sc uint8 [KB, 2, 8]
+// (Q4_K/Q5_K: the block's 6-bit scale, then its 6-bit min, per column; Q6_K: the int8 scales of
+// its two halves), dm fp16 [KB / 8, 2, 8] (per super-block of 256: d, then dmin (0 for Q6_K)).
+struct KWeight {
+  const uint8_t* qs;
+  const uint8_t* sc;
+  const c10::Half* dm;
+  int bits;  // 4 (Q4_K), 5 (Q5_K), 6 (Q6_K)
+};
+
+using KGroupsFn = void (*)(const KWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
+                           int64_t g0, int64_t g1, int64_t N, float* out);
+
 // Rows [r0, r1) x column groups [g0, g1) of out [M, N]: every element computed as
 //   acc = 0; for b in 0..KB: acc = fma(d_w * d_x, float(isum_b), acc) [; acc = fma(m_w, s_x, acc)]
 // with isum_b the exact integer dot product of block b, so every path gives the same bits.
@@ -66,6 +83,8 @@ void q4_groups_ref(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64
                    int64_t, float*);
 void q8_groups_ref(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
                    int64_t, float*);
+void kq_groups_ref(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   float*);
 
 // One kernel path: its name (KVSERVE_BLOCK_KERNELS), its functions, whether its q8 kernel reads
 // QuantRows::u, and whether its kernels read the tile-packed arrays.
@@ -75,6 +94,7 @@ struct PathFns {
   GroupsFn q4, q8;
   bool offset_u;
   bool packed;
+  KGroupsFn kq;
 };
 
 // The path matmuls run on now (block_paths.cpp): chosen once from KVSERVE_BLOCK_KERNELS and what
@@ -95,6 +115,12 @@ void q4_groups_avx512vnni(const BlockWeight&, const QuantRows&, int64_t, int64_t
                           int64_t, int64_t, float*);
 void q8_groups_avx512vnni(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64_t,
                           int64_t, int64_t, float*);
+void kq_groups_avx2(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    float*);
+void kq_groups_avxvnni(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float*);
+void kq_groups_avx512vnni(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float*);
 #endif
 
 }  // namespace kvblock

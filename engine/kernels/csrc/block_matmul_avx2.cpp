@@ -109,7 +109,7 @@ KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict 
   for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* wb = qs + b * 128;
-    if constexpr (PF) prefetch_ahead(wb, 128, wd + b * 8, wm + b * 8);
+    if constexpr (PF) prefetch_ahead(wb, 128, wd + b * 8, wm != nullptr ? wm + b * 8 : nullptr);
     __m256i isum[RM];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -125,7 +125,9 @@ KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict 
         keep_in_register(isum[r]);
       }
     }
-    const __m256 dw = load_half8(wd + b * 8), mw = load_half8(wm + b * 8);
+    const __m256 dw = load_half8(wd + b * 8);
+    const __m256 mw = wm != nullptr ? load_half8(wm + b * 8)  // Q4_0: m = -8 d (exact)
+                                    : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
 #pragma GCC unroll 4
     for (int r = 0; r < RM; ++r) {
       const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
@@ -207,7 +209,7 @@ KV_AVX2 void q4_groups_avx2_impl(const BlockWeight& w, const QuantRows& x, int64
                             int64_t g0, int64_t g1, int64_t N, float* out) {
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* qs = w.q4 + g * x.KB * 128;
-    const c10::Half *d = w.d + g * x.KB * 8, *m = w.m + g * x.KB * 8;
+    const c10::Half *d = w.d + g * x.KB * 8, *m = w.m != nullptr ? w.m + g * x.KB * 8 : nullptr;
     row_tiles(r0, r1, [&](auto rm, auto pf, int64_t r) {
       q4_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);
     });

@@ -106,7 +106,8 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
     if constexpr (PF) {
       prefetch(wa + kPrefetch * 128, 128), prefetch(wb + kPrefetch * 128, 128);
       prefetch(p.da + (b + kPrefetch) * 8, 16), prefetch(p.db + (b + kPrefetch) * 8, 16);
-      prefetch(p.ma + (b + kPrefetch) * 8, 16), prefetch(p.mb + (b + kPrefetch) * 8, 16);
+      if (p.ma != nullptr)
+        prefetch(p.ma + (b + kPrefetch) * 8, 16), prefetch(p.mb + (b + kPrefetch) * 8, 16);
     }
     __m512i isum[RM];
     for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
@@ -124,7 +125,8 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
       }
     }
     const __m512 dw = load_half_pair(p.da + b * 8, p.db + b * 8);
-    const __m512 mw = load_half_pair(p.ma + b * 8, p.mb + b * 8);
+    const __m512 mw = p.ma != nullptr ? load_half_pair(p.ma + b * 8, p.mb + b * 8)
+                                      : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));  // Q4_0
 #pragma GCC unroll 8
     for (int r = 0; r < RM; ++r) {
       const __m512 dx = _mm512_set1_ps(dt[b * RM + r]);
@@ -191,7 +193,8 @@ KV_VNNI512 void groups_512(const BlockWeight& w, const QuantRows& x, int64_t r0,
     const char* q = static_cast<const char*>(base);
     const Pair p{q + g * bytes,          q + h * bytes,
                  w.d + g * scales,       w.d + h * scales,
-                 Q4 ? w.m + g * scales : nullptr, Q4 ? w.m + h * scales : nullptr,
+                 Q4 && w.m != nullptr ? w.m + g * scales : nullptr,
+                 Q4 && w.m != nullptr ? w.m + h * scales : nullptr,
                  two};
     row_tiles<kRows512>(r0, r1, [&](auto rm, auto pf, int64_t r) {
       if constexpr (Q4)
@@ -232,7 +235,8 @@ ATTR void q4_group(const uint8_t* qs, const c10::Half* wd, const c10::Half* wm, 
     const uint8_t* wb = qs + b * 128;                                                               \
     if constexpr (PF) {                                                                             \
       prefetch256(wb + kPrefetch * 128, 128);                                                       \
-      prefetch256(wd + (b + kPrefetch) * 8, 16), prefetch256(wm + (b + kPrefetch) * 8, 16);         \
+      prefetch256(wd + (b + kPrefetch) * 8, 16);                                                    \
+      if (wm != nullptr) prefetch256(wm + (b + kPrefetch) * 8, 16);                                 \
     }                                                                                               \
     __m256i isum[RM];                                                                               \
     for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                  \
@@ -249,7 +253,9 @@ _Pragma("GCC unroll 4")                                                         
         keep256(isum[r]);                                                                           \
       }                                                                                             \
     }                                                                                               \
-    const __m256 dw = load_half8(wd + b * 8), mw = load_half8(wm + b * 8);                          \
+    const __m256 dw = load_half8(wd + b * 8);                                                       \
+    const __m256 mw = wm != nullptr ? load_half8(wm + b * 8)  /* Q4_0: m = -8 d */                  \
+                                    : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));                      \
 _Pragma("GCC unroll 4")                                                                             \
     for (int r = 0; r < RM; ++r) {                                                                  \
       const __m256 dx = _mm256_set1_ps(x.d[(r0 + r) * KB + b]);                                     \
@@ -301,7 +307,7 @@ ATTR void q4_groups(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_
                           int64_t g0, int64_t g1, int64_t N, float* out) {                          \
   for (int64_t g = g0; g < g1; ++g) {                                                               \
     const uint8_t* qs = w.q4 + g * x.KB * 128;                                                      \
-    const c10::Half *d = w.d + g * x.KB * 8, *m = w.m + g * x.KB * 8;                               \
+    const c10::Half *d = w.d + g * x.KB * 8, *m = w.m ? w.m + g * x.KB * 8 : nullptr;               \
     row_tiles<kRows256>(r0, r1, [&](auto rm, auto pf, int64_t r) {                                  \
       q4_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);           \
     });                                                                                             \

@@ -31,14 +31,14 @@ const std::vector<PathFns>& paths() {
   static const std::vector<PathFns> all = {
 #if defined(__x86_64__) && defined(__GNUC__)
       {"avx512vnni", kvblock::quantize_row_avx2, kvblock::q4_groups_avx512vnni,
-       kvblock::q8_groups_avx512vnni, true, true},
+       kvblock::q8_groups_avx512vnni, true, true, kvblock::kq_groups_avx512vnni},
       {"avxvnni", kvblock::quantize_row_avx2, kvblock::q4_groups_avxvnni,
-       kvblock::q8_groups_avxvnni, true, false},
+       kvblock::q8_groups_avxvnni, true, false, kvblock::kq_groups_avxvnni},
       {"avx2", kvblock::quantize_row_avx2, kvblock::q4_groups_avx2, kvblock::q8_groups_avx2,
-       false, false},
+       false, false, kvblock::kq_groups_avx2},
 #endif
       {"portable", kvblock::quantize_row_ref, kvblock::q4_groups_ref, kvblock::q8_groups_ref,
-       false, false},
+       false, false, kvblock::kq_groups_ref},
   };
   return all;
 }
@@ -75,7 +75,7 @@ struct ProbeCase {
   std::vector<uint8_t> w4 = std::vector<uint8_t>(G * KB * 128);
   std::vector<int8_t> w8 = std::vector<int8_t>(G * KB * 256);
   std::vector<c10::Half> wd = std::vector<c10::Half>(G * KB * 8), wm = wd;
-  std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4;
+  std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4, expect40 = expect4;
   std::vector<uint8_t> pk4 = u, pk8 = u;  // tile-packed q (for q4) and u (for q8)
   std::vector<float> pd = d, ps = s;
 
@@ -100,18 +100,56 @@ struct ProbeCase {
       wd[i] = static_cast<float>(next() % 1000) / 3000.f;
       wm[i] = -static_cast<float>(next() % 1000) / 5000.f;
     }
-    run(paths().back(), expect4.data(), expect8.data());
+    run(paths().back(), expect4.data(), expect8.data(), expect40.data());
   }
 
-  void run(const PathFns& p, float* out4, float* out8) const {
+  void run(const PathFns& p, float* out4, float* out8, float* out40) const {
     const kvblock::QuantRows x4{q.data(), u.data(), d.data(), s.data(), K, KB,
                                 pk4.data(), pd.data(), ps.data()};
     const kvblock::QuantRows x8{q.data(), u.data(), d.data(), s.data(), K, KB,
                                 pk8.data(), pd.data(), ps.data()};
     const kvblock::BlockWeight b4{w4.data(), nullptr, wd.data(), wm.data()};
     const kvblock::BlockWeight b8{nullptr, w8.data(), wd.data(), nullptr};
+    const kvblock::BlockWeight b40{w4.data(), nullptr, wd.data(), nullptr};  // Q4_0: no m
     p.q4(b4, x4, 0, M, 0, G, N, out4);
     p.q8(b8, x8, 0, M, 0, G, N, out8);
+    p.q4(b40, x4, 0, M, 0, G, N, out40);
+  }
+};
+
+// The K-quant kernels' probe: two super-blocks, several row tiles, three column groups, each of
+// Q4_K, Q5_K and Q6_K (random bytes are valid values of every plane and scale).
+struct KProbeCase {
+  static constexpr int64_t M = 11, K = 512, KB = 16, G = 3, N = 24;
+  std::vector<int8_t> q = std::vector<int8_t>(M * K);
+  std::vector<float> d = std::vector<float>(M * KB), s = std::vector<float>(M * KB);
+  std::vector<int32_t> h = std::vector<int32_t>(M * 2 * KB);
+  std::vector<uint8_t> qs = std::vector<uint8_t>(G * KB * 6 * 32), sc = std::vector<uint8_t>(G * KB * 16);
+  std::vector<c10::Half> dm = std::vector<c10::Half>(G * (KB / 8) * 16);
+  std::vector<float> expect = std::vector<float>(3 * M * N);
+
+  KProbeCase() {
+    uint32_t state = 777;
+    auto next = [&] { return state = state * 1664525u + 1013904223u, state >> 8; };
+    std::vector<float> x(M * K);
+    for (auto& v : x) v = static_cast<float>(static_cast<int>(next() % 2001) - 1000) / 29.f;
+    for (int64_t m = 0; m < M; ++m)
+      kvblock::quantize_row_ref(&x[m * K], K, &q[m * K], &d[m * KB], &s[m * KB]);
+    for (int64_t i = 0; i < M * 2 * KB; ++i)
+      for (int k = 0; k < 16; ++k) h[i] += q[i * 16 + k];
+    for (auto& v : qs) v = static_cast<uint8_t>(next());
+    for (auto& v : sc) v = static_cast<uint8_t>(next());  // Q6_K reads them as int8
+    for (auto& v : dm) v = static_cast<float>(next() % 1000) / 30000.f;
+    run(paths().back(), expect.data());
+  }
+
+  void run(const PathFns& p, float* out) const {
+    const kvblock::QuantRows x{q.data(), nullptr, d.data(), s.data(), K, KB,
+                               nullptr, nullptr, nullptr, h.data()};
+    for (int bits = 4; bits <= 6; ++bits) {
+      const kvblock::KWeight w{qs.data(), sc.data(), dm.data(), bits};
+      p.kq(w, x, 0, M, 0, G, N, out + (bits - 4) * M * N);
+    }
   }
 };
 
@@ -123,15 +161,20 @@ std::string probe(const PathFns& p) {
   if (!flag.empty()) return "the CPU lacks " + flag;
 #if defined(__unix__)
   static const ProbeCase test;
-  std::vector<float> got4(test.expect4.size()), got8(test.expect8.size());
+  static const KProbeCase ktest;
+  std::vector<float> got4(test.expect4.size()), got8(test.expect8.size()), got40(got4.size());
+  std::vector<float> gotk(ktest.expect.size());
   const pid_t pid = fork();
   if (pid < 0) return "";  // no child process possible here: the flags are all there is to go by
   if (pid == 0) {
     alarm(30);  // a child that hangs (it should not: no locks, no allocation) dies instead
-    test.run(p, got4.data(), got8.data());
+    test.run(p, got4.data(), got8.data(), got40.data());
+    ktest.run(p, gotk.data());
     const bool same =
         std::memcmp(got4.data(), test.expect4.data(), got4.size() * sizeof(float)) == 0 &&
-        std::memcmp(got8.data(), test.expect8.data(), got8.size() * sizeof(float)) == 0;
+        std::memcmp(got40.data(), test.expect40.data(), got40.size() * sizeof(float)) == 0 &&
+        std::memcmp(got8.data(), test.expect8.data(), got8.size() * sizeof(float)) == 0 &&
+        std::memcmp(gotk.data(), ktest.expect.data(), gotk.size() * sizeof(float)) == 0;
     _exit(same ? 0 : 3);
   }
   int status = 0;

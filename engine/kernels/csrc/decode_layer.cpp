@@ -12,9 +12,10 @@
 namespace {
 
 // kinds[i] for each of the 4 matmuls (qkv, o, gate_up, down): 0 float [N, K] weight, 1 q4 blocks
-// (qs, d, m), 2 q8 blocks (qs, d); then has_bias, then the true output width (block weights are
-// padded to a multiple of 8 columns).
-enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ8 = 2 };
+// (qs, d, m), 2 q8 blocks (qs, d), 3 K-quant blocks (qs, sc, dm), 4 parts of those (see linear);
+// then has_bias, then the true output width (block weights are padded to a multiple of 8 columns).
+// kinds[12] (optional): 1 when q/k norm weights follow the two block norms; after it, the parts.
+enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ8 = 2, kKQ = 3, kParts = 4 };
 
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -23,6 +24,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const std::optional<at::Tensor>&)>
       q8;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const std::optional<at::Tensor>&)>
+      kq;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor,
                                 const at::Tensor&, int64_t, int64_t)>
@@ -42,6 +46,9 @@ const Ops& ops() {
         d.findSchemaOrThrow("kvserve::q8_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const std::optional<at::Tensor>&)>(),
+        d.findSchemaOrThrow("kvserve::kq_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const std::optional<at::Tensor>&)>(),
         d.findSchemaOrThrow("kvserve::rms_norm", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
         d.findSchemaOrThrow("kvserve::rope_write_kv", "")
@@ -55,10 +62,31 @@ const Ops& ops() {
   return o;
 }
 
+// One block weight's matmul (kind 1, 2 or 3): reads its tensors from `w` at `next`, advancing it.
+at::Tensor block_matmul(int64_t kind, const at::Tensor& xf, const std::vector<at::Tensor>& w,
+                        size_t& next) {
+  at::Tensor out;
+  if (kind == kQ4) {
+    out = ops().q4.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
+    next += 3;
+  } else if (kind == kKQ) {
+    out = ops().kq.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
+    next += 3;
+  } else {
+    TORCH_CHECK(kind == kQ8, "decode_layer: unknown weight kind ", kind);
+    out = ops().q8.call(xf, w[next], w[next + 1], std::nullopt);
+    next += 2;
+  }
+  return out;
+}
+
 // The i-th matmul of the layer: reads its tensors from `w` at `next` (advancing it), as
-// engine.models.quantization.linear computes it (bias added after the kernel).
+// engine.models.quantization.linear computes it (bias added after the kernel). Kind 4: a fused
+// weight whose parts use different block formats (engine/models/block_parts.py), described in the
+// kinds after index 12 from `tail` on: the part count, then each part's kind and width; the parts'
+// outputs side by side.
 at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t& next,
-                  const std::vector<int64_t>& kinds, int i) {
+                  const std::vector<int64_t>& kinds, int i, size_t& tail) {
   const int64_t kind = kinds[3 * i], has_bias = kinds[3 * i + 1], width = kinds[3 * i + 2];
   at::Tensor out;
   if (kind == kFloat) {
@@ -67,13 +95,20 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t&
     return at::linear(x, weight);
   }
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-  if (kind == kQ4) {
-    out = ops().q4.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
-    next += 3;
+  if (kind == kParts) {
+    TORCH_CHECK(tail < kinds.size(), "decode_layer: parts without their description");
+    const int64_t parts = kinds[tail++];
+    std::vector<at::Tensor> outs;
+    for (int64_t p = 0; p < parts; ++p) {
+      TORCH_CHECK(tail + 1 < kinds.size(), "decode_layer: parts without their description");
+      const int64_t part_kind = kinds[tail], part_width = kinds[tail + 1];
+      tail += 2;
+      at::Tensor part = block_matmul(part_kind, xf, w, next);
+      outs.push_back(part.size(1) != part_width ? part.narrow(1, 0, part_width) : part);
+    }
+    out = at::cat(outs, 1);
   } else {
-    TORCH_CHECK(kind == kQ8, "decode_layer: unknown weight kind ", kind);
-    out = ops().q8.call(xf, w[next], w[next + 1], std::nullopt);
-    next += 2;
+    out = block_matmul(kind, xf, w, next);
   }
   if (out.size(1) != width) out = out.narrow(1, 0, width);
   if (has_bias) out = out + w[next++];
@@ -135,14 +170,14 @@ at::Tensor layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads,
                  int64_t kv_heads, double scale, int64_t window, double softcap,
                  const LoRA* lora) {
-  TORCH_CHECK((kinds.size() == 12 || kinds.size() == 13) && w.size() >= 6,
-              "decode_layer: 4 matmuls expected");
-  const bool qk_norm = kinds.size() == 13 && kinds[12] != 0;
+  TORCH_CHECK(kinds.size() >= 12 && w.size() >= 6, "decode_layer: 4 matmuls expected");
+  const bool qk_norm = kinds.size() >= 13 && kinds[12] != 0;
+  size_t tail = 13;  // where the parts' descriptions start
   const Ops& o = ops();
   const int64_t n = h.size(0), d = kv_cache.size(4), q_size = heads * d;
   size_t next = qk_norm ? 4 : 2;
   const at::Tensor x0 = o.rms_norm.call(h, w[0], eps);
-  at::Tensor qkv = linear(x0, w, next, kinds, 0);
+  at::Tensor qkv = linear(x0, w, next, kinds, 0, tail);
   if (lora) lora->add(qkv, x0, 0);
   if (qk_norm) {
     head_norm(qkv, 0, q_size, d, w[2], eps);
@@ -153,19 +188,18 @@ at::Tensor layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
   const at::Tensor att =
       o.attention.call(q, kv_cache, block_tables, seq_lens, scale, window, softcap);
   const at::Tensor x1 = att.reshape({n, q_size});
-  at::Tensor attended = linear(x1, w, next, kinds, 1);
+  at::Tensor attended = linear(x1, w, next, kinds, 1, tail);
   if (lora) lora->add(attended, x1, 1);
   at::Tensor out = h + attended;
   const at::Tensor x2 = o.rms_norm.call(out, w[1], eps);
-  at::Tensor gate_up = linear(x2, w, next, kinds, 2);
+  at::Tensor gate_up = linear(x2, w, next, kinds, 2, tail);
   if (lora) lora->add(gate_up, x2, 2);
   const int64_t inter = gate_up.size(1) / 2;
   const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
-  at::Tensor down = linear(act, w, next, kinds, 3);
+  at::Tensor down = linear(act, w, next, kinds, 3, tail);
   if (lora) lora->add(down, act, 3);
   return out + down;
 }
-
 at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                         const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,

@@ -82,12 +82,16 @@
     const dur = [];
     steps.forEach((s, i) => {
       const [step, d, prefill, decode, pre] = s, x = x0 + i * 10;
-      parts.push(`<g class="step" data-step="${step}" data-prefill="${prefill}" data-decode="${decode}">` +
+      const drafts = s[7] || 0, accepted = s[8] || 0, chunk = prefill - drafts; // drafts: among prefill
+      parts.push(`<g class="step${drafts ? " verify" : ""}" data-step="${step}" data-prefill="${prefill}" data-decode="${decode}" data-drafts="${drafts}" data-accepted="${accepted}">` +
         `<rect class="decode" x="${x + 1}" width="8" y="${y(decode)}" height="${H - y(decode)}"></rect>` +
-        `<rect class="prefill" x="${x + 1}" width="8" y="${y(decode + prefill)}" height="${y(decode) - y(decode + prefill)}"></rect>` +
+        (drafts ? `<rect class="draft" x="${x + 1}" width="8" y="${y(decode + drafts)}" height="${y(decode) - y(decode + drafts)}"></rect>` : "") +
+        `<rect class="prefill" x="${x + 1}" width="8" y="${y(decode + drafts + chunk)}" height="${y(decode + drafts) - y(decode + drafts + chunk)}"></rect>` +
         (pre ? `<rect class="pre" x="${x + 1}" width="8" y="0" height="5"></rect>` : "") +
+        (drafts ? `<rect class="accepted" x="${x + 1}" width="${(8 * accepted) / drafts}" y="${pre ? 5 : 0}" height="4"></rect>` : "") +
         `<title>step ${step}: ${decode} decode + ${prefill} prefill of ${budget} budget; ${fmt(d * 1000, 2)} ms` +
-        (pre ? `; ${pre} preempted` : "") + "</title></g>");
+        (pre ? `; ${pre} preempted` : "") +
+        (drafts ? `; verification: ${accepted} of ${drafts} draft tokens accepted` : "") + "</title></g>");
       dur.push(`${x + 5},${H - (H - 8) * (d / maxDur)}`);
     });
     if (dur.length) parts.push(`<polyline class="dur" points="${dur.join(" ")}"></polyline>`);
