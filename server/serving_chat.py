@@ -87,7 +87,7 @@ def prepare_chat(
     """Check a chat(-shaped) request and plan it: prompt token ids, sampling params, constraint and
     tools, every check done here once (400s name the field through `fields`, the surface's names)."""
     engine = state.require_engine()
-    model = state.check_model(req.model)
+    served = state.resolve_model(req.model)
     tokenizer = engine.tokenizer
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
@@ -135,7 +135,7 @@ def prepare_chat(
     check_prompts(engine, [prompt_ids], params, fields)
     return GenerationPlan(
         engine,
-        model,
+        served.name,
         request_id or f"chatcmpl-{uuid.uuid4().hex}",
         [(None, prompt_ids)],
         params,
@@ -144,6 +144,7 @@ def prepare_chat(
         plan,
         req.parallel_tool_calls,
         reasoning is not None,
+        served.lora,
     )
 
 

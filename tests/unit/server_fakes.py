@@ -21,6 +21,9 @@ from engine import (
     EngineHealth,
     EngineSnapshot,
     InvalidRequestError,
+    LoRAError,
+    LoRAInfo,
+    LoRANotFoundError,
     QueueFullError,
     RequestError,
     RequestOutput,
@@ -124,6 +127,17 @@ class FakeClientBase:
         if listener not in self.step_listeners:
             self.step_listeners.append(listener)
 
+    # LoRA adapters: none served, and none can be loaded (tests/unit/test_lora_server.py has a fake
+    # that serves them).
+    def loras(self) -> tuple[LoRAInfo, ...]:
+        return ()
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        raise LoRAError(f"this fake loads no LoRA adapters ({path!r})", "lora_path")
+
+    async def unload_lora(self, name: str) -> None:
+        raise LoRANotFoundError(name, ())
+
     # Requests of the other task are refused, as the real engine refuses them.
     does = ""  # what this fake serves, for the refusal: "generates text", "embeds text"
 
@@ -179,6 +193,7 @@ class FakeEngine(FakeClientBase):
         choices: list[list[int]],
         num_top_logprobs: int = 0,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> RequestOutput:
         """Token t scores -t/100; it is the most likely one when even."""
         outs = [
@@ -199,6 +214,7 @@ class FakeEngine(FakeClientBase):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         self.validate(prompt_token_ids, params)
         if self.queue_full:
@@ -294,6 +310,8 @@ class FakeEmbeddingClient(FakeClientBase):
         check_input_length(len(prompt_token_ids), self.max_model_len, "input")
         return 0
 
-    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+    async def embed(
+        self, request_id: str, prompt_token_ids: list[int], lora: str | None = None
+    ) -> EmbeddingOutput:
         self.validate(prompt_token_ids, None)
         return EmbeddingOutput(request_id, [1.0, 0.0], len(prompt_token_ids))
