@@ -17,8 +17,8 @@ from server.errors import APIError, install_error_handlers, invalid_request, ser
 from server.lora_routes import router as lora_router
 from server.metrics import MetricsMiddleware, ServerMetrics
 from server.metrics import router as metrics_router
-from server.models_registry import model_card, model_cards
 from server.middleware import GuardMiddleware, RequestIdMiddleware, UnhandledErrorMiddleware
+from server.models_registry import model_card, model_cards
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

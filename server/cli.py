@@ -14,8 +14,15 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from engine import LoRAError
 from server.logging_setup import configure_logging
-from server.settings import add_serve_arguments, build_configs, build_ray_config, resolve
+from server.settings import (
+    add_serve_arguments,
+    build_configs,
+    build_ray_config,
+    check_lora_modules,
+    resolve,
+)
 
 if TYPE_CHECKING:
     from engine import EngineClient, EngineConfig
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         values = resolve(cli_values)
         engine_config, server_config = build_configs(values)
         ray_config = build_ray_config(values)
+        check_lora_modules(engine_config.lora)
     except ValueError as e:
         parser.exit(2, f"kvserve serve: error: {e}\n")
     configure_logging(server_config.log_level)
@@ -165,7 +173,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             engine = loading.result()
             await engine.start()
         except Exception as e:  # noqa: BLE001 - one clear line, then exit 1
-            logger.error("could not load the model: %s", e)
+            what = "a LoRA adapter (--lora-modules)" if isinstance(e, LoRAError) else "the model"
+            logger.error("could not load %s: %s", what, e)
             logger.debug("traceback", exc_info=True)
             exit_code = 1
             server.should_exit = True

@@ -23,7 +23,7 @@ from engine import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine.core.lora import parse_lora_modules
+from engine.core.lora import parse_lora_modules, read_adapter_spec
 from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
@@ -615,6 +615,16 @@ def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig
         **groups["engine"],
     )
     return engine_config, ServerConfig(**groups["server"])
+
+
+def check_lora_modules(config: LoRAConfig) -> None:
+    """Read each --lora-modules folder's adapter_config.json before the model loads, so a wrong path
+    or rank is a start-up error at once (the engine checks the tensors against the model)."""
+    for name, path in config.modules:
+        try:
+            read_adapter_spec(path, config.max_lora_rank)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}: {e}") from None
 
 
 def build_ray_config(values: Mapping[str, Any]) -> RayConfig:
