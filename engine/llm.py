@@ -28,8 +28,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in order. Prompts are strings or token-id lists."""
+        """One finished output per prompt, in order. Prompts are strings or token-id lists; `lora`
+        names the LoRA adapter of every prompt, or of each (None: the base model)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -43,17 +45,23 @@ class LLM:
                 raise ValueError(
                     f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} LoRA names for {len(prompt_list)} prompts")
         ids = [f"offline-{i}" for i in range(len(prompt_list))]
         added: list[str] = []
         try:
-            for request_id, prompt, p in zip(ids, prompt_list, param_list, strict=True):
+            for request_id, prompt, p, name in zip(
+                ids, prompt_list, param_list, loras, strict=True
+            ):
                 text = prompt if isinstance(prompt, str) else None
                 token_ids = (
                     self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 )
                 self.engine.add_request(
-                    request_id, token_ids, dataclasses.replace(p, output_kind="final"), text
-                )
+                    request_id, token_ids, dataclasses.replace(p, output_kind="final"), text,
+                    lora=name,
+                )  # fmt: skip
                 added.append(request_id)
             results = self._run()
         finally:
@@ -70,6 +78,7 @@ class LLM:
         normalize: Normalize = "sum",
         include_end_of_turn: bool = False,
         top_logprobs: int = 0,
+        lora: str | None = None,
     ) -> ScoreResult:
         """How likely each choice is as the continuation of `prompt` (or, with `prompt=None` and
         `messages`, as the assistant's reply): the context is prefilled once and every choice is
@@ -84,8 +93,9 @@ class LLM:
         request_id = "offline-score"
         text = prompt if isinstance(prompt, str) else None
         self.engine.add_score_request(
-            request_id, inputs.context_token_ids, inputs.choice_token_ids, top_logprobs, text
-        )
+            request_id, inputs.context_token_ids, inputs.choice_token_ids, top_logprobs, text,
+            lora=lora,
+        )  # fmt: skip
         try:
             output = self._run()[request_id]
         finally:

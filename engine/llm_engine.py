@@ -16,6 +16,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.lora import LoRAInfo
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
@@ -36,10 +37,12 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
+from engine.executor.lora_adapters import LoRAAdapters
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
 from engine.models.loader import load_model, resolve_model
+from engine.models.lora_weights import LoRAAdapter
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.structured import GrammarCompiler
@@ -90,7 +93,7 @@ class LLMEngine:
         )
         spec = config.speculative_config
         speculator = Speculator(spec, self.max_model_len) if spec is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, speculator)
+        self.scheduler = Scheduler(config.scheduler, self.kv, speculator, config.lora.max_loras)
         self.output_processor = OutputProcessor(
             self.scheduler, self.eos_token_ids, self.max_model_len
         )
@@ -102,6 +105,9 @@ class LLMEngine:
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
             grammars=self.grammars, kv_spec=self.kv_spec,
         )  # fmt: skip
+        self.adapters = LoRAAdapters(self.model, config.lora)
+        self.adapters.load_all()  # a bad start-up adapter raises LoRAError here
+        self.runner.loras = self.adapters.by_id
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
@@ -181,8 +187,10 @@ class LLMEngine:
         params: SamplingParams | None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None:
-        """`arrival_time` (time.monotonic()) is when the caller received the request, if earlier."""
+        """`arrival_time` (time.monotonic()) is when the caller received the request, if earlier;
+        `lora` names the LoRA adapter it runs on (None: the base model)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
@@ -199,6 +207,7 @@ class LLMEngine:
             max_tokens,
             user_params=params,
         )
+        self.adapters.select(group, lora)
         if arrival_time is not None:
             group.metrics.arrival_time = arrival_time
         if params.prompt_logprobs is not None:
@@ -220,7 +229,11 @@ class LLMEngine:
                 params.reasoning,
             )
             group.seqs.append(seq)
-        self.groups[request_id] = group
+        self._add_group(group)
+
+    def _add_group(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        self.adapters.pin(group)
         self.scheduler.add_group(group)
 
     def validate_score(self, context_token_ids: list[int], choices: list[list[int]]) -> None:
@@ -256,6 +269,7 @@ class LLMEngine:
         num_top_logprobs: int = 0,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None:
         """Score each choice as the continuation of the context: one prompt-only sequence per choice
         (context + choice) with prompt logprobs over the choice, nothing sampled. Choice 0 leads and
@@ -268,10 +282,10 @@ class LLMEngine:
         group = RequestGroup.for_scoring(
             request_id, context_token_ids, choices, num_top_logprobs, prompt
         )
+        self.adapters.select(group, lora)
         if arrival_time is not None:
             group.metrics.arrival_time = arrival_time
-        self.groups[request_id] = group
-        self.scheduler.add_group(group)
+        self._add_group(group)
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -279,9 +293,29 @@ class LLMEngine:
             return
         for seq in group.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.adapters.release(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    def loras(self) -> tuple[LoRAInfo, ...]:
+        return self.adapters.infos()
+
+    def read_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check an adapter for this model (blocking, safe off the step thread)."""
+        return self.adapters.read(name, path)
+
+    def install_lora(self, adapter: LoRAAdapter) -> LoRAInfo:
+        """Serve a read adapter; call between steps."""
+        return self.adapters.install(adapter)
+
+    def load_lora(self, name: str, path: str) -> LoRAInfo:
+        return self.install_lora(self.read_lora(name, path))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name` (LoRANotFoundError if it is not); its running requests finish on it."""
+        self.adapters.unload(name)
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -315,7 +349,8 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
                 if out.finished:  # a finished group always has its final output
-                    self.groups.pop(g.request_id, None)
+                    if self.groups.pop(g.request_id, None) is not None:
+                        self.adapters.release(g)
 
         stats.duration = time.monotonic() - t0
         stats.num_running = len(self.scheduler.running)
@@ -342,6 +377,8 @@ class LLMEngine:
         """The state now, for readers on other threads; call it only where steps run (or between them)."""
         running = waiting = 0
         rows: list[RequestProgress] = []
+        running_loras: set[str] = set()
+        waiting_loras: set[str] = set()
         for group in self.groups.values():
             state: RequestState = "waiting"
             for seq in group.seqs:
@@ -365,8 +402,11 @@ class LLMEngine:
                     lead.num_cached_tokens,
                     lead.num_output_tokens,
                     group.metrics.arrival_time,
+                    group.lora_name,
                 )
             )
+            if group.lora_name is not None:
+                (running_loras if state == "running" else waiting_loras).add(group.lora_name)
         t, kv = self.totals, self.kv
         return EngineSnapshot(
             task=self.task,
@@ -389,6 +429,9 @@ class LLMEngine:
             spec_num_drafts=t.spec_num_drafts,
             spec_num_draft_tokens=t.spec_num_draft_tokens,
             spec_num_accepted_tokens=t.spec_num_accepted_tokens,
+            running_loras=tuple(sorted(running_loras)),
+            waiting_loras=tuple(sorted(waiting_loras - running_loras)),
+            max_loras=self.config.lora.max_loras,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
         )

@@ -144,6 +144,10 @@ class RequestGroup:
     # The prefix-cache namespace of the request's KV (None: the plain model): a LoRA adapter's content
     # hash and/or a cache salt. Blocks are shared only between requests of the same namespace.
     cache_namespace: str | None = None
+    # The LoRA adapter the request runs on (None: the base model): its served name, and the id of
+    # the loaded weights (unique per load, so a reloaded name is a different adapter).
+    lora_name: str | None = None
+    lora_id: int | None = None
 
     @classmethod
     def for_scoring(

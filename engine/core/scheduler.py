@@ -43,6 +43,10 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         return self.num_new_tokens == 1
 
+    @property
+    def lora_id(self) -> int | None:
+        return self.seq.group.lora_id
+
 
 @dataclass
 class SchedulerOutput:
@@ -60,9 +64,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, speculator: Speculator | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        speculator: Speculator | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no limit)
         self.kv = kv
         self.speculator = speculator  # None: no speculative decoding
         self.waiting: deque[Sequence] = deque()
@@ -136,7 +145,9 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
 
-        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
+        # Stable: decodes first; each kind grouped by LoRA adapter (base rows first), so an adapter's
+        # rows are contiguous within each kind (the runner's adapter segments).
+        scheduled.sort(key=_step_order)
         num_decode = sum(1 for s in scheduled if s.is_decode)
         total = sum(s.num_new_tokens for s in scheduled)
         num_drafts = sum(len(s.draft_token_ids) for s in scheduled)
@@ -163,6 +174,11 @@ class Scheduler:
             if any(self.bypassed.get(b.seq_id, 0) >= HEAD_BYPASS_LIMIT for b in blocked):
                 break  # FCFS from here: a blocked sequence has let enough others go first
             seq = self.waiting[i]
+            if not lora_fits(self.max_loras, self.running, seq):
+                i += 1  # waits for a running adapter to finish, like a sequence KV holds up
+                if i >= BYPASS_WINDOW:
+                    break
+                continue
             hit: PrefixHit | None = None
             looked_up = seq.num_computed_tokens == 0  # not a follower already holding shared blocks
             if looked_up:
@@ -269,3 +285,18 @@ class Scheduler:
             self.bypassed.pop(seq.seq_id, None)
         seq.status = status
         self.kv.free(seq)
+
+
+def _step_order(s: ScheduledSeq) -> tuple[bool, int]:
+    lora_id = s.seq.group.lora_id
+    return (not s.is_decode, -1 if lora_id is None else lora_id)
+
+
+def lora_fits(max_loras: int | None, running: list[Sequence], seq: Sequence) -> bool:
+    """Whether `seq` may run now: the base model always; an adapter when it already runs, or when
+    fewer than `max_loras` distinct adapters run."""
+    lora_id = seq.group.lora_id
+    if max_loras is None or lora_id is None:
+        return True
+    running_ids = {s.group.lora_id for s in running if s.group.lora_id is not None}
+    return lora_id in running_ids or len(running_ids) < max_loras

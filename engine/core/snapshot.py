@@ -24,6 +24,7 @@ class RequestProgress:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
     arrival_time: float  # time.monotonic() when the request arrived
+    lora: str | None = None  # the LoRA adapter it runs on (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,11 @@ class EngineSnapshot:
     spec_num_accepted_tokens: int = 0
     # Requests the async front holds (admitted, not yet ended), filled in when the snapshot is read.
     num_unfinished_requests: int = 0
+    # LoRA adapters (names) of running and of waiting requests, and the distinct adapters one step
+    # runs at most (vLLM's lora_requests_info gauge).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
     requests: tuple[RequestProgress, ...] = ()
     detail: SnapshotDetail | None = None
 

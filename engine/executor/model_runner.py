@@ -4,6 +4,7 @@ attention metadata, runs the model forward over the paged KV cache, and samples.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from engine.kernels.attention import (
     attention_backend,
     triton_importable,
 )
+from engine.models.lora_apply import lora_batch
+from engine.models.lora_weights import LoRAAdapter
 from engine.models.quantization import quantize_model
 from engine.text.structured import GrammarCompiler, bitmask_words
 
@@ -101,6 +104,8 @@ class ModelRunner:
         slots = self.kv_spec.layer_slots()
         self.kv_caches = [tensors[j] for _, j in slots]  # per model layer
         self.sampler = Sampler()
+        # LoRA adapters by id (the engine's LoRAAdapters.by_id): rows of requests on one get its deltas.
+        self.loras: Mapping[int, LoRAAdapter] = {}
         layer_groups = [g for g, _ in slots] if multi_group else None
         self.input_batch = InputBatch(block_size, device, layer_groups=layer_groups)
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -125,7 +130,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
         scheduled = sched.scheduled
         ids, pos, meta = self.input_batch.prepare(scheduled)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+        lora = lora_batch(scheduled, self.loras)  # the step's adapter segments, or None
+        if lora is not None:
+            hidden = self.model(ids, pos, self.kv_caches, meta, lora=lora)
+        elif self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(ids, pos, meta)  # [num_seqs, hidden]
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]

@@ -24,6 +24,7 @@ from engine.models.decoder_layer import (
     pre_attention,
 )
 from engine.models.layers import RMSNorm, optional_param, softcap
+from engine.models.lora_apply import LoRABatch
 from engine.models.quantization import linear
 from engine.models.rotary import RotaryEmbedding
 
@@ -118,19 +119,22 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] int64 -> [num_tokens, hidden_size]
+        # `lora`: the step's adapter segments (None: every row runs the base model).
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         ropes = [cast(RotaryEmbedding, r).lookup(positions) for r in self.rotaries]
         fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
         if fused and uses_cpu_kernels(meta, h.device, h.dtype):
-            return self._forward_cpu_kernels(ropes, h, kv_caches, meta)
+            return self._forward_cpu_kernels(ropes, h, kv_caches, meta, lora)
         for module, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer = cast(DecoderLayer, module)
             rope = ropes[layer.self_attn.rope_index]
-            h = layer(rope, h, kv_cache, meta.for_layer(layer.index), self.dense)
+            layer_lora = lora.layer(layer.index) if lora is not None else None
+            h = layer(rope, h, kv_cache, meta.for_layer(layer.index), self.dense, layer_lora)
         return self.norm(h)
 
     def _forward_cpu_kernels(
@@ -139,6 +143,7 @@ class DecoderForCausalLM(nn.Module):
         h: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         cos_sins = [(cos.squeeze(1), sin.squeeze(1)) for cos, sin in ropes]  # [n, r // 2] each
         # The one-call layer runs every query token over its own causal context, as the fused
@@ -146,14 +151,16 @@ class DecoderForCausalLM(nn.Module):
         # verification, small chunks) given each token's own block table and context length.
         pure_decode = meta.num_decode_seqs == meta.num_seqs
         one_call = pure_decode or meta.max_query_len <= ONE_CALL_MAX_QUERY_LEN
-        calls = self._decode_calls() if one_call else None
+        # Steps with adapter rows run the fused Python layer, which adds their deltas.
+        calls = self._decode_calls() if one_call and lora is None else None
         for i, kv_cache in enumerate(kv_caches):
             layer = cast(DecoderLayer, self.layers[i])
             cos, sin = cos_sins[layer.self_attn.rope_index]
             lmeta = meta.for_layer(i)
             args = calls[i] if calls is not None else None
             if args is None:
-                h = decoder_cpu.fused_layer(layer, (cos, sin), h, kv_cache, lmeta)
+                layer_lora = lora.layer(i) if lora is not None else None
+                h = decoder_cpu.fused_layer(layer, (cos, sin), h, kv_cache, lmeta, layer_lora)
                 continue
             w, kinds, eps, heads, kv_heads, scale, window, cap = args
             tables, lens = (

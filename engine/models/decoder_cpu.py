@@ -10,8 +10,9 @@ from engine.kernels import cpu_kernels
 from engine.kernels.attention import attend_cached, write_kv
 from engine.kernels.metadata import AttentionMetadata
 from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
-from engine.models.decoder_layer import Attention, DecoderLayer
+from engine.models.decoder_layer import Attention, DecoderLayer, run_mlp
 from engine.models.layers import RMSNorm
+from engine.models.lora_apply import LayerLoRA, add_lora
 from engine.models.quantization import linear
 from engine.models.rotary import apply_rotary
 
@@ -40,11 +41,14 @@ def fused_layer(
     h: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
+    lora: LayerLoRA | None = None,
 ) -> torch.Tensor:
-    """The CPU-kernel layer: the same values as the torch ops, in fewer passes and dispatches."""
+    """The CPU-kernel layer: the same values as the torch ops, in fewer passes and dispatches;
+    `lora` adds a mixed-adapter step's low-rank deltas to its rows of each linear."""
     attn = layer.self_attn
     n, d, heads, kv_heads = h.shape[0], attn.head_dim, attn.num_heads, attn.num_kv_heads
-    qkv = linear(norm(layer.input_layernorm, h), attn.qkv_weight, attn.qkv_bias)
+    x = norm(layer.input_layernorm, h)
+    qkv = add_lora(linear(x, attn.qkv_weight, attn.qkv_bias), x, lora, "qkv")
     if attn.q_norm is not None:
         _qk_norm_in_place(qkv, attn)
     if not attn.partial_rotary:
@@ -58,13 +62,13 @@ def fused_layer(
     out = attend_cached(
         q, k, v, kv_cache, meta, attn.scale, window=attn.window, softcap=attn.softcap
     )
-    attended = attn.project_out(out)
+    attended = attn.project_out(out, lora)
     if layer.sandwich:
         h = h + norm(layer.post_attention_layernorm, attended)
-        mlp_out = layer.mlp(norm(layer.pre_feedforward_layernorm, h))
+        mlp_out = run_mlp(layer, norm(layer.pre_feedforward_layernorm, h), lora)
         return h + norm(layer.post_feedforward_layernorm, mlp_out)
     h = h + attended
-    return h + layer.mlp(norm(layer.post_attention_layernorm, h))
+    return h + run_mlp(layer, norm(layer.post_attention_layernorm, h), lora)
 
 
 # (tensors, kinds, eps, heads, kv_heads, scale, window, softcap)

@@ -14,6 +14,7 @@ from torch import nn
 from engine.kernels.attention import paged_attention
 from engine.kernels.metadata import AttentionMetadata
 from engine.models.layers import GatedMLP, RMSNorm, empty_param, optional_param
+from engine.models.lora_apply import LayerLoRA, add_lora
 from engine.models.quantization import linear
 from engine.models.rotary import apply_rotary, rotary_dim
 
@@ -78,10 +79,12 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [n, hidden], normalized
         cos: torch.Tensor,  # [n, 1, rotary_dim // 2]
         sin: torch.Tensor,
+        lora: LayerLoRA | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, heads, d] and k, v [n, kv_heads, d], rotary applied: pure tensor code."""
         n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
+        add_lora(qkv, x, lora, "qkv")
         v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(qkv[:, : self.q_size].view(n, heads, d))
@@ -92,8 +95,11 @@ class Attention(nn.Module):
         q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
         return q, k, v
 
-    def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [n, heads, d] -> [n, hidden]
-        return linear(out.reshape(out.shape[0], self.q_size), self.o_weight, self.o_bias)
+    def project_out(
+        self, out: torch.Tensor, lora: LayerLoRA | None = None
+    ) -> torch.Tensor:  # [n, heads, d] -> [n, hidden]
+        x = out.reshape(out.shape[0], self.q_size)
+        return add_lora(linear(x, self.o_weight, self.o_bias), x, lora, "o")
 
 
 class DecoderLayer(nn.Module):
@@ -122,8 +128,16 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         dense: DenseFns | None = None,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         # The paged attention stays eager; the dense halves around it may be compiled (`dense`).
+        if lora is not None:  # a step with adapter rows runs the eager halves with their deltas
+            q, k, v = pre_attention(self, h, *rope, lora=lora)
+            out = paged_attention(
+                q, k, v, kv_cache, meta, self.self_attn.scale,
+                window=self.self_attn.window, softcap=self.self_attn.softcap,
+            )  # fmt: skip
+            return post_attention(self, h, out, lora=lora)
         pre, post = dense or (pre_attention, post_attention)
         q, k, v = pre(self, h, *rope)
         attn = self.self_attn
@@ -134,19 +148,32 @@ class DecoderLayer(nn.Module):
 
 
 def pre_attention(
-    layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    layer: DecoderLayer,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lora: LayerLoRA | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer.self_attn.project_qkv(layer.input_layernorm(h), cos, sin)
+    return layer.self_attn.project_qkv(layer.input_layernorm(h), cos, sin, lora)
 
 
-def post_attention(layer: DecoderLayer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    attended = layer.self_attn.project_out(out)  # [n, hidden]
+def post_attention(
+    layer: DecoderLayer, h: torch.Tensor, out: torch.Tensor, lora: LayerLoRA | None = None
+) -> torch.Tensor:
+    attended = layer.self_attn.project_out(out, lora)  # [n, hidden]
     if layer.sandwich:
         h = h + layer.post_attention_layernorm(attended)
-        mlp_out = layer.mlp(layer.pre_feedforward_layernorm(h))
+        mlp_out = run_mlp(layer, layer.pre_feedforward_layernorm(h), lora)
         return h + layer.post_feedforward_layernorm(mlp_out)
     h = h + attended
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + run_mlp(layer, layer.post_attention_layernorm(h), lora)
+
+
+def run_mlp(layer: DecoderLayer, x: torch.Tensor, lora: LayerLoRA | None) -> torch.Tensor:
+    """The layer's MLP, with the adapters' deltas where it is the gated MLP (experts take none)."""
+    if lora is None or not isinstance(layer.mlp, GatedMLP):
+        return layer.mlp(x)
+    return layer.mlp(x, lora)
 
 
 DenseFns = tuple[Callable[..., Any], Callable[..., Any]]

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.lora_apply import LayerLoRA, add_lora
 from engine.models.quantization import linear
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
@@ -96,11 +97,15 @@ class GatedMLP(nn.Module):
         self.down_weight = empty_param(hidden, inter, dtype=dtype, device=device)
         self.down_bias = optional_param(hidden, dtype=dtype, device=device, enabled=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+    def forward(
+        self, x: torch.Tensor, lora: LayerLoRA | None = None
+    ) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
+        add_lora(gate_up, x, lora, "gate_up")
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return linear(act * up, self.down_weight, self.down_bias)
+        hidden = act * up
+        return add_lora(linear(hidden, self.down_weight, self.down_bias), hidden, lora, "down")
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""The batched low-rank update of a mixed-adapter step: the step's token rows grouped into segments by
+adapter (built once per step), and for each engine linear y[rows] += (x[rows] @ A^T) @ (scaling B)^T
+for each segment's adapter only, in float32 beside the base weights' own (block-quantized) kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.models.lora_weights import LinearLoRA, LoRAAdapter
+
+
+class _Scheduled(Protocol):  # what the segments need of a ScheduledSeq (no executor import here)
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def lora_id(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class LayerLoRA:
+    """One layer's view of the step's segments: (first row, end row, that adapter's linears)."""
+
+    parts: tuple[tuple[int, int, dict[str, LinearLoRA]], ...]
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The step's adapter segments: contiguous token rows that use one adapter (base rows have none)."""
+
+    segments: tuple[tuple[int, int, LoRAAdapter], ...]
+
+    def layer(self, index: int) -> LayerLoRA | None:
+        parts = tuple((s, e, a.layers[index]) for s, e, a in self.segments if a.layers[index])
+        return LayerLoRA(parts) if parts else None
+
+    @property
+    def num_adapters(self) -> int:
+        return len({a.lora_id for _, _, a in self.segments})
+
+
+def lora_batch(
+    scheduled: Sequence[_Scheduled], adapters: Mapping[int, LoRAAdapter]
+) -> LoRABatch | None:
+    """Segments of equal adapter in the step's token order (the scheduler orders each kind of row by
+    adapter, so an adapter has at most a decode and a prefill segment); None when no row has one."""
+    if not adapters:
+        return None
+    segments: list[tuple[int, int, LoRAAdapter]] = []
+    row = 0
+    for s in scheduled:
+        end = row + s.num_new_tokens
+        lora_id = s.lora_id
+        if lora_id is not None:
+            adapter = adapters[lora_id]
+            if segments and segments[-1][1] == row and segments[-1][2] is adapter:
+                segments[-1] = (segments[-1][0], end, adapter)
+            else:
+                segments.append((row, end, adapter))
+        row = end
+    return LoRABatch(tuple(segments)) if segments else None
+
+
+def add_lora(
+    y: torch.Tensor,  # [n, out] the base linear's output, updated in place
+    x: torch.Tensor,  # [n, in] its input
+    lora: LayerLoRA | None,
+    linear: str,  # "qkv", "o", "gate_up" or "down"
+) -> torch.Tensor:
+    """y with each segment's adapter delta added to its rows (y itself when there is none)."""
+    if lora is None:
+        return y
+    for start, end, linears in lora.parts:
+        lin = linears.get(linear)
+        if lin is not None:
+            _add_segment(y[start:end], x[start:end], lin)
+    return y
+
+
+def _add_segment(y: torch.Tensor, x: torch.Tensor, lin: LinearLoRA) -> None:
+    t = torch.mm(x if x.dtype == torch.float32 else x.float(), lin.a_t)  # [rows, total rank]
+    one = len(lin.pieces) == 1
+    for p in lin.pieces:
+        dest = (
+            y
+            if one and p.out_start == 0 and p.out_end == y.shape[1]
+            else y[:, p.out_start : p.out_end]
+        )
+        tp = t if one else t[:, p.col_start : p.col_start + p.rank]
+        if y.dtype == torch.float32:
+            dest.addmm_(tp, p.b)
+        else:
+            dest.add_(torch.mm(tp, p.b).to(y.dtype))
