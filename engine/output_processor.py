@@ -180,6 +180,7 @@ class OutputProcessor:
             m.first_token_time,
             now,
             kind=group.kind,
+            lora=group.lora_name,
         )
 
     # -- outputs ---------------------------------------------------------------------------------
@@ -229,6 +230,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
+            lora=group.lora_name,
         )
 
     @staticmethod
@@ -254,6 +256,7 @@ class OutputProcessor:
             True,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
+            lora=group.lora_name,
         )
 
     def _completion(

@@ -593,9 +593,9 @@ def resolve(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
             raise ValueError(f"two models given: {cli['model']!r} and --model {flag!r}")
         cli["model"] = flag
     for key, value in cli.items():
-        opt = OPTIONS_BY_DEST.get(key)
-        if opt is not None and opt.many:
-            value = _convert(opt, value, f"--{opt.name}")
+        given = OPTIONS_BY_DEST.get(key)
+        if given is not None and given.many:
+            value = _convert(given, value, f"--{given.name}")
         if key != "config":
             values[key] = value
     return values

@@ -17,6 +17,7 @@ class FinishedRequestStats:
     first_token_time: float | None
     finished_time: float
     kind: str = "generate"  # "generate" or "score"
+    lora: str | None = None  # the LoRA adapter it ran on (None: the base model)
 
 
 @dataclass

@@ -347,3 +347,52 @@ async def test_a_load_reaches_every_replica_or_none() -> None:
     assert all("new" not in e.adapters for e in engines.values())
     answer = await broadcast_lora_update(load, [], send)
     assert answer.status == 503
+
+
+# ------------------------------------------------------------- metrics, cost sheet and engine page
+
+
+async def test_lora_metrics_cost_sheet_and_engine_page() -> None:
+    from engine import EngineSnapshot, FinishedRequestStats, RequestProgress, StepStats
+    from server.cost_sheet import cost_sheet
+    from server.engine_page import page_payload
+
+    engine = LoRAFakeEngine("a", "b", "c")
+    engine.published = EngineSnapshot(
+        task="generate",
+        num_steps=3,
+        time=10.0,
+        running_loras=("a", "b"),
+        waiting_loras=("c",),
+        max_loras=4,
+        requests=(
+            RequestProgress("r1", "running", 1, 5, 5, 0, 1, 9.0, lora="a"),
+            RequestProgress("r2", "waiting", 1, 5, 0, 0, 0, 9.5),
+        ),
+    )
+
+    def finished(request_id: str, lora: str | None) -> FinishedRequestStats:
+        return FinishedRequestStats(request_id, "stop", 5, 2, 0, 1.0, 1.1, 1.2, 1.5, lora=lora)
+
+    async with app_client(engine) as c:
+        await c.get("/health")  # attaches the step listener
+        for listener in engine.step_listeners:
+            listener(
+                StepStats(
+                    kind="decode",
+                    finished=[finished("r1", "a"), finished("r2", "a"), finished("r3", None)],
+                )
+            )
+        text = (await c.get("/metrics")).text
+    lines = text.splitlines()
+    assert 'kvserve_lora_requests_total{adapter="a"} 2.0' in lines
+    assert not any(line.startswith('kvserve_lora_requests_total{adapter="None"') for line in lines)
+    (info,) = [line for line in lines if line.startswith("kvserve_lora_requests_info{")]
+    assert 'running_lora_adapters="a,b"' in info and 'waiting_lora_adapters="c"' in info
+    assert 'max_lora="4"' in info and float(info.split()[-1]) > 1.7e9  # the scrape's unix time
+
+    rows = page_payload(engine.published, {})["requests"]
+    assert [row[8] for row in rows] == ["a", None]
+    out = RequestOutput("r1", None, [1, 2], [], True, lora="a")
+    assert cost_sheet([out])["lora"] == "a"
+    assert cost_sheet([RequestOutput("r2", None, [1], [], True)])["lora"] is None
