@@ -13,17 +13,19 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.errors import (
     EngineDeadError,
     InvalidRequestError,
+    LoRANotFoundError,
     QueueFullError,
     RequestError,
     WrongTaskError,
 )
+from engine.core.lora import LoRAInfo
 from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.core.pending import AbortRequest, AddRequest, PendingWork
 from engine.core.sampling_params import SamplingParams
@@ -53,6 +55,8 @@ class AsyncLLMEngine:
         )
         self._queues: dict[str, asyncio.Queue[_QueueItem]] = {}
         self._pending = PendingWork()  # adds and aborts applied between steps
+        # Calls into the core made between steps (LoRA installs and unloads), with their futures.
+        self._between: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
         self._detail_waiters: list[asyncio.Future[EngineSnapshot]] = []
         self._wakeup: asyncio.Event | None = None
         # Set while the loop waits for work (nothing to step, nothing pending): no step runs then.
@@ -142,12 +146,14 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as the engine produces them; closing the iterator aborts it."""
         self._check_alive()
         if self.task != "generate":
             raise WrongTaskError(self.task, "generate")
-        item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic())
+        self._check_lora(lora)
+        item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic(), lora=lora)
         return self._submit(item, RequestOutput)
 
     async def score(
@@ -157,15 +163,18 @@ class AsyncLLMEngine:
         choices: list[list[int]],
         num_top_logprobs: int = 0,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> RequestOutput:
         """Score every choice as the continuation of the context (LLMEngine.add_score_request): the
         finished output once all choices are scored. Cancelling the call aborts the request."""
         self._check_alive()
         if self.task != "generate":
             raise WrongTaskError(self.task, "generate")
+        self._check_lora(lora)
         item = AddRequest(
-            request_id, context_token_ids, None, prompt, time.monotonic(), choices, num_top_logprobs
-        )
+            request_id, context_token_ids, None, prompt, time.monotonic(), choices,
+            num_top_logprobs, lora,
+        )  # fmt: skip
         stream = self._submit(item, RequestOutput)
         try:
             async for out in stream:
@@ -215,12 +224,15 @@ class AsyncLLMEngine:
                 self._pending.abort(request_id)
                 self._wake()
 
-    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+    async def embed(
+        self, request_id: str, prompt_token_ids: list[int], lora: str | None = None
+    ) -> EmbeddingOutput:
         """The input's pooled, normalized vector; batched with other requests by the engine."""
         self._check_alive()
         if self.task != "embed":
             raise WrongTaskError(self.task, "embed")
-        item = AddRequest(request_id, prompt_token_ids, None, None, time.monotonic())
+        self._check_lora(lora)
+        item = AddRequest(request_id, prompt_token_ids, None, None, time.monotonic(), lora=lora)
         async for out in self._submit(item, EmbeddingOutput):
             return out
         raise RequestError("the engine returned no embedding")
@@ -228,6 +240,36 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._pending.abort(request_id)
         self._wake()
+
+    # -- LoRA adapters -----------------------------------------------------------------------------
+    def loras(self) -> tuple[LoRAInfo, ...]:
+        return self.core.loras()
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Read and check the folder on a worker thread (steps go on), install it between steps."""
+        self._check_alive()
+        adapter = await asyncio.to_thread(self.core.read_lora, name, path)
+        info: LoRAInfo = await self._between_steps(lambda: self.core.install_lora(adapter))
+        return info
+
+    async def unload_lora(self, name: str) -> None:
+        self._check_alive()
+        self._check_lora(name)
+        await self._between_steps(lambda: self.core.unload_lora(name))
+
+    def _check_lora(self, name: str | None) -> None:
+        """Fail at once for an adapter that is not served (the core checks again when adding)."""
+        if name is not None:
+            served = tuple(info.name for info in self.core.loras())
+            if name not in served:
+                raise LoRANotFoundError(name, served)
+
+    async def _between_steps(self, call: Callable[[], Any]) -> Any:
+        """Run `call` on the core between two steps (on the event loop) and return its result."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._between.append((call, future))
+        self._wake()
+        return await future
 
     def _admit(self, num_prompt_tokens: int) -> None:
         """O(1): the last snapshot's counts plus the running totals of the adds not applied yet."""
@@ -272,7 +314,19 @@ class AsyncLLMEngine:
     def _apply_pending(self) -> None:
         """Hand the queued adds and aborts to the core (between steps, on the event loop), then
         publish a fresh snapshot so admission and readers see them before the next step ends."""
+        calls, self._between = self._between, []
+        for call, future in calls:
+            try:
+                result = call()
+            except Exception as e:  # LoRAError / LoRANotFoundError: the caller's to raise
+                if not future.done():
+                    future.set_exception(e)
+            else:
+                if not future.done():
+                    future.set_result(result)
         items = self._pending.take()
+        if calls:
+            self.core.publish()
         for item in items:
             if isinstance(item, AbortRequest):
                 self.core.abort_request(item.request_id)
@@ -296,6 +350,7 @@ class AsyncLLMEngine:
                     item.num_top_logprobs,
                     item.prompt,
                     arrival_time=item.arrival_time,
+                    lora=item.lora,
                 )
             else:
                 self.core.add_request(
@@ -304,6 +359,7 @@ class AsyncLLMEngine:
                     item.params,
                     item.prompt,
                     arrival_time=item.arrival_time,
+                    lora=item.lora,
                 )
         except InvalidRequestError as e:
             queue.put_nowait(e)
@@ -320,7 +376,7 @@ class AsyncLLMEngine:
                 if self._detail_waiters:
                     self._publish_detail()
                 if not self.core.has_unfinished_requests():
-                    if not self._pending:
+                    if not self._pending and not self._between:
                         self._flush_log_window()  # the busy period's last stats line, then silence
                         self._wakeup.clear()
                         self.idle.set()
@@ -362,6 +418,7 @@ class AsyncLLMEngine:
             if (
                 self._stopping
                 or self._pending
+                or self._between
                 or self._detail_waiters
                 or self._num_posted - self._num_delivered > 1
                 or not self.core.has_unfinished_requests()

@@ -149,6 +149,6 @@ class EngineConfig:
             model=ModelConfig(model=model, **groups[ModelConfig]),
             cache=CacheConfig(**groups[CacheConfig]),
             scheduler=SchedulerConfig(**groups[SchedulerConfig]),
-            **({"lora": LoRAConfig(**lora)} if lora else {}),
+            lora=top.pop("lora") if "lora" in top and not lora else LoRAConfig(**lora),
             **top,
         )

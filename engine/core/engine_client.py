@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from engine.core.lora import LoRAInfo
 from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.snapshot import EngineHealth, EngineSnapshot
@@ -60,11 +61,15 @@ class EngineClient(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs as the engine produces them; closing the iterator aborts it."""
+        """The request's outputs as the engine produces them; closing the iterator aborts it.
+        `lora` names the LoRA adapter to run on (LoRANotFoundError when it is not served)."""
         ...
 
-    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput: ...
+    async def embed(
+        self, request_id: str, prompt_token_ids: list[int], lora: str | None = None
+    ) -> EmbeddingOutput: ...
     async def score(
         self,
         request_id: str,
@@ -72,12 +77,28 @@ class EngineClient(Protocol):
         choices: list[list[int]],
         num_top_logprobs: int = 0,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> RequestOutput:
         """Every choice scored as the continuation of the context (one CompletionOutput each, with
         its tokens' logprobs); InvalidRequestError for bad input or an embedding engine."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    # -- LoRA adapters -----------------------------------------------------------------------------
+    def loras(self) -> tuple[LoRAInfo, ...]:
+        """The adapters served now."""
+        ...
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Read and check a PEFT folder off the step thread, then serve it from the next step on
+        (LoRAError: nothing served changes)."""
+        ...
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving `name` (LoRANotFoundError if absent): new requests naming it fail, running
+        ones finish on the weights they started with."""
+        ...
 
     # -- health and state --------------------------------------------------------------------------
     def health(self) -> EngineHealth: ...

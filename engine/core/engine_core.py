@@ -6,9 +6,10 @@ implement it; a request the core's task cannot serve is a WrongTaskError."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.core.config import EngineConfig
+from engine.core.lora import LoRAInfo
 from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.core.snapshot import EngineSnapshot
@@ -38,6 +39,7 @@ class EngineCore(Protocol):
         params: SamplingParams | None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None: ...
     def add_score_request(
         self,
@@ -47,12 +49,21 @@ class EngineCore(Protocol):
         num_top_logprobs: int = 0,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None: ...
     def compile_constraint(self, constraint: StructuredOutputs) -> None:
         """Compile (and cache) a constraint; blocking, safe off the step thread."""
         ...
 
     def abort_request(self, request_id: str) -> None: ...
+
+    # LoRA adapters: read_lora reads and checks the files (blocking, safe off the step thread, serves
+    # nothing); install_lora serves what it read and unload_lora stops serving a name (both between
+    # steps). LoRAError / LoRANotFoundError say what is wrong.
+    def loras(self) -> tuple[LoRAInfo, ...]: ...
+    def read_lora(self, name: str, path: str) -> Any: ...
+    def install_lora(self, adapter: Any) -> LoRAInfo: ...
+    def unload_lora(self, name: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> Sequence[RequestOutput | EmbeddingOutput]: ...
     def publish(self, detail: bool = False) -> EngineSnapshot:

@@ -18,6 +18,7 @@ class AddRequest:
     # A score request: the continuations of the prompt to score (None: generation or embedding).
     choices: list[list[int]] | None = None
     num_top_logprobs: int = 0
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
     @property
     def num_tokens(self) -> int:

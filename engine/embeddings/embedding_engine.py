@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.core.config import EngineConfig
 from engine.core.errors import InvalidRequestError, WrongTaskError
+from engine.core.lora import LoRAInfo
 from engine.core.outputs import EmbeddingOutput
 from engine.core.sampling_params import (
     SamplingParams,
@@ -22,6 +23,9 @@ from engine.core.sampling_params import (
 from engine.core.snapshot import EngineSnapshot, RequestProgress
 from engine.core.stats import EngineTotals, FinishedRequestStats, StepStats
 from engine.embeddings.embedding_model import EmbeddingModel
+from engine.executor.lora_adapters import LoRAAdapters
+from engine.models.lora_apply import lora_batch
+from engine.models.lora_weights import LoRAAdapter
 from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,6 +36,12 @@ class _EmbedRequest:
     request_id: str
     token_ids: list[int]
     arrival_time: float
+    lora_id: int | None = None  # its LoRA adapter (a decoder model's; None: the base model)
+    lora_name: str | None = None
+
+    @property
+    def num_new_tokens(self) -> int:  # a row run of the packed batch (engine.models.lora_apply)
+        return len(self.token_ids)
 
 
 class EmbeddingEngine:
@@ -50,6 +60,9 @@ class EmbeddingEngine:
         )
         self.waiting: deque[_EmbedRequest] = deque()  # arrival order; aborted entries are skipped
         self.live: dict[str, _EmbedRequest] = {}  # the waiting requests not aborted
+        # A decoder's LoRA adapters (an encoder takes none: the registry refuses its loads).
+        self.adapters = LoRAAdapters(self.model.model, config.lora, self.model.is_encoder)
+        self.adapters.load_all()
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
         self.publish()
@@ -70,17 +83,25 @@ class EmbeddingEngine:
         params: SamplingParams | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None:
         if request_id in self.live:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         request = _EmbedRequest(request_id, list(prompt_token_ids), arrival)
+        if lora is not None:
+            adapter = self.adapters.selected(lora)
+            request.lora_id, request.lora_name = adapter.lora_id, lora
+            self.adapters.pin_id(adapter.lora_id)
         self.waiting.append(request)
         self.live[request_id] = request
 
     def abort_request(self, request_id: str) -> None:
-        self.live.pop(request_id, None)  # O(1): the step skips it when it reaches the queue's head
+        # O(1): the step skips it when it reaches the queue's head
+        request = self.live.pop(request_id, None)
+        if request is not None:
+            self.adapters.release_id(request.lora_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
@@ -93,11 +114,25 @@ class EmbeddingEngine:
         num_top_logprobs: int = 0,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None:
         raise WrongTaskError(self.task, "generate")
 
     def compile_constraint(self, constraint: StructuredOutputs) -> None:
         raise WrongTaskError(self.task, "generate")
+
+    # -- LoRA adapters (a decoder model's) --------------------------------------------------------
+    def loras(self) -> tuple[LoRAInfo, ...]:
+        return self.adapters.infos()
+
+    def read_lora(self, name: str, path: str) -> LoRAAdapter:
+        return self.adapters.read(name, path)
+
+    def install_lora(self, adapter: LoRAAdapter) -> LoRAInfo:
+        return self.adapters.install(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        self.adapters.unload(name)
 
     def publish(self, detail: bool = False) -> EngineSnapshot:
         """Build the state now and publish it: the one writer of `snapshot`."""
@@ -107,7 +142,9 @@ class EmbeddingEngine:
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         """Counts and rows of the waiting inputs (nothing stays running between steps; no KV)."""
         rows = tuple(
-            RequestProgress(r.request_id, "waiting", 1, len(r.token_ids), 0, 0, 0, r.arrival_time)
+            RequestProgress(
+                r.request_id, "waiting", 1, len(r.token_ids), 0, 0, 0, r.arrival_time, r.lora_name
+            )
             for r in self.live.values()
         )
         t = self.totals
@@ -120,6 +157,8 @@ class EmbeddingEngine:
             num_waiting_tokens=sum(row.num_prompt_tokens for row in rows),
             num_prompt_tokens=t.num_prompt_tokens,
             num_finished=t.num_finished,
+            waiting_loras=tuple(sorted({r.lora for r in rows if r.lora is not None})),
+            max_loras=self.config.lora.max_loras,
             requests=rows,
         )
 
@@ -139,6 +178,7 @@ class EmbeddingEngine:
             batch.append(self.waiting.popleft())
             del self.live[head.request_id]
             tokens += n
+        batch.sort(key=lambda r: -1 if r.lora_id is None else r.lora_id)  # adapter segments
         return batch
 
     def step(self) -> list[EmbeddingOutput]:
@@ -148,14 +188,20 @@ class EmbeddingEngine:
             self.publish()
             return []
         try:
-            vectors = self.model.embed([r.token_ids for r in batch])  # [batch, hidden] float32
+            lora = lora_batch(batch, self.adapters.by_id)
+            # [batch, hidden] float32
+            vectors = self.model.embed([r.token_ids for r in batch], lora)
         except Exception as e:  # fail this batch's requests, keep serving
             logger.exception("embedding step failed for %d requests", len(batch))
+            for r in batch:
+                self.adapters.release_id(r.lora_id)
             self.publish()
             return [
                 EmbeddingOutput(r.request_id, [], len(r.token_ids), error=f"embedding failed: {e}")
                 for r in batch
             ]
+        for r in batch:
+            self.adapters.release_id(r.lora_id)
         now = time.monotonic()
         num_tokens = sum(len(r.token_ids) for r in batch)
         stats = StepStats(

@@ -17,6 +17,7 @@ from torch import nn
 from engine.embeddings.pooling import PoolingConfig, normalize, pool, resolve_pooling
 from engine.embeddings.prompts import EmbeddingPrompts, read_prompts
 from engine.models.loader import checkpoint_dtype, iter_weights, resolve_device, resolve_dtype
+from engine.models.lora_apply import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +134,9 @@ class EmbeddingModel:
     # ------------------------------------------------------------------ running
 
     @torch.inference_mode()
-    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """[batch, hidden] float32 vectors on the CPU, one per sequence, in input order."""
+    def embed(self, token_ids: list[list[int]], lora: LoRABatch | None = None) -> torch.Tensor:
+        """[batch, hidden] float32 vectors on the CPU, one per sequence, in input order; `lora`:
+        the batch's LoRA adapter segments (a decoder's), over the packed tokens."""
         if not token_ids:
             return torch.empty(0, self.hidden_size)
         lengths = [len(ids) for ids in token_ids]
@@ -149,13 +151,17 @@ class EmbeddingModel:
         flat = [t for ids in token_ids for t in ids]
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)  # [num_tokens]
         vectors = self.embed_packed(
-            input_ids, positions_of(lengths, self.device), cu_seqlens_of(lengths, self.device)
+            input_ids, positions_of(lengths, self.device), cu_seqlens_of(lengths, self.device), lora
         )
         return vectors.cpu()
 
     @torch.inference_mode()
     def embed_packed(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Vectors for back-to-back sequences on the model's device.
 
@@ -164,7 +170,7 @@ class EmbeddingModel:
         if self.is_encoder:
             hidden = self.model(input_ids, positions, cu_seqlens)  # [num_tokens, hidden]
         else:
-            hidden = _decoder_forward(self.model, input_ids, positions, cu_seqlens)
+            hidden = _decoder_forward(self.model, input_ids, positions, cu_seqlens, lora)
         vectors = pool(hidden, cu_seqlens, self.pooling)  # [batch, hidden] float32
         return normalize(vectors) if self.normalize else vectors
 
@@ -253,7 +259,11 @@ def _without_lm_head(
 
 
 def _decoder_forward(
-    model: Any, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor
+    model: Any,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    lora: LoRABatch | None = None,
 ) -> torch.Tensor:
     """Final-norm hidden states [num_tokens, hidden] of a full causal pass over packed sequences."""
     from engine.kernels.metadata import AttentionMetadata
@@ -274,4 +284,7 @@ def _decoder_forward(
         dtype=param.dtype,
         device=device,
     )  # [2, num_blocks, block_size, num_kv_heads, head_dim], shared by all layers
-    return model(input_ids, positions, [scratch] * model.num_layers, meta)  # [num_tokens, hidden]
+    caches = [scratch] * model.num_layers
+    if lora is not None:
+        return model(input_ids, positions, caches, meta, lora=lora)
+    return model(input_ids, positions, caches, meta)  # [num_tokens, hidden]

@@ -18,9 +18,10 @@ logger = logging.getLogger(__name__)
 
 
 class LoRAAdapters:
-    def __init__(self, model: Any, config: LoRAConfig) -> None:
+    def __init__(self, model: Any, config: LoRAConfig, refuse: bool = False) -> None:
         self.model = model
         self.config = config
+        self.refuse = refuse  # a model that takes no adapters (an encoder): every load fails
         self.served: dict[str, LoRAAdapter] = {}  # name -> the adapter new requests get
         # lora id -> weights the runner reads: the served ones and unloaded ones still pinned.
         self.by_id: dict[int, LoRAAdapter] = {}
@@ -37,6 +38,11 @@ class LoRAAdapters:
     def read(self, name: str, path: str) -> LoRAAdapter:
         """Read and check an adapter's files for this model (blocking; serves nothing yet)."""
         check_lora_name(name)
+        if self.refuse:
+            raise LoRAError(
+                f"{type(self.model).__name__} takes no LoRA adapters (decoder models do)",
+                "lora_path",
+            )
         if name in self.served:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded", "lora_name")
         spec = read_adapter_spec(path, self.config.max_lora_rank)
@@ -72,20 +78,29 @@ class LoRAAdapters:
         Its KV is namespaced by the adapter's content, so only the same weights share its blocks."""
         if name is None:
             return
-        adapter = self.served.get(name)
-        if adapter is None:
-            raise LoRANotFoundError(name, self.names())
+        adapter = self.selected(name)
         group.lora_name = name
         group.lora_id = adapter.lora_id
         group.cache_namespace = "lora:" + adapter.info.content_hash
 
+    def selected(self, name: str) -> LoRAAdapter:
+        adapter = self.served.get(name)
+        if adapter is None:
+            raise LoRANotFoundError(name, self.names())
+        return adapter
+
     def pin(self, group: RequestGroup) -> None:
-        if group.lora_id is not None:
-            self.pins[group.lora_id] = self.pins.get(group.lora_id, 0) + 1
+        self.pin_id(group.lora_id)
+
+    def pin_id(self, lora_id: int | None) -> None:
+        if lora_id is not None:
+            self.pins[lora_id] = self.pins.get(lora_id, 0) + 1
 
     def release(self, group: RequestGroup) -> None:
         """The group has ended: unpin its adapter (freed if it was unloaded meanwhile)."""
-        lora_id = group.lora_id
+        self.release_id(group.lora_id)
+
+    def release_id(self, lora_id: int | None) -> None:
         if lora_id is None or lora_id not in self.pins:
             return
         self.pins[lora_id] -= 1
