@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine import LoRAError
 from server.logging_setup import configure_logging
+from server.models_registry import check_adapter_names
 from server.settings import (
     add_serve_arguments,
     build_configs,
@@ -166,11 +167,17 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     loading = _load_in_daemon_thread(engine_config)
     bundled = "all-MiniLM-L6-v2" if engine_config.model.task == "embed" else "SmolLM2-135M-Instruct"
     logger.info("loading model %s ...", engine_config.model.model or f"(bundled {bundled})")
+    if server_config.allow_runtime_lora_updating and server_config.api_key is None:
+        logger.warning(
+            "--allow-runtime-lora-updating without --api-key: any client can load LoRA adapters "
+            "from this machine's disk"
+        )
     started = time.monotonic()
     done, _ = await asyncio.wait({serve_task, loading}, return_when=asyncio.FIRST_COMPLETED)
     if loading in done and not state.draining:
         try:
             engine = loading.result()
+            check_adapter_names(engine, server_config.served_model_name or engine.model_name)
             await engine.start()
         except Exception as e:  # noqa: BLE001 - one clear line, then exit 1
             what = "a LoRA adapter (--lora-modules)" if isinstance(e, LoRAError) else "the model"
@@ -180,6 +187,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             server.should_exit = True
         else:
             state.engine = engine
+            if engine.loras():
+                names = ", ".join(info.name for info in engine.loras())
+                logger.info("serving LoRA adapters: %s (select one by `model`)", names)
             logger.info(
                 "model %s loaded in %.1fs (max_model_len %d); serving on http://%s:%d",
                 state.model_name,

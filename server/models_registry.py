@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine import EngineClient, LoRAInfo
+from engine import EngineClient, LoRAError, LoRAInfo
 from server.errors import model_not_found
 from server.protocol import ModelCard
 
@@ -33,6 +33,15 @@ def resolve_model(requested: str | None, base: str, engine: EngineClient | None)
     if sep and head == base and tail in adapters:
         return ServedModel(requested, tail)
     raise model_not_found(requested, [base, *adapters])
+
+
+def check_adapter_names(engine: EngineClient, base: str) -> None:
+    """An adapter named as the base model could never be selected: a LoRAError at start-up."""
+    if any(info.name == base for info in engine.loras()):
+        raise LoRAError(
+            f"the adapter name {base!r} is the base model's id; give the adapter its own name",
+            "lora_name",
+        )
 
 
 def base_card(engine: EngineClient, model_id: str, created: int) -> ModelCard:
