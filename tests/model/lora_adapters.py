@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tests.model import tiny_models as tm
 from tests.model.tiny_models import hf_greedy, hf_logprobs, hf_reference
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -66,3 +67,42 @@ def edit_config(folder: Path, **changes: Any) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
+
+
+def save_tiny_base(smollm2_dir: Path, out: Path) -> Path:
+    """A random 2-layer Llama (hidden 64) with SmolLM2's tokenizer: the adapters' base model."""
+    from transformers import LlamaConfig
+
+    smol = json.loads((smollm2_dir / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=smol["vocab_size"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
+    )  # fmt: skip
+    return tm.save_tiny_checkpoint(config, out, smollm2_dir)
+
+
+def save_three_adapters(base: Path, root: Path) -> dict[str, Path]:
+    """Three adapters unlike each other: every linear; attention only with rsLoRA; the MLP."""
+    return {
+        "all": make_adapter(base, root / "all", rank=8, alpha=16, seed=1),
+        "attn": make_adapter(
+            base,
+            root / "attn",
+            rank=4,
+            alpha=8,
+            targets=["q_proj", "v_proj", "o_proj"],
+            seed=2,
+            rslora=True,
+            std=0.5,
+        ),  # fmt: skip
+        "mlp": make_adapter(
+            base,
+            root / "mlp",
+            rank=16,
+            alpha=8,
+            targets=["gate_proj", "up_proj", "down_proj"],
+            seed=3,
+        ),  # fmt: skip
+    }

@@ -13,7 +13,13 @@ import pytest
 
 from engine import LLM, LoRANotFoundError, SamplingParams
 from tests.model import tiny_models as tm
-from tests.model.lora_adapters import make_adapter, peft_greedy, peft_logprobs, peft_reference
+from tests.model.lora_adapters import (
+    peft_greedy,
+    peft_logprobs,
+    peft_reference,
+    save_three_adapters,
+    save_tiny_base,
+)
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -22,43 +28,12 @@ LENGTHS = [3, 17, 30, 45, 9, 52, 24, 38]
 
 @pytest.fixture(scope="module")
 def base(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig
-
-    smol = json.loads((smollm2_dir / "config.json").read_text())
-    config = LlamaConfig(
-        vocab_size=smol["vocab_size"], hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
-    )  # fmt: skip
-    return tm.save_tiny_checkpoint(config, tmp_path_factory.mktemp("lora_base"), smollm2_dir)
+    return save_tiny_base(smollm2_dir, tmp_path_factory.mktemp("lora_base"))
 
 
 @pytest.fixture(scope="module")
 def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Three adapters unlike each other: every linear; attention only with rsLoRA; the MLP."""
-    root = tmp_path_factory.mktemp("lora_adapters")
-    return {
-        "all": make_adapter(base, root / "all", rank=8, alpha=16, seed=1),
-        "attn": make_adapter(
-            base,
-            root / "attn",
-            rank=4,
-            alpha=8,
-            targets=["q_proj", "v_proj", "o_proj"],
-            seed=2,
-            rslora=True,
-            std=0.5,
-        ),  # fmt: skip
-        "mlp": make_adapter(
-            base,
-            root / "mlp",
-            rank=16,
-            alpha=8,
-            targets=["gate_proj", "up_proj", "down_proj"],
-            seed=3,
-        ),  # fmt: skip
-    }
+    return save_three_adapters(base, tmp_path_factory.mktemp("lora_adapters"))
 
 
 @pytest.fixture(scope="module")
