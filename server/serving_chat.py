@@ -144,7 +144,7 @@ def prepare_chat(
         plan,
         req.parallel_tool_calls,
         reasoning is not None,
-        served.lora,
+        lora=served.lora,
     )
 
 
