@@ -223,6 +223,18 @@ def test_a_lora_load_or_unload_reaches_every_replica(
     assert r.status_code == 400 and found[0]["replica_id"] in r.json()["error"]["message"]
     assert [replica_models(rep) for rep in found] == [[model, "sql", "solo"], [model, "sql"]]
     assert post("/v1/unload_lora_adapter", {"lora_name": "solo"}).status_code == 200
+    # A replica Ray starts later (here: after a crash) loads the adapters loaded at run time.
+    victim = found[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        found = replicas(ray_server)
+        restored = len(found) == 2 and victim not in {rep["pid"] for rep in found}
+        if restored and all(replica_models(rep) == [model, "sql"] for rep in found):
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"no restored replica serving the adapter: {replicas(ray_server)}")
     r = post("/v1/unload_lora_adapter", {"lora_name": "sql"})
     assert r.status_code == 200 and "removed successfully" in r.text
     assert all(replica_models(rep) == [model] for rep in found)
