@@ -18,8 +18,10 @@ from server.state import ServerState
 logger = logging.getLogger(__name__)
 
 router = APIRouter()
-LORA_ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+# 200 is vLLM's plain-text sentence; errors are the usual JSON envelope.
+LORA_RESPONSES: dict[int | str, dict[str, object]] = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+    **{code: {"model": ErrorResponse} for code in (400, 401, 404, 503)},
 }
 
 
@@ -46,7 +48,7 @@ def _updating(request: Request) -> ServerState:
     return state
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=LORA_ERRORS)
+@router.post("/v1/load_lora_adapter", responses=LORA_RESPONSES)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
     """Load a PEFT LoRA folder under `lora_name`; requests then select it by `model`. A bad folder,
     rank or file is a 400 naming the field, and nothing served changes."""
@@ -78,7 +80,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
     return PlainTextResponse(f"Success: LoRA adapter '{info.name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=LORA_ERRORS)
+@router.post("/v1/unload_lora_adapter", responses=LORA_RESPONSES)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
     """Stop serving `lora_name`: new requests for it get 404 at once, running ones finish on it."""
     state = _updating(request)
