@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from engine.models.lora_weights import LinearLoRA, LoRAAdapter
@@ -82,16 +83,8 @@ def add_lora(
 
 
 def _add_segment(y: torch.Tensor, x: torch.Tensor, lin: LinearLoRA) -> None:
-    t = torch.mm(x if x.dtype == torch.float32 else x.float(), lin.a_t)  # [rows, total rank]
-    one = len(lin.pieces) == 1
-    for p in lin.pieces:
-        dest = (
-            y
-            if one and p.out_start == 0 and p.out_end == y.shape[1]
-            else y[:, p.out_start : p.out_end]
-        )
-        tp = t if one else t[:, p.col_start : p.col_start + p.rank]
-        if y.dtype == torch.float32:
-            dest.addmm_(tp, p.b)
-        else:
-            dest.add_(torch.mm(tp, p.b).to(y.dtype))
+    t = F.linear(x if x.dtype == torch.float32 else x.float(), lin.a)  # [rows, total rank]
+    if y.dtype == torch.float32:
+        y.addmm_(t, lin.b.t())
+    else:  # a 16-bit model: the delta in float32, added once rounded
+        y.add_(F.linear(t, lin.b).to(y.dtype))

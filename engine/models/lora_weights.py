@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,26 +28,15 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
-class LoRAPiece:
-    """One PEFT module inside an engine linear: its columns of the stacked A product and its rows
-    of the linear's output."""
-
-    col_start: int  # first column of x @ A^T this module owns
-    rank: int
-    out_start: int  # first output row (of the fused linear) it adds to
-    b: torch.Tensor  # [rank, out_rows] float32: scaling * lora_B, transposed (a right-hand side)
-
-    @property
-    def out_end(self) -> int:
-        return self.out_start + self.b.shape[1]
-
-
-@dataclass
 class LinearLoRA:
-    """An adapter's delta on one fused linear: y += sum over pieces of (x @ a_t)[:, cols] @ b."""
+    """An adapter's delta on one fused linear: y += (x @ a^T) @ b^T. The PEFT modules inside it
+    (q/k/v of qkv, gate/up of gate_up) are stacked: a's rows are their lora_A rows, b holds each
+    one's scaled lora_B in its own output rows and rank columns, zeros elsewhere, so a step makes
+    two small matmuls per linear and adapter. Both keep PEFT's [out, in] layout (a transposed
+    weight is the fast small gemm on CPU)."""
 
-    a_t: torch.Tensor  # [in_features, total rank] float32: the pieces' lora_A stacked, transposed
-    pieces: list[LoRAPiece] = field(default_factory=list)
+    a: torch.Tensor  # [total rank, in_features] float32
+    b: torch.Tensor  # [out_features, total rank] float32: scaling * lora_B, block by block
 
 
 @dataclass
@@ -65,7 +54,7 @@ class LoRAAdapter:
         total = 0
         for linears in self.layers:
             for lin in linears.values():
-                total += lin.a_t.numel() * 4 + sum(p.b.numel() * 4 for p in lin.pieces)
+                total += (lin.a.numel() + lin.b.numel()) * lin.a.element_size()
         return total
 
 
@@ -216,12 +205,13 @@ def load_adapter(model: Any, spec: AdapterSpec, name: str, lora_id: int) -> LoRA
     for per_layer in grouped:
         linears: dict[str, LinearLoRA] = {}
         for linear, parts in per_layer.items():
-            a_t = torch.cat([a for _, a, _, _ in parts], dim=0).t().contiguous()  # [in, sum r]
-            pieces, col = [], 0
-            for offset, _, b, _ in parts:
-                pieces.append(LoRAPiece(col, b.shape[1], offset, (b * scaling).t().contiguous()))
-                col += b.shape[1]
-            linears[linear] = LinearLoRA(a_t, pieces)
+            a = torch.cat([a for _, a, _, _ in parts], dim=0).contiguous()  # [sum r, in]
+            b = torch.zeros(shapes[linear][0], a.shape[0])  # [out, sum r]
+            col = 0
+            for offset, _, piece, _ in parts:
+                b[offset : offset + piece.shape[0], col : col + piece.shape[1]] = piece * scaling
+                col += piece.shape[1]
+            linears[linear] = LinearLoRA(a, b)
         layers.append(linears)
     info = LoRAInfo(
         name=name,
