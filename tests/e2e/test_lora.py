@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,11 @@ def test_load_and_unload_at_run_time(
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'poem' added successfully."
     assert model_ids(client) == [BASE, "sql", "poem"]
     assert complete(client, "poem", prompt_ids).choices[0].text == reference["poem"]
+    # Requests for both adapters and the base model at once share the engine's steps.
+    models = [BASE, "sql", "poem"] * 3
+    with ThreadPoolExecutor(len(models)) as pool:
+        texts = list(pool.map(lambda m: complete(client, m, prompt_ids).choices[0].text, models))
+    assert texts == [reference[None if m == BASE else m] for m in models]
     again = post(server, "/v1/load_lora_adapter", load)
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
 
