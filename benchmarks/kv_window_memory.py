@@ -20,6 +20,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_groups import KVCacheSpec, kv_cache_spec
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.runner_output import RunnerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
@@ -82,7 +83,7 @@ def simulate(layout: Layout, block_size: int, budget: int) -> dict[str, float]:
         out = sched.schedule()
         # While a step runs its chunk's blocks are held next to the window's (given back after).
         peak_step = max(peak_step, sliding_blocks(kv, seq))
-        sched.after_step(out)
+        sched.update_from_output(out, RunnerOutput())
         held = sliding_blocks(kv, seq)
         if seq.num_output_tokens:
             peak_decode = max(peak_decode, held)

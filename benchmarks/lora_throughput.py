@@ -59,23 +59,47 @@ def write_adapter(out: Path, rank: int, num_layers: int, seed: int) -> Path:
     return out
 
 
-def run(engine: Any, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> dict:
+def add_all(
+    engine: Any, prompts: list[list[int]], loras: list[str | None], max_tokens: int
+) -> None:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+    for i, (prompt, lora) in enumerate(zip(prompts, loras[: len(prompts)], strict=True)):
         engine.add_request(f"r{i}", prompt, params, lora=lora)
-    start = time.perf_counter()
-    decode_steps: list[float] = []
-    tokens = 0
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        stats = engine.last_step
-        if stats is not None and stats.kind == "decode":
-            decode_steps.append(stats.duration)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
-    elapsed = time.perf_counter() - start
-    return {"tok_s": tokens / elapsed, "decode_ms": 1e3 * statistics.median(decode_steps)}
+
+
+def run_interleaved(
+    engines: dict[str, Any],
+    plans: dict[str, list[str | None]],
+    prompts: list[list[int]],
+    max_tokens: int,
+) -> dict[str, dict[str, float]]:
+    """All variants' requests at once, one engine each, stepped in turn (so machine noise hits all
+    alike); per variant: output tokens / its own step time, and its median decode step."""
+    for name, engine in engines.items():
+        add_all(engine, prompts, plans[name], max_tokens)
+    busy = {name: 0.0 for name in engines}
+    tokens = {name: 0 for name in engines}
+    decode: dict[str, list[float]] = {name: [] for name in engines}
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            outs = engine.step()
+            busy[name] += time.perf_counter() - start
+            tokens[name] += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+            stats = engine.last_step
+            if stats is not None and stats.kind == "decode":
+                decode[name].append(stats.duration)
+    return {
+        name: {
+            "tok_s": tokens[name] / busy[name],
+            "decode_ms": 1e3 * statistics.median(decode[name]),
+        }
+        for name in engines
+    }
 
 
 def main() -> None:
@@ -100,12 +124,14 @@ def main() -> None:
             None,
             max_num_seqs=args.concurrency,
             enable_prefix_caching=False,
+            kv_cache_memory=256 << 20,
             lora_modules=adapters,
             max_loras=4,
             max_lora_rank=max(64, args.rank),
             num_threads=args.threads,
         )
-        engine = LLMEngine(config)
+        # One engine per variant (the same weights and adapters), stepped in turn.
+        engines = {variant: LLMEngine(config) for variant in VARIANTS}
         rng = random.Random(0)
         n = args.concurrency
         prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(n)]
@@ -114,25 +140,26 @@ def main() -> None:
             "one adapter": ["a0"] * n,
             "4 adapters": [f"a{i % 4}" for i in range(n)],
         }
+        model: Any = engines["base"].model
         print(cpu_summary())
         print(
-            f"bundled model, {engine.model.layers[0].mlp.down_weight.__class__.__name__} weights, "
+            f"bundled model, {type(model.layers[0].mlp.down_weight).__name__} weights, "
             f"rank {args.rank} on all linear modules, concurrency {n}, prompt {args.prompt_len}, "
             f"{args.max_tokens} output tokens, torch threads {torch.get_num_threads()}"
         )
-        run(engine, prompts[:4], plans["4 adapters"][:4], 4)  # warm-up
-        results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-        for r in range(args.rounds):
-            order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
-            for variant in order:
-                results[variant].append(run(engine, prompts, plans[variant], args.max_tokens))
+        run_interleaved(engines, plans, prompts[:4], 4)  # warm-up
+        results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+        for _ in range(args.rounds):
+            for variant, got in run_interleaved(engines, plans, prompts, args.max_tokens).items():
+                results[variant].append(got)
         base_tok = statistics.median(x["tok_s"] for x in results["base"])
+        base_step = statistics.median(x["decode_ms"] for x in results["base"])
         for variant in VARIANTS:
             tok = statistics.median(x["tok_s"] for x in results[variant])
             step = statistics.median(x["decode_ms"] for x in results[variant])
             print(
-                f"{variant:>12}: {tok:7.1f} output tok/s  ({tok / base_tok:.2f}x base)  "
-                f"decode step {step:6.1f} ms"
+                f"{variant:>12}: {tok:7.1f} output tok/s ({tok / base_tok:.2f}x base), "
+                f"decode step {step:6.1f} ms ({base_step / step:.2f}x base speed)"
             )
 
 

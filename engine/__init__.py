@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.core.block_hashes import DEFAULT_SEED as BLOCK_HASH_SEED
+from engine.core.block_hashes import external_block_hashes
 from engine.core.config import (
     DTYPES,
     POOLINGS,
@@ -31,6 +33,7 @@ from engine.core.errors import (
     SamplingParamsError,
     WrongTaskError,
 )
+from engine.core.kv_events import KVEventsConfig, KVEventsState
 from engine.core.lora import LoRAConfig, LoRAInfo
 from engine.core.outputs import (
     CompletionOutput,
@@ -129,6 +132,10 @@ __all__ = [
     "SamplingParamsError",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "KVEventsConfig",
+    "KVEventsState",
+    "BLOCK_HASH_SEED",
+    "external_block_hashes",
     "StructuredOutputs",
     "WrongTaskError",
     "ReasoningFormat",

@@ -130,6 +130,8 @@ class AsyncLLMEngine:
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
+        if isinstance(self.core, LLMEngine):
+            self.core.close()  # the KV events publisher sends what is queued
 
     def health(self) -> EngineHealth:
         if self.dead_error is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.block_hashes import DEFAULT_SEED
 from engine.core.config import EngineConfig
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
@@ -26,7 +27,8 @@ from engine.core.sampling_params import (
     check_token_ids,
     resolve_max_tokens,
 )
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.sequence_update import SequenceUpdater
 from engine.core.snapshot import (
     BlockHolders,
     EngineSnapshot,
@@ -41,6 +43,7 @@ from engine.executor.lora_adapters import LoRAAdapters
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
+from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
 from engine.models.lora_weights import LoRAAdapter
 from engine.output_processor import OutputProcessor
@@ -91,12 +94,18 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_spec.windows
         )
+        events = config.kv_events_config
+        self.kv_events: KVEventStream | None = None
+        if events is not None and events.enabled:  # like vLLM, its hashes follow PYTHONHASHSEED
+            seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
+            self.kv_events = KVEventStream.start(events, self.kv, seed)
         spec = config.speculative_config
         speculator = Speculator(spec, self.max_model_len) if spec is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, speculator, config.lora.max_loras)
-        self.output_processor = OutputProcessor(
-            self.scheduler, self.eos_token_ids, self.max_model_len
+        updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, speculator, updater, config.lora.max_loras
         )
+        self.output_processor = OutputProcessor()
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
         # Test-only fault hooks are a runner subclass chosen here, never a check inside a step.
         runner_class = FaultInjectingRunner if fault_injection_enabled() else ModelRunner
@@ -320,18 +329,10 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        queries_before, hits_before = self.kv.stats.queries, self.kv.stats.hits
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.publish()
             return []
-        stats = self._new_step_stats(sched)
-        now = time.monotonic()
-        for s in sched.scheduled:
-            m = s.seq.group.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-                stats.num_new_prompt_tokens += s.seq.group.num_prompt_tokens
         try:
             result = self.runner.execute(sched, self.eos_token_ids)
         except Exception as e:  # a failure of the whole batch: fail these requests, keep the engine
@@ -341,10 +342,9 @@ class LLMEngine:
             result = RunnerOutput(
                 errors={s.seq.seq_id: f"model execution failed: {e}" for s in sched.scheduled}
             )
-        self.scheduler.after_step(sched, result)
-        touched = self.output_processor.update(sched, result, stats)
+        update = self.scheduler.update_from_output(sched, result)
         outputs = []
-        for g in touched:
+        for g in update.groups:
             out = self.output_processor.make_output(g)
             if out is not None:
                 outputs.append(out)
@@ -352,20 +352,29 @@ class LLMEngine:
                     if self.groups.pop(g.request_id, None) is not None:
                         self.adapters.release(g)
 
+        stats = update.stats  # the scheduler's own report of the step; its duration is timed here
         stats.duration = time.monotonic() - t0
-        stats.num_running = len(self.scheduler.running)
-        stats.num_waiting = len(self.scheduler.waiting)
-        stats.kv_cache_usage = self.kv.usage
-        stats.num_preemptions = len(sched.preempted)  # the schedule's own report
-        stats.prefix_cache_queries = self.kv.stats.queries - queries_before
-        stats.prefix_cache_hits = self.kv.stats.hits - hits_before
-        for (
-            s
-        ) in sched.scheduled:  # blocks a sample held through this step (shared ones count for each)
+        # Blocks a sample held through this step (shared ones count for each).
+        for s in sched.scheduled:
             s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration
         self._accumulate(stats)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.publish()
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (KV events: AllBlocksCleared); False while requests hold
+        blocks. Call it between steps."""
+        done = self.kv.pool.reset_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
+    def close(self) -> None:
+        """Stop what runs beside the steps (the KV events publisher); the engine steps no more."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def publish(self, detail: bool = False) -> EngineSnapshot:
         """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
@@ -434,6 +443,7 @@ class LLMEngine:
             max_loras=self.config.lora.max_loras,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
+            kv_events=self.kv_events.publisher.state() if self.kv_events is not None else None,
         )
 
     def _snapshot_detail(self) -> SnapshotDetail:
@@ -456,18 +466,6 @@ class LLMEngine:
             self.kv.block_size,
             sc.max_num_batched_tokens,
             sc.max_num_seqs,
-        )
-
-    def _new_step_stats(self, sched: SchedulerOutput) -> StepStats:
-        if sched.num_prefill_tokens == 0:
-            kind = "decode"
-        else:
-            kind = "prefill" if sched.num_decode_tokens == 0 else "mixed"
-        return StepStats(
-            kind,
-            num_batched_tokens=sched.num_batched_tokens,
-            num_prefill_tokens=sched.num_prefill_tokens,
-            num_decode_tokens=sched.num_decode_tokens,
         )
 
     def _accumulate(self, stats: StepStats) -> None:

@@ -102,6 +102,21 @@ async def _events(
         await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
 
 
+def _kv_events(snap: EngineSnapshot) -> dict[str, Any] | None:
+    ev = snap.kv_events
+    if ev is None:
+        return None
+    return {
+        "endpoint": ev.endpoint,
+        "replay_endpoint": ev.replay_endpoint,
+        "topic": ev.topic,
+        "num_batches": ev.num_batches,
+        "num_events": ev.num_events,
+        "num_dropped": ev.num_dropped,
+        "alive": ev.alive,
+    }
+
+
 # Block states as the page draws them, one character per block.
 FREE, CACHED_FREE, HELD, SHARED = ".", "c", "h", "s"
 
@@ -168,6 +183,8 @@ def page_payload(
             "states": states.decode(),
             "tables": tables,
         },
+        # The KV events publisher (--kv-events-config), or null.
+        "kv_events": _kv_events(snap),
         # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting]
         "steps": steps,
         "requests": [

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -65,6 +65,18 @@ class _QueueGauges:
             "Fraction of KV cache blocks held by live sequences (0 to 1).",
             snapshot.kv_cache_usage if snapshot else 0.0,
         )
+        events = snapshot.kv_events if snapshot else None
+        if events is not None:  # --kv-events-config: the publisher's counts since start-up
+            for name, text, value in (
+                ("kv_events_published", "KV cache events published.", events.num_events),
+                ("kv_event_batches_published", "KV event batches published.", events.num_batches),
+                (
+                    "kv_event_batches_dropped",
+                    "KV event batches dropped (queue full).",
+                    events.num_dropped,
+                ),
+            ):
+                yield CounterMetricFamily(f"kvserve_{name}", text, value)
         yield _lora_info(snapshot)
 
 

@@ -18,6 +18,7 @@ from engine import (
     POOLINGS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
@@ -148,6 +149,13 @@ def _optional_size(text: str) -> int | None:
 
 class _OptionError(argparse.ArgumentTypeError, ValueError):
     """A value error argparse shows with its message (it hides a plain ValueError's)."""
+
+
+def _kv_events_config(text: str) -> KVEventsConfig | None:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise _OptionError(str(e)) from None
 
 
 def _speculative_config(text: str) -> SpeculativeConfig | None:
@@ -371,6 +379,15 @@ OPTIONS: tuple[Option, ...] = (
         _speculative_config,
         "speculative decoding as vLLM's JSON, e.g. "
         '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+        metavar="JSON",
+    ),
+    Option(
+        "kv-events-config",
+        "engine.kv_events_config",
+        _kv_events_config,
+        "publish KV cache events (vLLM's JSON and wire format) for KV-aware routers, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
         metavar="JSON",
     ),
     Option(

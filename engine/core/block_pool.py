@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import Protocol
 
 ROOT_NODE = 0  # parent node of a sequence's first block
 NO_NODE = -1  # a block holding no registered content
@@ -89,6 +90,14 @@ class PrefixTrie:
             node = self.parents.pop(node)
 
 
+class BlockPoolListener(Protocol):
+    """Told when a block's content enters or leaves the prefix cache (KV events)."""
+
+    def block_stored(self, group: int, node: int) -> None: ...
+    def block_removed(self, group: int, node: int) -> None: ...
+    def cleared(self) -> None: ...
+
+
 class BlockPool:
     """Physical blocks with reference counts. Free blocks wait in LRU order (oldest first); a free
     block may still hold cached content (it keeps its node) until it is reused."""
@@ -101,6 +110,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[tuple[int, int], int] = {}  # (group, node) -> block id
         self.trie = PrefixTrie()
+        self.listener: BlockPoolListener | None = None  # KV events (engine.core.kv_event_recorder)
 
     @property
     def num_free(self) -> int:
@@ -134,9 +144,25 @@ class BlockPool:
         self.block_nodes[block_id] = node
         self.block_groups[block_id] = group
         self.trie.ref(node)
+        if self.listener is not None:
+            self.listener.block_stored(group, node)
 
     def lookup(self, group: int, node: int) -> int | None:
         return self.cached.get((group, node))
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); only while no block is held, so
+        False (and nothing changed) when a sequence still holds one."""
+        if self.num_free != self.num_blocks:
+            return False
+        for block_id, node in enumerate(self.block_nodes):
+            if node != NO_NODE:
+                self.block_nodes[block_id] = NO_NODE
+                del self.cached[(self.block_groups[block_id], node)]
+                self.trie.unref(node)
+        if self.listener is not None:
+            self.listener.cleared()
+        return True
 
     def is_cached_block(self, block_id: int) -> bool:
         return self.block_nodes[block_id] != NO_NODE
@@ -146,4 +172,6 @@ class BlockPool:
         if node != NO_NODE:
             self.block_nodes[block_id] = NO_NODE
             del self.cached[(self.block_groups[block_id], node)]
+            if self.listener is not None:
+                self.listener.block_removed(self.block_groups[block_id], node)
             self.trie.unref(node)

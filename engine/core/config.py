@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.kv_events import KVEventsConfig
 from engine.core.lora import LoRAConfig
 from engine.core.spec_config import SpeculativeConfig
 
@@ -115,11 +116,14 @@ class EngineConfig:
     log_stats_interval: float = 5.0  # seconds between INFO stats lines while busy (0 disables)
     # Speculative decoding (None: off). Given as vLLM's JSON text or a dict, parsed here.
     speculative_config: SpeculativeConfig | None = None
+    # KV cache events for external routers (None: off). vLLM's JSON text or a dict, parsed here.
+    kv_events_config: KVEventsConfig | None = None
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters (engine/core/lora.py)
 
     def __post_init__(self) -> None:
         parsed = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", parsed)
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: object) -> EngineConfig:

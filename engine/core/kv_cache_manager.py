@@ -225,11 +225,15 @@ class KVCacheManager:
         self.num_skipped[seq.seq_id] = skipped
         return tables
 
-    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_query(
+        self, num_query_tokens: int, num_hit_tokens: int, step: PrefixCacheStats | None = None
+    ) -> None:
+        """Count a lookup in the totals (and in `step`, the lookups of the step being scheduled)."""
         if not self.enable_prefix_caching:
             return  # followers sharing their leader's blocks are not cache lookups
-        self.stats.queries += num_query_tokens
-        self.stats.hits += num_hit_tokens
+        for counts in (self.stats, step) if step is not None else (self.stats,):
+            counts.queries += num_query_tokens
+            counts.hits += num_hit_tokens
 
     # -- allocation -------------------------------------------------------------------------------
     def allocate_slots(

@@ -4,20 +4,35 @@ chunking prompts to fit the budget; preempts the newest running sequence (recomp
 Head-of-line: when a waiting sequence cannot get KV blocks, the ones behind it (up to BYPASS_WINDOW
 deep) are still admitted if they fit, but each blocked sequence lets at most HEAD_BYPASS_LIMIT later
 ones go first; after that admission is strictly first-come-first-served until it gets its blocks, so
-a long prompt is delayed by a bounded amount and never starved by a stream of short ones."""
+a long prompt is delayed by a bounded amount and never starved by a stream of short ones.
+
+After the runner, update_from_output (vLLM's shape) applies its output: the KV written, the sampled
+tokens and the stop rules (engine.core.sequence_update), the finished sequences' blocks, and the step's
+stats, which the scheduler reports itself."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.core.config import SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager, PrefixHit
+from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, PrefixHit
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
+from engine.core.sequence_update import (
+    Ending,
+    Failure,
+    SequenceUpdater,
+    constraint_failure,
+    finished_stats,
+    store_prompt_logprobs,
+)
 from engine.core.speculator import Speculator
+from engine.core.stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +71,27 @@ class SchedulerOutput:
     num_decode_tokens: int
     preempted: list[Sequence] = field(default_factory=list)
     num_draft_tokens: int = 0  # proposed tokens to verify (part of num_prefill_tokens)
+    num_new_prompt_tokens: int = 0  # prompt tokens of requests scheduled for the first time
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)  # this step's lookups
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def kind(self) -> str:
+        if self.num_prefill_tokens == 0:
+            return "decode"
+        return "prefill" if self.num_decode_tokens == 0 else "mixed"
+
+
+@dataclass
+class SchedulerUpdate:
+    """What one runner output changed: the request groups it touched (in schedule order) and the
+    step's stats (all but its duration, which the engine times)."""
+
+    groups: list[RequestGroup]
+    stats: StepStats
 
 
 class Scheduler:
@@ -68,12 +100,15 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         speculator: Speculator | None = None,
+        updater: SequenceUpdater | None = None,
         max_loras: int | None = None,
     ) -> None:
         self.config = config
         self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no limit)
         self.kv = kv
         self.speculator = speculator  # None: no speculative decoding
+        # The stop rules applied to sampled tokens (by default: no EOS, no model length).
+        self.updater = updater or SequenceUpdater(frozenset(), sys.maxsize)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -109,6 +144,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        lookups = PrefixCacheStats()
 
         speculator = self.speculator
         if speculator is not None and not speculator.enabled_for_batch(len(self.running)):
@@ -143,7 +179,7 @@ class Scheduler:
 
         # New work only when nothing had to be preempted: preemption means the pool is full.
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, lookups)
 
         # Stable: decodes first; each kind grouped by LoRA adapter (base rows first), so an adapter's
         # rows are contiguous within each kind (the runner's adapter segments).
@@ -151,8 +187,22 @@ class Scheduler:
         num_decode = sum(1 for s in scheduled if s.is_decode)
         total = sum(s.num_new_tokens for s in scheduled)
         num_drafts = sum(len(s.draft_token_ids) for s in scheduled)
+        num_new_prompt = 0
+        now = time.monotonic()
+        for s in scheduled:
+            m = s.seq.group.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                num_new_prompt += s.seq.group.num_prompt_tokens
         return SchedulerOutput(
-            scheduled, total, total - num_decode, num_decode, preempted, num_drafts
+            scheduled,
+            total,
+            total - num_decode,
+            num_decode,
+            preempted,
+            num_drafts,
+            num_new_prompt,
+            lookups,
         )
 
     def _drafts(self, speculator: Speculator, seq: Sequence, budget: int) -> list[int]:
@@ -163,7 +213,9 @@ class Scheduler:
             return []
         return drafts
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledSeq], lookups: PrefixCacheStats
+    ) -> int:
         """Start (or resume) waiting sequences in arrival order while the budget, the sequence limit
         and the KV pool allow; returns the budget left."""
         i = 0  # self.waiting[:i] could not get KV blocks this step
@@ -197,7 +249,7 @@ class Scheduler:
             del self.waiting[i]
             self.bypassed.pop(seq.seq_id, None)
             if seq.status is SequenceStatus.WAITING and looked_up:  # first admission, a real lookup
-                self.kv.record_prefix_query(seq.num_tokens, num_cached)
+                self.kv.record_prefix_query(seq.num_tokens, num_cached, lookups)
                 seq.num_cached_tokens = num_cached
             elif seq.num_lost_tokens:  # resumed: what the prefix cache does not give back is redone
                 seq.group.metrics.num_recomputed_tokens += max(0, seq.num_lost_tokens - num_cached)
@@ -250,7 +302,64 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
-    def after_step(self, out: SchedulerOutput, result: RunnerOutput | None = None) -> None:
+    # -- after the runner ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> SchedulerUpdate:
+        """Apply the runner's output for the step `out` scheduled: the KV written, each sequence's
+        prompt logprob rows and sampled tokens under the stop rules, followers released once their
+        leader's prompt is in, failed and finished sequences ended (their blocks freed); returns the
+        groups touched and the step's stats."""
+        self._advance_kv(out, result)
+        stats = StepStats(
+            out.kind,
+            num_batched_tokens=out.num_batched_tokens,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_new_prompt_tokens=out.num_new_prompt_tokens,
+        )
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for s in out.scheduled:
+            seq, group = s.seq, s.seq.group
+            if seq.status.finished:
+                continue
+            touched[group.request_id] = group
+            if seq.seq_id in result.prompt_logprobs:
+                store_prompt_logprobs(seq, *result.prompt_logprobs[seq.seq_id])
+            if seq.seq_id in result.errors:
+                if seq.matcher is not None and seq.matcher.is_error():  # it masked every token
+                    self._end(seq, constraint_failure(group, seq.matcher.get_error()))
+                else:
+                    self._end(seq, Failure(result.errors[seq.seq_id]))
+                continue
+            if seq.index == 0 and seq.is_prefill_done:
+                self.release_followers(group)
+            if seq.seq_id not in result.sampled:
+                if s.needs_sample is False and seq.is_prefill_done and group.max_output_tokens == 0:
+                    # Scoring only (echo with no tokens to generate): done once the prompt is.
+                    self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                continue
+            self._end(seq, self.updater.append_sampled(seq, s.draft_token_ids, result, now, stats))
+        for group in touched.values():
+            if group.finished:
+                stats.finished.append(finished_stats(group, now))
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.kv_cache_usage = self.kv.usage
+        stats.num_preemptions = len(out.preempted)
+        stats.prefix_cache_queries = out.prefix_cache.queries
+        stats.prefix_cache_hits = out.prefix_cache.hits
+        return SchedulerUpdate(list(touched.values()), stats)
+
+    def _end(self, seq: Sequence, ending: Ending) -> None:
+        if isinstance(ending, Failure):  # the whole request fails
+            group = seq.group
+            group.error, group.fault = ending.message, ending.fault
+            for s in group.seqs:
+                self.finish(s, SequenceStatus.FINISHED_ERROR)
+        elif ending is not None:
+            self.finish(seq, ending)
+
+    def _advance_kv(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         """Account for the KV written this step, make the full blocks reusable, and give back what
         the sliding windows moved past. A verified sequence keeps the KV of its accepted drafts
         only: the rest is rolled back (its positions are computed again, their slots overwritten;
@@ -262,13 +371,13 @@ class Scheduler:
                 self.kv.cache_full_blocks(seq)
                 self.kv.release_out_of_window(seq)
                 continue
-            accepted = result.num_accepted.get(seq.seq_id, 0) if result is not None else 0
+            accepted = result.num_accepted.get(seq.seq_id, 0)
             seq.num_computed_tokens += 1 + accepted
             # The accepted drafts and the bonus token are appended next: keep blocks for them only.
             self.kv.trim(seq, seq.num_computed_tokens + 1)
             self.kv.cache_full_blocks(seq)  # registers only blocks of tokens the sequence holds
             self.kv.release_out_of_window(seq)
-            if self.speculator is not None and seq.seq_id not in (result.errors if result else {}):
+            if self.speculator is not None and seq.seq_id not in result.errors:
                 self.speculator.record(seq, len(s.draft_token_ids), accepted)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

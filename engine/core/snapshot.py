@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.core.kv_events import KVEventsState
+
 RequestState = Literal["waiting", "running", "preempted"]
 
 
@@ -90,6 +92,7 @@ class EngineSnapshot:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    kv_events: KVEventsState | None = None  # the KV events publisher, when events are on
     # Requests the async front holds (admitted, not yet ended), filled in when the snapshot is read.
     num_unfinished_requests: int = 0
     # LoRA adapters (names) of running and of waiting requests, and the distinct adapters one step

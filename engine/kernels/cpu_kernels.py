@@ -150,8 +150,16 @@ def decode_layer(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    lora: tuple[list[torch.Tensor], list[int]] | None = None,
 ) -> torch.Tensor:  # [n, hidden]
-    """One decoder layer of a pure decode step in one call (the fused layer's exact ops)."""
+    """One decoder layer of a pure decode step in one call (the fused layer's exact ops).
+    `lora`: the step's LoRA deltas for this layer, (tensors, segments) as
+    engine.models.lora_apply.one_call_args builds them (see csrc/decode_layer.cpp)."""
+    if lora is not None:
+        return torch.ops.kvserve.decode_layer_lora(
+            h, weights, kinds, eps, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens,
+            heads, kv_heads, scale, window or 0, softcap or 0.0, lora[0], lora[1],
+        )  # fmt: skip
     return torch.ops.kvserve.decode_layer(
         h, weights, kinds, eps, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens,
         heads, kv_heads, scale, window or 0, softcap or 0.0,

@@ -24,7 +24,7 @@ from engine.models.decoder_layer import (
     pre_attention,
 )
 from engine.models.layers import RMSNorm, optional_param, softcap
-from engine.models.lora_apply import LoRABatch
+from engine.models.lora_apply import LoRABatch, one_call_args
 from engine.models.quantization import linear
 from engine.models.rotary import RotaryEmbedding
 
@@ -151,8 +151,7 @@ class DecoderForCausalLM(nn.Module):
         # verification, small chunks) given each token's own block table and context length.
         pure_decode = meta.num_decode_seqs == meta.num_seqs
         one_call = pure_decode or meta.max_query_len <= ONE_CALL_MAX_QUERY_LEN
-        # Steps with adapter rows run the fused Python layer, which adds their deltas.
-        calls = self._decode_calls() if one_call and lora is None else None
+        calls = self._decode_calls() if one_call else None
         for i, kv_cache in enumerate(kv_caches):
             layer = cast(DecoderLayer, self.layers[i])
             cos, sin = cos_sins[layer.self_attn.rope_index]
@@ -166,9 +165,10 @@ class DecoderForCausalLM(nn.Module):
             tables, lens = (
                 (lmeta.block_tables, lmeta.seq_lens) if pure_decode else lmeta.token_context()
             )
+            deltas = one_call_args(lora.layer(i)) if lora is not None else None
             h = cpu_kernels.decode_layer(
                 h, w, kinds, eps, cos, sin, kv_cache, lmeta.slot_mapping, tables, lens,
-                heads, kv_heads, scale, window, cap,
+                heads, kv_heads, scale, window, cap, deltas,
             )  # fmt: skip
         return decoder_cpu.norm(self.norm, h)
 

@@ -66,6 +66,27 @@ def lora_batch(
     return LoRABatch(tuple(segments)) if segments else None
 
 
+_LINEARS = ("qkv", "o", "gate_up", "down")  # the one-call C++ layer's matmul order
+
+
+def one_call_args(lora: LayerLoRA | None) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The layer's deltas as csrc/decode_layer.cpp's decode_layer_lora takes them: the (a, b) pairs
+    in segment and matmul order, and [start, end, mask of the matmuls with a pair] per segment."""
+    if lora is None:
+        return None
+    tensors: list[torch.Tensor] = []
+    segments: list[int] = []
+    for start, end, linears in lora.parts:
+        mask = 0
+        for i, name in enumerate(_LINEARS):
+            lin = linears.get(name)
+            if lin is not None:
+                tensors += [lin.a, lin.b]
+                mask |= 1 << i
+        segments += [start, end, mask]
+    return tensors, segments
+
+
 def add_lora(
     y: torch.Tensor,  # [n, out] the base linear's output, updated in place
     x: torch.Tensor,  # [n, in] its input

@@ -43,7 +43,10 @@ def build_application(
         max_ongoing_requests=100_000,  # queueing and backpressure belong to the replicas
     )(KvserveIngress)
     return ingress.bind(
-        replica.bind(dict(values)), server_config.max_request_body_bytes, server_config.api_key
+        replica.bind(dict(values)),
+        server_config.max_request_body_bytes,
+        server_config.api_key,
+        dict(values),
     )
 
 

@@ -14,7 +14,8 @@ Headers = list[tuple[bytes, bytes]]
 
 @dataclass
 class ForwardRequest:
-    """One HTTP request as the ingress read it, plus the text the request router hashes."""
+    """One HTTP request as the ingress read it, plus what the request router matches: the prompt's
+    token ids (against the replicas' KV events) or, without them, its text."""
 
     method: str
     path: str
@@ -23,6 +24,7 @@ class ForwardRequest:
     body: bytes
     client: tuple[str, int] | None = None
     routing_text: str = ""
+    routing_tokens: list[int] | None = None
 
 
 @dataclass

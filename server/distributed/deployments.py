@@ -30,6 +30,8 @@ from server.distributed.lora_broadcast import (
     broadcast_lora_update,
 )
 from server.distributed.prefix_index import routing_text
+from server.distributed.replica_events import events_info, with_replica_events
+from server.distributed.routing_tokens import RoutingTokenizer
 from server.errors import APIError, service_unavailable
 from server.middleware import key_ok
 
@@ -82,13 +84,14 @@ class KvserveReplica:
         from server.logging_setup import configure_logging
         from server.settings import build_configs
 
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        values = with_replica_events(values, self.replica_id)
         engine_config, server_config = build_configs(values)
         configure_logging(server_config.log_level)
         self.app = build_app(server_config)
         engine = await asyncio.to_thread(AsyncLLMEngine.from_config, engine_config)
         await engine.start()
         self.app.state.server.engine = engine
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         await self._load_runtime_loras(engine)
         # The same app on a port of this node, for Prometheus and per-replica probes.
         uv = uvicorn.Config(self.app, host="0.0.0.0", port=0, log_config=None, lifespan="off")
@@ -102,6 +105,7 @@ class KvserveReplica:
             "node_ip": node_ip,
             "url": f"http://{node_ip}:{sock.getsockname()[1]}",
             "started": time.time(),
+            "kv_events": events_info(engine.snapshot().kv_events, node_ip),
         }
         await directory().register.remote(self.replica_id, self.info)
 
@@ -147,10 +151,19 @@ def _error(err: APIError) -> Response:
 class KvserveIngress:
     """HTTP in, one replica call out; no protocol logic lives here (the replica's app has it all)."""
 
-    def __init__(self, replica: Any, max_request_body_bytes: int, api_key: str | None) -> None:
+    def __init__(
+        self,
+        replica: Any,
+        max_request_body_bytes: int,
+        api_key: str | None,
+        values: dict[str, Any] | None = None,
+    ) -> None:
         self.replica = replica
         self.max_body = max_request_body_bytes
         self.api_key = api_key
+        # The prefix router matches prompt token ids against the replicas' KV events.
+        by_kv = values is not None and values.get("request_router", "prefix") == "prefix"
+        self.tokenizer = RoutingTokenizer.load(values) if values is not None and by_kv else None
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -188,6 +201,9 @@ class KvserveIngress:
         client = (request.client.host, request.client.port) if request.client else None
         if path in LORA_UPDATE_PATHS and request.method == "POST":
             return await self._broadcast(request, bytes(body))
+        tokens = None
+        if self.tokenizer is not None:
+            tokens = await asyncio.to_thread(self.tokenizer.tokens, path, bytes(body))
         forward = ForwardRequest(
             method=request.method,
             path=path,
@@ -196,6 +212,7 @@ class KvserveIngress:
             body=bytes(body),
             client=client,
             routing_text=routing_text(path, bytes(body)),
+            routing_tokens=tokens,
         )
         stream = self.replica.forward.options(stream=True).remote(forward)
         try:

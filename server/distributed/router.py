@@ -1,12 +1,18 @@
 """PrefixAffinityRouter: a Ray Serve request router (the public `ray.serve.request_router` API)
-that sends a request to the replica that already served its longest prompt prefix, unless that
-replica is busier than the least loaded one by more than `imbalance_threshold` requests; requests
-without a known prefix fall back to power-of-two choices on the router's own in-flight counts."""
+that sends a request to the replica whose KV cache holds the longest run of the request's leading
+blocks, as the replicas' own KV events say (each replica publishes them, engine.kv_event_publisher;
+the router follows them, server.distributed.kv_feed), unless that replica is busier than the least
+loaded one by more than `imbalance_threshold` requests. Until a replica's events show a prefix
+(its first request is still prefilling), and for requests the ingress could not tokenize, the
+text of recently routed prompts stands in; a request nobody holds goes to the less loaded of two
+random replicas (power-of-two choices) on the router's own in-flight counts."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import random
+import time
+from collections.abc import Hashable
 from typing import Any
 
 from ray.serve.request_router import (
@@ -17,9 +23,14 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from server.distributed.kv_feed import KVEventFeed, ReplicaEvents
+from server.distributed.kv_index import KVIndex, kv_matches, route
 from server.distributed.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes
 
 logger = logging.getLogger(__name__)
+REFRESH_S = (
+    2.0  # how often the replica directory is read again while a replica's events are unknown
+)
 
 
 def _routing_text(pending_request: PendingRequest | None) -> str:
@@ -27,6 +38,13 @@ def _routing_text(pending_request: PendingRequest | None) -> str:
         return ""
     text = getattr(pending_request.args[0], "routing_text", "")
     return text if isinstance(text, str) else ""
+
+
+def _routing_tokens(pending_request: PendingRequest | None) -> list[int] | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    tokens = getattr(pending_request.args[0], "routing_tokens", None)
+    return tokens if isinstance(tokens, list) else None
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
@@ -40,7 +58,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.block_chars = block_chars
         self.imbalance_threshold = imbalance_threshold
         self.min_match_ratio = min_match_ratio
-        self.index = PrefixIndex()
+        self.index = PrefixIndex()  # the text of recently routed prompts
+        self.kv_index = KVIndex()
+        self.feed: KVEventFeed | None = None  # started with the first tokenized request
+        self._refreshed = 0.0
         self.in_flight: dict[ReplicaID, int] = {}
         self.request_replica: dict[str, ReplicaID] = {}
 
@@ -57,30 +78,72 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         self.index.retain(self._replicas.keys())
-        hashes = block_hashes(_routing_text(pending_request), self.block_chars)
-        loads = {r.replica_id: self._load(r) for r in candidate_replicas}
-        least = min(loads.values())
-        if hashes:
-            best = max(
-                candidate_replicas,
-                key=lambda r: (self.index.match(r.replica_id, hashes), -loads[r.replica_id]),
-            )
-            matched = self.index.match(best.replica_id, hashes)
-            balanced = loads[best.replica_id] - least <= self.imbalance_threshold
-            if matched and matched >= self.min_match_ratio * len(hashes) and balanced:
-                others = sorted(
-                    (r for r in candidate_replicas if r is not best),
-                    key=lambda r: loads[r.replica_id],
-                )
-                return [[best], others] if others else [[best]]
-        return [self._power_of_two(candidate_replicas, loads)]
+        loads: dict[Hashable, int] = {r.replica_id: self._load(r) for r in candidate_replicas}
+        matches: dict[Hashable, int] = {}
+        total = 0
+        tokens = _routing_tokens(pending_request)
+        if tokens:
+            by_unique = await self._kv_matches(candidate_replicas, tokens)
+            matches = {
+                r.replica_id: by_unique[0].get(r.replica_id.unique_id, 0)
+                for r in candidate_replicas
+            }
+            total = by_unique[1]
+        if not any(matches.values()):  # nobody's events show it (yet): the routed text guesses
+            hashes = block_hashes(_routing_text(pending_request), self.block_chars)
+            matches = {
+                r.replica_id: self.index.match(r.replica_id, hashes) for r in candidate_replicas
+            }
+            total = len(hashes)
+        return route(
+            candidate_replicas,
+            lambda r: r.replica_id,
+            loads,
+            matches,
+            total,
+            self.imbalance_threshold,
+            self.min_match_ratio,
+        )
 
-    @staticmethod
-    def _power_of_two(
-        candidates: list[RunningReplica], loads: dict[ReplicaID, int]
-    ) -> list[RunningReplica]:
-        pair = random.sample(candidates, k=min(2, len(candidates)))
-        return sorted(pair, key=lambda r: loads[r.replica_id])
+    async def _kv_matches(
+        self, candidates: list[RunningReplica], tokens: list[int]
+    ) -> tuple[dict[Hashable, int], int]:
+        if self.feed is None:
+            self.feed = KVEventFeed(self.kv_index)
+        sources = self.feed.sources()
+        ids = [r.replica_id.unique_id for r in candidates]
+        if any(i not in sources for i in ids) and time.monotonic() - self._refreshed > REFRESH_S:
+            self._refreshed = time.monotonic()
+            sources = await self._refresh_sources()
+        return kv_matches(self.kv_index, sources, ids, tokens)
+
+    async def _refresh_sources(self) -> dict[Hashable, ReplicaEvents]:
+        """Follow the events of every current replica that registered an events endpoint."""
+        from server.distributed.deployments import directory
+
+        assert self.feed is not None
+        try:
+            known: dict[str, dict[str, Any]] = await asyncio.wait_for(
+                directory().list.remote(), timeout=5
+            )
+        except Exception as e:  # noqa: BLE001 - routing goes on with what it knows
+            logger.warning("cannot read the replica directory: %s", e)
+            return self.feed.sources()
+        current = {r.unique_id for r in self._replicas}
+        sources = [
+            ReplicaEvents(
+                replica_id,
+                ev["endpoint"],
+                ev.get("replay_endpoint"),
+                int(ev["block_size"]),
+                str(ev["hash_seed"]),
+                str(ev.get("topic", "")),
+            )
+            for replica_id, info in known.items()
+            if replica_id in current and (ev := info.get("kv_events"))
+        ]
+        self.feed.set_replicas(sources)
+        return self.feed.sources()
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

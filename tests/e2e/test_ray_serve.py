@@ -148,6 +148,32 @@ def test_shared_prefixes_stick_to_the_replica_holding_them(ray_server, client) -
         assert all(c >= covered for c in cached[i]), (topics[i], n, cached[i])
 
 
+def test_routing_follows_the_replicas_kv_events_not_the_prompt_text(ray_server, client) -> None:
+    """A prompt sent as token ids has no text in common with its earlier text form, so only the
+    replicas' KV events (each replica lists its publisher) can send it to the replica holding it."""
+    from tests.kv_event_subscriber import Subscriber
+
+    model = model_id(client)
+    found = wait_replicas(ray_server, 2)
+    assert all(r["kv_events"]["endpoint"].startswith("tcp://") for r in found)
+    sub = Subscriber(found[0]["kv_events"]["endpoint"], found[0]["kv_events"]["replay_endpoint"])
+    try:
+        assert sub.replay(0), "a replica publishes its KV events"
+    finally:
+        sub.close()
+    for i in range(6):
+        text = f"Token routing case {i}. " + " ".join(f"item {i}-{j} is listed." for j in range(30))
+        ids = httpx.post(
+            ray_server.url + "/tokenize", json={"prompt": text}, headers=AUTH, timeout=30
+        ).json()["tokens"]
+        client.completions.create(model=model, prompt=text, max_tokens=1)  # some replica holds it
+        time.sleep(1.0)  # its events reach the router (a margin, not a measurement)
+        out = client.completions.create(model=model, prompt=ids + [13, 13], max_tokens=1)
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        covered = len(ids) // 16 * 16
+        assert (out.usage.prompt_tokens_details.cached_tokens or 0) >= covered, (i, len(ids))
+
+
 def test_distinct_prompts_are_served_by_both_replicas(ray_server, client) -> None:
     model = model_id(client)
     found = wait_replicas(ray_server, 2)

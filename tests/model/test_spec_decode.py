@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams, StructuredOutputs
+from engine.core.sequence_update import SequenceUpdater
 from engine.kernels import cpu_kernels
-from engine.output_processor import OutputProcessor
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
 
@@ -97,14 +97,14 @@ def test_chunked_prefill_preemption_and_prefix_hits(tiny_llama_dir, base):
 
 def test_stop_strings_inside_accepted_runs(base, spec, monkeypatch):
     stopped_in_run = []
-    real = OutputProcessor._append_accepted
+    real = SequenceUpdater._append_accepted
 
     def recording(self, *args):
-        ended = real(self, *args)
-        stopped_in_run.append(ended)
-        return ended
+        ending = real(self, *args)
+        stopped_in_run.append(ending is not None)
+        return ending
 
-    monkeypatch.setattr(OutputProcessor, "_append_accepted", recording)
+    monkeypatch.setattr(SequenceUpdater, "_append_accepted", recording)
     full = base.generate(COPY_PROMPTS, _greedy(40))
     for out in full:
         text = out.outputs[0].text

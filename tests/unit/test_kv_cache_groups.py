@@ -10,6 +10,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_groups import first_needed_block, kv_cache_spec
 from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, PrefixHit
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.runner_output import RunnerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
@@ -118,7 +119,7 @@ def test_a_long_prompt_fits_a_pool_smaller_than_the_prompt():
     while seq.num_output_tokens < 40:
         out = sched.schedule()
         assert not out.preempted
-        sched.after_step(out)
+        sched.update_from_output(out, RunnerOutput())
         for s in out.scheduled:
             if s.needs_sample:
                 s.seq.append_token(5)
@@ -190,7 +191,7 @@ def test_preemption_frees_everything_and_the_resume_hits_the_cache():
     sched.add_group(group)
     seq = group.seqs[0]
     while not seq.is_prefill_done:
-        sched.after_step(sched.schedule())
+        sched.update_from_output(sched.schedule(), RunnerOutput())
     seq.append_token(3)
     sched.running.remove(seq)
     sched._preempt(seq)
@@ -209,12 +210,14 @@ def test_followers_share_the_window_of_the_prompt(caching: bool):
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), kv)
     group = make_group("a", list(range(6 * BS)), n=3)
     sched.add_group(group)
-    sched.after_step(sched.schedule())  # the leader prefills the 24-token prompt
+    sched.update_from_output(
+        sched.schedule(), RunnerOutput()
+    )  # the leader prefills the 24-token prompt
     leader = group.seqs[0]
     leader.append_token(9)
     sched.release_followers(group)
     out = sched.schedule()
-    sched.after_step(out)
+    sched.update_from_output(out, RunnerOutput())
     for s in out.scheduled:
         if s.seq.index:  # shared 5 blocks; only the last block's tokens are computed again
             assert s.start_pos == 5 * BS
@@ -239,14 +242,14 @@ def test_score_followers_take_the_context_window_from_the_leader():
     context = list(range(7 * BS))
     group = RequestGroup.for_scoring("s", context, [[900, 901], [902], [903, 904, 905]])
     sched.add_group(group)
-    sched.after_step(sched.schedule())
+    sched.update_from_output(sched.schedule(), RunnerOutput())
     sched.release_followers(group)  # shares before the leader ends
     sched.finish(group.seqs[0], SequenceStatus.FINISHED_STOPPED)
     for follower in group.seqs[1:]:
         assert follower.num_computed_tokens == (len(context) - 1) // BS * BS
     out = sched.schedule()
     assert all(s.start_pos == 6 * BS for s in out.scheduled)
-    sched.after_step(out)
+    sched.update_from_output(out, RunnerOutput())
     for s in group.seqs[1:]:
         sched.finish(s, SequenceStatus.FINISHED_STOPPED)
     assert kv.num_free_blocks == 64

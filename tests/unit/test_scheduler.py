@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
+from engine.core.runner_output import RunnerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
@@ -20,7 +21,7 @@ def make_group(name: str, num_tokens: int, n: int = 1, max_tokens: int = 16) -> 
 def run_step(sched: Scheduler, token: int = 7):
     """Schedule, pretend the model ran, append a sampled token where one was due."""
     out = sched.schedule()
-    sched.after_step(out)
+    sched.update_from_output(out, RunnerOutput())
     for s in out.scheduled:
         if s.needs_sample:
             s.seq.append_token(token)

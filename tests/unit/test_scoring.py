@@ -12,6 +12,7 @@ from engine import CompletionOutput, RequestOutput, TokenLogprob, summarize_scor
 from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestGroup, SequenceStatus
+from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import Scheduler
 from engine.core.scoring import softmax
 from server.app import build_app
@@ -20,16 +21,14 @@ from tests.unit.server_fakes import FakeEngine
 
 
 def finish_step(sched: Scheduler) -> list:
-    """Schedule, pretend the model ran, and finish (or release followers) as the engine would."""
+    """Schedule, pretend the model ran (nothing is sampled for a score group): the scheduler
+    releases the followers and finishes each choice once its prompt is in."""
     out = sched.schedule()
-    sched.after_step(out)
+    assert not any(s.needs_sample for s in out.scheduled)
+    sched.update_from_output(out, RunnerOutput())
     for s in out.scheduled:
-        seq = s.seq
-        assert not s.needs_sample
-        if seq.index == 0 and seq.is_prefill_done:
-            sched.release_followers(seq.group)
-        if seq.is_prefill_done:
-            sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        if s.seq.is_prefill_done:
+            assert s.seq.status is SequenceStatus.FINISHED_LENGTH
     return out.scheduled
 
 

@@ -150,28 +150,36 @@ def test_speculator_limits_and_back_off():
     assert len(spec.propose(seq, 10)) == 4  # accepted again: the full draft is back
 
 
+class _NoStopStrings:
+    """A detokenizer stand-in for the stop rules: no stop string ever matches."""
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        return None
+
+
 def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
     kv = KVCacheManager(16, 4)
     config = SpeculativeConfig("ngram", 4, 1, 3)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, Speculator(config, 100))
     group = _group([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
     seq = group.seqs[0]
+    seq.detokenizer = _NoStopStrings()  # type: ignore[assignment]  # the stop rules read it
     sched.add_group(group)
     out = sched.schedule()
-    sched.after_step(out, RunnerOutput())
+    sched.update_from_output(out, RunnerOutput())
     seq.append_token(4)  # the prefill's sampled token; now [.. 1 2 3 4]: drafts 5 6 7 1
     out = sched.schedule()
     (s,) = out.scheduled
     assert s.draft_token_ids == [5, 6, 7, 1] and s.num_new_tokens == 5 and s.needs_sample
     assert (out.num_draft_tokens, out.num_decode_tokens, out.num_batched_tokens) == (4, 0, 5)
     assert len(kv.get_block_table(seq)) == 4  # 15 positions of 4-token blocks
-    sched.after_step(out, RunnerOutput(sampled={"r/0": 9}, num_accepted={"r/0": 1}))
+    sched.update_from_output(out, RunnerOutput(sampled={"r/0": 9}, num_accepted={"r/0": 1}))
     assert seq.num_computed_tokens == 12  # the last token and one accepted draft
     assert len(kv.get_block_table(seq)) == 4  # 13 tokens held next: 4 blocks
-    seq.token_ids += [5, 9]
+    assert seq.token_ids[-2:] == [5, 9]  # the accepted draft, then the token after it
     out = sched.schedule()
     assert out.scheduled[0].draft_token_ids == []  # [.., 5, 9]: 9 never seen before
-    sched.after_step(out, RunnerOutput())
+    sched.update_from_output(out, RunnerOutput())
     assert kv.pool.is_cached_block(kv.get_block_table(seq)[2])  # full, accepted: cached
     kv.trim(seq, 9)
     assert len(kv.get_block_table(seq)) == 3 and kv.num_free_blocks == 13
@@ -182,7 +190,7 @@ def test_a_full_pool_drops_drafts_rather_than_preempting():
     sched = Scheduler(SchedulerConfig(), kv, Speculator(SpeculativeConfig("ngram", 4, 1, 3), 100))
     group = _group([1, 2, 3, 1, 2, 3, 1, 2, 3, 1])
     sched.add_group(group)
-    sched.after_step(sched.schedule(), RunnerOutput())
+    sched.update_from_output(sched.schedule(), RunnerOutput())
     group.seqs[0].append_token(2)  # 11 tokens in 3 blocks; the drafts 3 1 2 would need a 4th
     out = sched.schedule()
     assert [s.draft_token_ids for s in out.scheduled] == [[]] and not out.preempted

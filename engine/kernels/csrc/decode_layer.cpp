@@ -88,20 +88,53 @@ void head_norm(at::Tensor& qkv, int64_t start, int64_t size, int64_t d, const at
   part.copy_(ops().rms_norm.call(part.reshape({-1, d}), weight, eps).view({qkv.size(0), size}));
 }
 
+// LoRA adapters' deltas on matmul i's output y (input x), as engine/models/lora_apply.py adds
+// them: per segment of rows, y[rows] += linear(x[rows], a) @ b^T. segments: [start, end, mask] per
+// segment (bit i of mask: matmul i has an (a, b) pair, in lora in segment and matmul order).
+struct LoRA {
+  const std::vector<at::Tensor>& tensors;
+  const std::vector<int64_t>& segments;
+
+  void add(at::Tensor& y, const at::Tensor& x, int i) const {
+    size_t next = 0;
+    for (size_t s = 0; s + 2 < segments.size(); s += 3) {
+      const int64_t start = segments[s], rows = segments[s + 1] - start, mask = segments[s + 2];
+      for (int j = 0; j < 4; ++j) {
+        if (!(mask >> j & 1)) continue;
+        if (j == i) {
+          const at::Tensor xs = x.narrow(0, start, rows);
+          const at::Tensor t =
+              at::linear(xs.scalar_type() == at::kFloat ? xs : xs.to(at::kFloat), tensors[next]);
+          at::Tensor ys = y.narrow(0, start, rows);
+          if (y.scalar_type() == at::kFloat) {
+            ys.addmm_(t, tensors[next + 1].t());
+          } else {  // a 16-bit model: the delta in float32, added once rounded
+            ys.add_(at::linear(t, tensors[next + 1]).to(y.scalar_type()));
+          }
+        }
+        next += 2;
+      }
+    }
+  }
+};
+
 // w: [input_layernorm.weight, post_attention_layernorm.weight, (q_norm.weight, k_norm.weight when
 // kinds[12] is 1), then the 4 matmuls' tensors].
-at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
-                        const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads,
-                        int64_t kv_heads, double scale, int64_t window, double softcap) {
+at::Tensor layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
+                 const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
+                 const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads,
+                 int64_t kv_heads, double scale, int64_t window, double softcap,
+                 const LoRA* lora) {
   TORCH_CHECK((kinds.size() == 12 || kinds.size() == 13) && w.size() >= 6,
               "decode_layer: 4 matmuls expected");
   const bool qk_norm = kinds.size() == 13 && kinds[12] != 0;
   const Ops& o = ops();
   const int64_t n = h.size(0), d = kv_cache.size(4), q_size = heads * d;
   size_t next = qk_norm ? 4 : 2;
-  at::Tensor qkv = linear(o.rms_norm.call(h, w[0], eps), w, next, kinds, 0);
+  const at::Tensor x0 = o.rms_norm.call(h, w[0], eps);
+  at::Tensor qkv = linear(x0, w, next, kinds, 0);
+  if (lora) lora->add(qkv, x0, 0);
   if (qk_norm) {
     head_norm(qkv, 0, q_size, d, w[2], eps);
     head_norm(qkv, q_size, kv_heads * d, d, w[3], eps);
@@ -110,11 +143,41 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads, d});
   const at::Tensor att =
       o.attention.call(q, kv_cache, block_tables, seq_lens, scale, window, softcap);
-  at::Tensor out = h + linear(att.reshape({n, q_size}), w, next, kinds, 1);
-  const at::Tensor gate_up = linear(o.rms_norm.call(out, w[1], eps), w, next, kinds, 2);
+  const at::Tensor x1 = att.reshape({n, q_size});
+  at::Tensor attended = linear(x1, w, next, kinds, 1);
+  if (lora) lora->add(attended, x1, 1);
+  at::Tensor out = h + attended;
+  const at::Tensor x2 = o.rms_norm.call(out, w[1], eps);
+  at::Tensor gate_up = linear(x2, w, next, kinds, 2);
+  if (lora) lora->add(gate_up, x2, 2);
   const int64_t inter = gate_up.size(1) / 2;
   const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
-  return out + linear(act, w, next, kinds, 3);
+  at::Tensor down = linear(act, w, next, kinds, 3);
+  if (lora) lora->add(down, act, 3);
+  return out + down;
+}
+
+at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
+                        const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads,
+                        int64_t kv_heads, double scale, int64_t window, double softcap) {
+  return layer(h, w, kinds, eps, cos, sin, kv_cache, slots, block_tables, seq_lens, heads,
+               kv_heads, scale, window, softcap, nullptr);
+}
+
+// The same layer with LoRA adapters' deltas on its matmuls (a step with adapter rows).
+at::Tensor decode_layer_lora(const at::Tensor& h, const std::vector<at::Tensor>& w,
+                             const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
+                             const at::Tensor& sin, const at::Tensor& kv_cache,
+                             const at::Tensor& slots, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
+                             double scale, int64_t window, double softcap,
+                             const std::vector<at::Tensor>& lora_tensors,
+                             const std::vector<int64_t>& lora_segments) {
+  const LoRA lora{lora_tensors, lora_segments};
+  return layer(h, w, kinds, eps, cos, sin, kv_cache, slots, block_tables, seq_lens, heads,
+               kv_heads, scale, window, softcap, &lora);
 }
 
 }  // namespace
@@ -124,6 +187,14 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "decode_layer(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
       "int kv_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.def(
+      "decode_layer_lora(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, "
+      "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "int heads, int kv_heads, float scale, int window, float softcap, Tensor[] lora, "
+      "int[] lora_segments) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layer_lora", &decode_layer_lora);
+}

@@ -54,6 +54,12 @@
     $("t-steps").textContent = snap.num_steps;
     $("t-pre").textContent = t.num_preemptions;
     $("t-fin").textContent = t.num_finished;
+    const ev = snap.kv_events;  // --kv-events-config: events published, where, dropped batches
+    $("t-events-card").hidden = !ev;
+    if (ev) {
+      $("t-events").textContent = ev.num_events + (ev.num_dropped ? " (" + ev.num_dropped + " dropped)" : "");
+      $("t-events").title = ev.endpoint + (ev.replay_endpoint ? ", replay " + ev.replay_endpoint : "") + (ev.alive ? "" : " (stopped)");
+    }
   }
 
   // -- timeline -------------------------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""What each replica's KV cache holds, as its published KV events say (pure Python, no Ray, no ZMQ):
+the external block hashes stored and not yet removed, per replica, and the longest run of a
+request's leading block hashes a replica holds. Events arrive already decoded from the vLLM wire
+arrays (engine.core.kv_events' layout); only the main attention group counts. And the routing
+policy over it: the replica holding most leading blocks, else power-of-two choices."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from engine import external_block_hashes
+
+if TYPE_CHECKING:
+    from server.distributed.kv_feed import ReplicaEvents
+
+R = TypeVar("R")
+
+MAIN_KINDS = (None, "full_attention")  # a hybrid model's sliding groups do not make a prefix hit
+
+
+class KVIndex:
+    """Replica -> held block hashes; thread-safe (a feed thread writes, the router reads)."""
+
+    def __init__(self) -> None:
+        self._held: dict[Hashable, set[int]] = {}
+        self._side_groups: dict[Hashable, set[int]] = {}  # group_idx of sliding-window groups
+        self._lock = threading.Lock()
+
+    def apply(self, replica: Hashable, events: Iterable[list[Any]]) -> None:
+        """Apply one batch's decoded events (each a list: tag first, then vLLM's fields)."""
+        with self._lock:
+            held = self._held.setdefault(replica, set())
+            side = self._side_groups.setdefault(replica, set())
+            for event in events:
+                tag = event[0]
+                if tag == "AllBlocksCleared":
+                    held.clear()
+                elif tag == "BlockStored":
+                    if _field(event, 10) in MAIN_KINDS:
+                        held.update(event[1])
+                    elif _field(event, 9) is not None:
+                        side.add(_field(event, 9))
+                elif tag == "BlockRemoved" and _field(event, 3) not in side:
+                    held.difference_update(event[1])
+
+    def clear(self, replica: Hashable) -> None:
+        """Forget what a replica held (its stream broke past replay: state unknown)."""
+        with self._lock:
+            self._held[replica] = set()
+
+    def forget(self, replica: Hashable) -> None:
+        with self._lock:
+            self._held.pop(replica, None)
+            self._side_groups.pop(replica, None)
+
+    def match(self, replica: Hashable, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` the replica holds."""
+        with self._lock:
+            held = self._held.get(replica)
+            if not held:
+                return 0
+            matched = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                matched += 1
+            return matched
+
+    def num_blocks(self, replica: Hashable) -> int:
+        with self._lock:
+            return len(self._held.get(replica, ()))
+
+
+def route(
+    candidates: list[R],
+    key: Callable[[R], Hashable],
+    loads: dict[Hashable, int],
+    matches: dict[Hashable, int],
+    total: int,
+    imbalance_threshold: int,
+    min_match_ratio: float,
+) -> list[list[R]]:
+    """The replica matching most leading blocks (of `total`) first, then the rest by load; or, when
+    no replica matches enough or the best is too busy, two random replicas, less loaded first.
+    `key(replica)` names a replica in `loads` and `matches`."""
+    least = min(loads[key(r)] for r in candidates)
+    if total:
+        best = max(candidates, key=lambda r: (matches.get(key(r), 0), -loads[key(r)]))
+        matched = matches.get(key(best), 0)
+        balanced = loads[key(best)] - least <= imbalance_threshold
+        if matched and matched >= min_match_ratio * total and balanced:
+            others = sorted((r for r in candidates if r is not best), key=lambda r: loads[key(r)])
+            return [[best], others] if others else [[best]]
+    pair = random.sample(candidates, k=min(2, len(candidates)))
+    return [sorted(pair, key=lambda r: loads[key(r)])]
+
+
+def kv_matches(
+    index: KVIndex,
+    sources: dict[Hashable, ReplicaEvents],
+    replicas: Sequence[Hashable],
+    tokens: list[int],
+) -> tuple[dict[Hashable, int], int]:
+    """Per replica with known events, the leading blocks of `tokens` it holds; and the number of
+    full blocks (0 when no replica's events are known)."""
+    hashes: dict[tuple[int, str], list[int]] = {}
+    matches: dict[Hashable, int] = {}
+    total = 0
+    for replica in replicas:
+        source = sources.get(replica)
+        if source is None:
+            continue
+        scheme = (source.block_size, source.hash_seed)
+        if scheme not in hashes:
+            hashes[scheme] = external_block_hashes(
+                tokens, source.block_size, None, source.hash_seed
+            )
+        total = max(total, len(hashes[scheme]))
+        matches[replica] = index.match(replica, hashes[scheme])
+    return matches, total
+
+
+def _field(event: list[Any], index: int) -> Any:
+    return event[index] if len(event) > index else None
