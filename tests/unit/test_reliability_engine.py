@@ -59,7 +59,13 @@ class FakeCore:
             raise ValueError("empty prompt")
 
     def add_request(
-        self, request_id: str, ids: list[int], params: Any, prompt: Any, arrival_time: Any = None
+        self,
+        request_id: str,
+        ids: list[int],
+        params: Any,
+        prompt: Any,
+        arrival_time: Any = None,
+        lora: str | None = None,
     ) -> None:
         if request_id in self.fail_add:
             raise RuntimeError("boom while adding")
