@@ -111,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     weights = [(w, head) for w, head in weights if w.shape[1] % 32 == 0]
     widths = {w.shape[1] for w, _ in weights}
     macs = sum(w.numel() for w, _ in weights)  # multiply-adds per row
-    print(f"{len(weights)} matmuls, {macs / 1e6:.1f}M weights; cells: median {args.clock} ms, "
-          "G int8 op/s, speed vs avx2")  # fmt: skip
+    print(
+        f"{len(weights)} matmuls, {macs / 1e6:.1f}M weights; cells: median {args.clock} ms, "
+        "G int8 op/s, speed vs avx2"
+    )
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     base = "avx2" if "avx2" in paths else paths[-1]
     with torch.inference_mode():
@@ -129,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                     for p in paths
                 ]
                 fastest = min(med, key=med.__getitem__)
-                flag = "" if fastest == auto or med[auto] <= 1.05 * med[fastest] else (
-                    f"  <- {fastest} beats the automatic {auto}"
-                )  # fmt: skip
+                flag = (
+                    ""
+                    if fastest == auto or med[auto] <= 1.05 * med[fastest]
+                    else (f"  <- {fastest} beats the automatic {auto}")
+                )
                 print(f"{fmt}: {rows:>4} " + " ".join(f"{c:>22}" for c in cells) + flag, flush=True)
     ops.block_kernels_select(auto)
     return 0

@@ -97,9 +97,14 @@ def transformers_target(
 
 
 def llama_cpp_target(
-    binary: str, gguf: str, port: int, max_concurrency: int, max_len: int, threads: int,
+    binary: str,
+    gguf: str,
+    port: int,
+    max_concurrency: int,
+    max_len: int,
+    threads: int,
     extra_args: list[str],
-) -> Target:  # fmt: skip
+) -> Target:
     """llama.cpp's server with one slot per concurrent request; its context is split evenly across
     slots, so each gets `max_len` tokens. `ignore_eos` is one of its sampling fields."""
     argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]

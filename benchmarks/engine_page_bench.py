@@ -81,9 +81,15 @@ async def _run(
     watcher.disconnected = True
     if task is not None:
         await task
-    return {"watch": watch, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-            "events": events, "events_per_s": events / seconds,
-            "kib_per_event": payload_bytes / max(events, 1) / 1024}  # fmt: skip
+    return {
+        "watch": watch,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s": tokens / seconds,
+        "events": events,
+        "events_per_s": events / seconds,
+        "kib_per_event": payload_bytes / max(events, 1) / 1024,
+    }
 
 
 def _cost_per_event(engine: AsyncLLMEngine, repeats: int = 200) -> float:
@@ -99,8 +105,12 @@ def _cost_per_event(engine: AsyncLLMEngine, repeats: int = 200) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"dtype": args.dtype, "device": args.device,
-                               "max_num_seqs": args.requests, "log_stats_interval": 0}  # fmt: skip
+    options: dict[str, Any] = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_num_seqs": args.requests,
+        "log_stats_interval": 0,
+    }
     if args.num_kv_blocks:
         options["num_blocks"] = args.num_kv_blocks
     engine = await asyncio.to_thread(

@@ -22,10 +22,19 @@ import torch
 from benchmarks.bench_utils import cpu_summary
 
 SHAPE: dict[str, Any] = dict(
-    hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
-    rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def write_checkpoint(family: str, layers: int, out: Path, seed: int = 0) -> Path:
@@ -69,9 +78,13 @@ def build_engine(folder: Path, quantization: str, batch: int) -> Any:
     from engine.llm_engine import LLMEngine
 
     options = dict(
-        dtype="float32", quantization=quantization, max_num_seqs=batch, num_blocks=18 * batch + 8,
-        enable_prefix_caching=False, log_stats_interval=0,
-    )  # fmt: skip
+        dtype="float32",
+        quantization=quantization,
+        max_num_seqs=batch,
+        num_blocks=18 * batch + 8,
+        enable_prefix_caching=False,
+        log_stats_interval=0,
+    )
     return LLMEngine(EngineConfig.from_options(str(folder), **options))
 
 

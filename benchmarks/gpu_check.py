@@ -90,8 +90,11 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
     model = model.to(device).eval()
     prompts = _prompts(model_dir, args.num_requests, args.input_len)
-    out: dict[str, Any] = {"num_requests": len(prompts), "input_len": args.input_len,
-                           "output_len": args.output_len}  # fmt: skip
+    out: dict[str, Any] = {
+        "num_requests": len(prompts),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+    }
 
     # generate(), one request at a time: its per-token time is the batch-1 baseline.
     def one(ids: list[int], new: int) -> None:
@@ -131,8 +134,11 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
         results = model.generate_batch(inputs=prompts, **run)
         seconds = time.perf_counter() - start
         tokens = sum(len(r.generated_tokens) for r in results.values())
-        out["continuous_batching"] = {"output_tok_s": tokens / seconds, "tokens": tokens,
-                                      "seconds": seconds}  # fmt: skip
+        out["continuous_batching"] = {
+            "output_tok_s": tokens / seconds,
+            "tokens": tokens,
+            "seconds": seconds,
+        }
     except Exception as e:  # an API change in transformers must not sink the rest of the check
         out["continuous_batching"] = {"error": f"{type(e).__name__}: {e}"}
     return out

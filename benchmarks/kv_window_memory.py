@@ -133,11 +133,18 @@ def engine_run(block_size: int, budget: int, window: int = 128) -> dict[str, flo
 
     smol = resolve_model(None)
     cfg = Gemma3TextConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=window, max_position_embeddings=16 * window,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=window,
+        max_position_embeddings=16 * window,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],
-    )  # fmt: skip
+    )
     windows = layer_windows_of(cfg)
     layout = Layout("engine", windows, cfg.num_key_value_heads, cfg.head_dim)
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,9 +155,12 @@ def engine_run(block_size: int, budget: int, window: int = 128) -> dict[str, flo
                 (folder / name).write_bytes((smol / name).read_bytes())
         num_blocks = 6 * 16 * window // block_size
         options: dict[str, Any] = dict(
-            dtype="float32", quantization="none", block_size=block_size,
-            max_num_batched_tokens=budget, num_blocks=num_blocks,
-        )  # fmt: skip
+            dtype="float32",
+            quantization="none",
+            block_size=block_size,
+            max_num_batched_tokens=budget,
+            num_blocks=num_blocks,
+        )
         engine = LLMEngine(EngineConfig.from_options(str(folder), **options))
         kv = engine.kv
         prompt = [100 + i % 1000 for i in range(8 * window - DECODE_TOKENS)]

@@ -41,13 +41,21 @@ def save_checkpoint(out: Path, args: argparse.Namespace) -> Path:
     smol = resolve_model(None)
     hidden = args.hidden
     config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a config kwarg transformers types omit
-        vocab_size=args.vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+        vocab_size=args.vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
         moe_intermediate_size=args.expert_width or (3 * hidden) // 8,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-        head_dim=hidden // 8, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
         architectures=["Qwen3MoeForCausalLM"],
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).eval()
     with torch.no_grad():  # spread the router so that tokens use many experts, as trained ones do
@@ -129,9 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for quantization in args.quantization.split(","):
             llm = LLM(
-                str(folder), dtype="float32", quantization=quantization,
-                max_num_seqs=args.batch, enable_prefix_caching=False, num_threads=args.threads,
-            )  # fmt: skip
+                str(folder),
+                dtype="float32",
+                quantization=quantization,
+                max_num_seqs=args.batch,
+                enable_prefix_caching=False,
+                num_threads=args.threads,
+            )
             samples: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
             tokens: dict[str, list] = {}
             for round_index in range(args.rounds + 1):  # round 0 warms up

@@ -29,7 +29,10 @@ _KEY = os.urandom(32)  # per-process secret, as a keyed scheme would have
 
 
 def _split(tokens: list[int], block_size: int) -> Blocks:
-    return [tuple(tokens[i : i + block_size]) for i in range(0, len(tokens) // block_size * block_size, block_size)]  # fmt: skip
+    return [
+        tuple(tokens[i : i + block_size])
+        for i in range(0, len(tokens) // block_size * block_size, block_size)
+    ]
 
 
 # Each scheme admits one prompt: compute its block keys in chain order, look them up until the first

@@ -43,8 +43,10 @@ def workloads(num_requests: int, doc_words: int, num_docs: int) -> dict[str, lis
         f"Document {i % num_docs}: {docs[i % num_docs]}\nQuestion {i}: {text(rng, 12)}?\nAnswer:"
         for i in range(num_requests)
     ]
-    distinct = [f"Document: {text(rng, doc_words)}\nQuestion: {text(rng, 12)}?\nAnswer:"
-                for _ in range(num_requests)]  # fmt: skip
+    distinct = [
+        f"Document: {text(rng, doc_words)}\nQuestion: {text(rng, 12)}?\nAnswer:"
+        for _ in range(num_requests)
+    ]
     return {"shared-prefix": shared, "distinct": distinct}
 
 
@@ -111,10 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    flags = " ".join(
-        f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-        if f in Path("/proc/cpuinfo").read_text()
-    ) if Path("/proc/cpuinfo").exists() else "?"  # fmt: skip
+    flags = (
+        " ".join(
+            f
+            for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+            if f in Path("/proc/cpuinfo").read_text()
+        )
+        if Path("/proc/cpuinfo").exists()
+        else "?"
+    )
     print(f"# {platform.processor() or platform.machine()}; CPU flags: {flags}")
     loads = workloads(args.requests, args.doc_words, args.docs)
     configs = [(1, "pow2"), (2, "pow2"), (2, "prefix")]
@@ -137,15 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     print("| replicas | router | workload | req/s | output tok/s | TTFT p50 ms | prefix hit rate |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (replicas, router, name), r in table.items():
-        print(f"| {replicas} | {router} | {name} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} "
-              f"| {r['ttft_p50_ms']:.0f} | {r['prefix_hit_rate']:.2f} |")  # fmt: skip
+        print(
+            f"| {replicas} | {router} | {name} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} "
+            f"| {r['ttft_p50_ms']:.0f} | {r['prefix_hit_rate']:.2f} |"
+        )
     for name in loads:
         one_ = table[(1, "pow2", name)]
         for router in ("pow2", "prefix"):
             two = table[(2, router, name)]
-            print(f"{name}: 2 replicas ({router}) / 1 replica: throughput x"
-                  f"{two['req_per_s'] / one_['req_per_s']:.2f}, TTFT x"
-                  f"{two['ttft_p50_ms'] / one_['ttft_p50_ms']:.2f}")  # fmt: skip
+            print(
+                f"{name}: 2 replicas ({router}) / 1 replica: throughput x"
+                f"{two['req_per_s'] / one_['req_per_s']:.2f}, TTFT x"
+                f"{two['ttft_p50_ms'] / one_['ttft_p50_ms']:.2f}"
+            )
     return 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.core.block_hashes import DEFAULT_SEED
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, Task
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.lora import LoRAInfo
@@ -58,7 +58,7 @@ RECENT_STEPS = 240  # steps the detailed snapshot's timeline keeps
 
 
 class LLMEngine:
-    task = "generate"
+    task: Task = "generate"
 
     def __init__(
         self, config: EngineConfig, model_dir: Path | None = None, model_name: str | None = None
@@ -147,9 +147,8 @@ class LLMEngine:
             budget = int(free * 0.8)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(
-                _GiB, total // 16
-            )  # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy
+            # ~46k bf16 tokens of SmolLM2: more than a CPU can keep busy.
+            budget = min(_GiB, total // 16)
         num_blocks = max(2, budget // per_block)
         # No point holding more than every running sequence at full length, in every group.
         per_seq = len(self.kv_spec.groups) * -(-self.max_model_len // block_size)
@@ -447,16 +446,12 @@ class LLMEngine:
         )
 
     def _snapshot_detail(self) -> SnapshotDetail:
-        pool = self.kv.pool
-        holders: dict[int, list[str]] = {}
-        for seq_id in self.kv.block_tables:
-            for block_id in self.kv.held_blocks(seq_id):
-                holders.setdefault(block_id, []).append(seq_id)
+        pool = self.kv.pool.view  # read-only: the snapshot never touches the pool's structures
         blocks = tuple(
-            BlockHolders(block_id, pool.ref_counts[block_id], tuple(seq_ids))
-            for block_id, seq_ids in sorted(holders.items())
+            BlockHolders(block_id, pool.ref_count(block_id), tuple(seq_ids))
+            for block_id, seq_ids in sorted(self.kv.block_holders().items())
         )
-        cached_free = tuple(b for b in pool.free_queue if pool.is_cached_block(b))
+        cached_free = pool.cached_free_blocks()
         sc = self.config.scheduler
         return SnapshotDetail(
             blocks,

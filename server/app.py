@@ -51,6 +51,7 @@ from server.serving_messages import count_tokens, create_message
 from server.serving_responses import create_response, delete_response, retrieve_response
 from server.serving_score import create_score
 from server.state import ServerConfig, ServerState
+from server.turn_request import turn_messages
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.messages is not None:
         kwargs = dict(state.config.chat_template_kwargs or {})
         add_generation_prompt = body.add_generation_prompt is not False
-        tokens, _ = apply_template(tokenizer, body.messages, add_generation_prompt, None, kwargs)
+        messages = turn_messages(body.messages)
+        tokens, _ = apply_template(tokenizer, messages, add_generation_prompt, None, kwargs)
     else:
         assert body.prompt is not None  # exactly one of the two is given
         tokens = list(

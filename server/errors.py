@@ -301,18 +301,13 @@ def _union_error(errors: list[dict[str, Any]]) -> tuple[dict[str, Any], str | No
     return best, f"Input should be {wanted}"
 
 
-def validation_error(
-    errors: list[dict[str, Any]], content_type: str | None = None, fields: FieldMap | None = None
-) -> APIError:
-    """Turn pydantic errors into one 400 naming the first offending field (through `fields` when the
-    request validated is the chat-shaped plan of another surface's request)."""
+def validation_error(errors: list[dict[str, Any]], content_type: str | None = None) -> APIError:
+    """Turn pydantic errors into one 400 naming the first offending field."""
     if not errors:
         return invalid_request("Invalid request.")
     first = errors[0]
     kind = first.get("type", "")
     param = _loc_to_param(tuple(first.get("loc", ())))
-    if fields is not None and param is not None:
-        param = fields.name(param)
     if kind in ("json_invalid", "json_type"):
         return invalid_request(
             "The request body is not valid JSON: " + str(first.get("msg", "")).strip(),
@@ -343,9 +338,6 @@ def validation_error(
         field, _, _ = _split_union(tuple(best["loc"])) or ((), "", ())
         param = _loc_to_param(field)
         where = _loc_to_param(tuple(best["loc"]))
-        if fields is not None:
-            param = fields.name(param) if param is not None else None
-            where = fields.name(where) if where is not None else None
         message = override or str(best.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]

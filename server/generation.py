@@ -26,6 +26,7 @@ from engine import (
 from server.errors import invalid_request, to_api_error
 from server.field_map import FieldMap
 from server.protocol import SamplingFields
+from server.turn_request import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def check_stream_options(req: SamplingFields) -> None:
 
 
 def build_sampling_params(
-    req: SamplingFields,
+    req: Sampling,
     *,
     n: int,
     best_of: int | None,
@@ -67,7 +68,6 @@ def build_sampling_params(
                     "logit_bias",
                 )
             logit_bias[int(key)] = bias
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         n=n,
         best_of=best_of,
@@ -82,11 +82,11 @@ def build_sampling_params(
         seed=req.seed,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens or 0,
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=bool(req.ignore_eos),
-        include_stop_str_in_output=bool(req.include_stop_str_in_output),
-        skip_special_tokens=req.skip_special_tokens is not False,
+        stop=list(req.stop),
+        stop_token_ids=list(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         output_kind=output_kind,

@@ -23,6 +23,9 @@ MAX_N = 128
 MAX_STOP = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat has none)
 NonNegInt = Annotated[int, Field(ge=0)]
+# OpenAI's reasoning efforts (chat's reasoning_effort, Responses' reasoning.effort): given to the chat
+# template as `reasoning_effort`, as vLLM does; templates that know it (gpt-oss's) act on it.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 
 
@@ -286,7 +289,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: None = None
     audio: None = None
     prediction: None = None
-    reasoning_effort: None = None
+    reasoning_effort: ReasoningEffort | None = None
     service_tier: None = None
     metadata: None = None
     web_search_options: None = None

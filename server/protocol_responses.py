@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from server.protocol import NonNegInt, OpenModel, StrictModel, typed_union
+from server.protocol import NonNegInt, OpenModel, ReasoningEffort, StrictModel, typed_union
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS = 64
@@ -157,6 +157,15 @@ class TextConfig(StrictModel):
     verbosity: Literal["medium"] | None = None  # the only verbosity a plain model has
 
 
+class ReasoningConfig(StrictModel):
+    """`reasoning`: the effort goes to the chat template as `reasoning_effort`; a summary is accepted
+    but none is made (the reasoning item carries the reasoning text itself)."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's old name
+
+
 class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # nothing is obfuscated here; accepted either way
 
@@ -191,8 +200,8 @@ class ResponsesRequest(StrictModel):
     seed: int | None = None  # its range is the engine's rule (SamplingParams)
     min_tokens: NonNegInt | None = None
     # Not implemented: any value is a 400.
+    reasoning: ReasoningConfig | None = None
     include: None = None
-    reasoning: None = None
     top_logprobs: None = None
     max_tool_calls: None = None
     service_tier: None = None

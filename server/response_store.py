@@ -1,7 +1,7 @@
 """The bounded in-memory store of Responses API responses (`store: true`), for `previous_response_id` and
 `GET`/`DELETE /v1/responses/{id}`.
 
-Each entry holds the response object and the whole conversation that led to it (chat messages, with the
+Each entry holds the response object and the whole conversation that led to it (turn messages, with the
 response's output as the last assistant turn, without its `instructions`), so an entry never depends on
 another one. At most `capacity` entries are kept; storing one more evicts the least recently used (a
 retrieve or a continuation counts as a use). Entries live in this process only: a restart forgets them.
@@ -12,13 +12,16 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from server.turn_request import TurnMessage
 
 
 @dataclass(frozen=True)
 class StoredResponse:
     response: dict[str, Any]  # the response object as served
-    conversation: list[dict[str, Any]]  # chat messages: history, this input, this output
+    conversation: list[TurnMessage]  # history, this input, this output
 
 
 class ResponseStore:

@@ -1,11 +1,13 @@
 """POST /v1/chat/completions: the chat request as a GenerationPlan (chat template, tools, structured
 outputs), rendered from turn events as chat.completion objects and SSE chunks (role deltas, content and
-tool-call deltas, chat-format logprobs with bytes). Responses and Messages are planned through it."""
+tool-call deltas, chat-format logprobs with bytes). plan_turn plans the turn that chat, Responses and
+Messages each parse their request into (server/turn_request.py)."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -19,7 +21,7 @@ from server.field_map import CHAT_FIELDS, FieldMap
 from server.generation import build_sampling_params, check_prompts, check_stream_options
 from server.logprobs import chat_logprobs
 from server.plan import GenerationPlan
-from server.protocol import ChatCompletionRequest, ChatMessage
+from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.settings import TEMPLATE_OWN_VARIABLES
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
@@ -33,14 +35,21 @@ from server.turn import (
     TurnDelta,
     TurnStep,
 )
+from server.turn_request import (
+    NamedTool,
+    Sampling,
+    ToolSpec,
+    TurnMessage,
+    TurnRequest,
+    turn_messages,
+)
 
 if TYPE_CHECKING:
     from engine import Tokenizer, TokenLogprob
 
 
-def template_kwargs(req: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
-    """The server's --chat-template-kwargs overridden by the request's chat_template_kwargs."""
-    own = dict(req.chat_template_kwargs or {})
+def template_kwargs(own: Mapping[str, Any], state: ServerState) -> dict[str, Any]:
+    """The server's --chat-template-kwargs overridden by the request's own template variables."""
     for key in own:
         if key in TEMPLATE_OWN_VARIABLES:
             raise invalid_request(
@@ -53,7 +62,7 @@ def template_kwargs(req: ChatCompletionRequest, state: ServerState) -> dict[str,
 
 def apply_template(
     tokenizer: Tokenizer,
-    messages: list[ChatMessage],
+    messages: Sequence[TurnMessage],
     add_generation_prompt: bool,
     plan: ToolPlan | None = None,
     kwargs: dict[str, Any] | None = None,
@@ -78,28 +87,65 @@ def apply_template(
         ) from None
 
 
-def prepare_chat(
-    req: ChatCompletionRequest,
-    state: ServerState,
-    request_id: str | None = None,
-    fields: FieldMap = CHAT_FIELDS,
-) -> GenerationPlan:
-    """Check a chat(-shaped) request and plan it: prompt token ids, sampling params, constraint and
-    tools, every check done here once (400s name the field through `fields`, the surface's names)."""
-    engine = state.require_engine()
-    served = state.resolve_model(req.model)
-    tokenizer = engine.tokenizer
+def chat_turn(req: ChatCompletionRequest) -> TurnRequest:
+    """A chat request as the turn it asks for (its own shape checks done here)."""
     check_stream_options(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens == 0:
-        name = fields.name(param)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    choice = req.tool_choice
+    return TurnRequest(
+        model=req.model,
+        messages=turn_messages(req.messages),
+        sampling=Sampling.of(req),
+        stream=bool(req.stream),
+        max_tokens=max_tokens,
+        max_tokens_field=field,
+        n=req.n or 1,
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs,
+        constraint=request_constraint(req, CHAT_FIELDS),
+        tools=[
+            ToolSpec(
+                t.function.name, t.function.description, t.function.parameters, t.function.strict
+            )
+            for t in req.tools or ()
+        ],
+        tool_choice=NamedTool(choice.function.name)
+        if isinstance(choice, NamedToolChoice)
+        else choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        add_generation_prompt=req.add_generation_prompt is not False,
+        template_kwargs=effort_kwargs(req.reasoning_effort) | (req.chat_template_kwargs or {}),
+    )
+
+
+def effort_kwargs(effort: str | None) -> dict[str, Any]:
+    """A reasoning effort as the chat template variable vLLM gives it (nothing when not asked)."""
+    return {"reasoning_effort": effort} if effort is not None else {}
+
+
+def plan_turn(
+    req: TurnRequest,
+    state: ServerState,
+    request_id: str | None = None,
+    fields: FieldMap = CHAT_FIELDS,
+) -> GenerationPlan:
+    """Check a turn against the engine and plan it: prompt token ids, sampling params, constraint
+    and tools, every check done here once (400s name the field through `fields`, the surface's
+    names)."""
+    engine = state.require_engine()
+    served = state.resolve_model(req.model)
+    tokenizer = engine.tokenizer
+    if req.max_tokens == 0:
+        name = fields.name(req.max_tokens_field)
         raise invalid_request(f"{name} must be at least 1 for chat completions", name)
-    constraint = request_constraint(req, fields)
+    if not req.messages:
+        raise invalid_request(f"{fields.prompt} has no messages to answer", fields.prompt)
+    constraint = req.constraint
     plan = tool_plan(
         req,
         tokenizer.chat_template,
@@ -113,19 +159,19 @@ def prepare_chat(
     prompt_ids, prompt_text = apply_template(
         tokenizer,
         req.messages,
-        req.add_generation_prompt is not False,
+        req.add_generation_prompt,
         plan,
-        template_kwargs(req, state),
+        template_kwargs(req.template_kwargs, state),
         fields,
     )
     reasoning = state.reasoning_parser(tokenizer.chat_template)
     fmt = reasoning.format_for(prompt_text) if reasoning is not None else None
     num_top = req.top_logprobs or 0
     params = build_sampling_params(
-        req,
-        n=req.n or 1,
+        req.sampling,
+        n=req.n,
         best_of=None,
-        max_tokens=max_tokens,
+        max_tokens=req.max_tokens,
         logprobs=num_top if req.logprobs else None,
         prompt_logprobs=None,
         output_kind="delta" if req.stream else "final",
@@ -151,7 +197,7 @@ def prepare_chat(
 async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, state: ServerState
 ) -> Response:
-    plan = prepare_chat(req, state)
+    plan = plan_turn(chat_turn(req), state)
     tokenizer = plan.engine.tokenizer
     created = int(time.time())
     with_metrics = wants_metrics(req.return_metrics, raw)

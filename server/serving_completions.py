@@ -21,6 +21,7 @@ from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from server.state import ServerState
 from server.streaming import ChunkStream, usage_block
 from server.structured_outputs import request_constraint
+from server.turn_request import Sampling
 
 if TYPE_CHECKING:
     from engine import Tokenizer
@@ -52,7 +53,7 @@ def prepare_completion(req: CompletionRequest, state: ServerState) -> Generation
         )
     want_prompt_logprobs = bool(req.echo) and req.logprobs is not None
     params = build_sampling_params(
-        req,
+        Sampling.of(req),
         n=req.n or 1,
         best_of=req.best_of,
         max_tokens=max_tokens,

@@ -1,5 +1,5 @@
-"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API as a translation over the chat
-path. Blocks become chat messages (tool_use -> tool calls, tool_result -> tool messages), the output an
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the turn pipeline.
+Blocks become turn messages (tool_use -> tool calls, tool_result -> tool messages), the output an
 assistant turn as text and tool_use blocks; streams are Anthropic's typed events; errors its envelope."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.chat_translation import TurnEvents, plan_as_chat
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError, invalid_request
 from server.field_map import FieldMap
@@ -26,8 +25,10 @@ from server.protocol_messages import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from server.serving_chat import plan_turn
 from server.sse import sse_event
 from server.state import ServerState
+from server.structured_outputs import json_schema_constraint
 from server.turn import (
     ReasoningDelta,
     TextDelta,
@@ -38,30 +39,40 @@ from server.turn import (
     TurnDelta,
     TurnEnd,
 )
+from server.turn_events import TurnEvents
+from server.turn_request import (
+    NamedTool,
+    Sampling,
+    ToolChoice,
+    ToolSpec,
+    TurnMessage,
+    TurnRequest,
+)
 
 CHAT_FIELD_NAMES = {
     "max_completion_tokens": "max_tokens",
     "stop": "stop_sequences",
     "response_format": "output_config.format",
 }
+TOOL_CHOICES: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def _text(blocks: list[TextBlock]) -> list[dict[str, str]]:
-    return [{"type": "text", "text": b.text} for b in blocks]
+def _text(blocks: list[TextBlock]) -> tuple[str, ...]:
+    return tuple(b.text for b in blocks)
 
 
-def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
-    """system + messages -> chat messages, with the request path each one came from."""
-    messages: list[dict[str, Any]] = []
+def chat_messages(req: MessagesInput) -> tuple[list[TurnMessage], list[str]]:
+    """system + messages -> turn messages, with the request path each one came from."""
+    messages: list[TurnMessage] = []
     sources: list[str] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _text(req.system)
-        messages.append({"role": "system", "content": system})
+        messages.append(TurnMessage("system", system))
         sources.append("system")
     for i, message in enumerate(req.messages):
         where = f"messages[{i}]"
         if isinstance(message.content, str):
-            messages.append({"role": message.role, "content": message.content})
+            messages.append(TurnMessage(message.role, message.content))
             sources.append(where)
             continue
         blocks = message.content
@@ -70,42 +81,32 @@ def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
                 raise invalid_request(
                     f"{where}.content: tool_result blocks belong in user messages", where
                 )
-            entry: dict[str, Any] = {
-                "role": "assistant",
-                "content": _text([b for b in blocks if isinstance(b, TextBlock)]),
-            }
-            calls = [
-                ToolCall(b.id, b.name, json.dumps(b.input)).chat_dict()
+            text = _text([b for b in blocks if isinstance(b, TextBlock)])
+            calls = tuple(
+                ToolCall(b.id, b.name, json.dumps(b.input))
                 for b in blocks
                 if isinstance(b, ToolUseBlock)
-            ]
-            if calls:
-                entry["tool_calls"] = calls
-            messages.append(entry)
+            )
+            messages.append(TurnMessage("assistant", text, tool_calls=calls))
             sources.append(where)
             continue
         if any(isinstance(b, ToolUseBlock) for b in blocks):
             raise invalid_request(
                 f"{where}.content: tool_use blocks belong in assistant messages", where
             )
-        text: list[TextBlock] = []
+        run: list[TextBlock] = []
         for block in [*blocks, None]:
             if isinstance(block, TextBlock):
-                text.append(block)
+                run.append(block)
                 continue
-            if text:  # a run of text blocks is one user message
-                messages.append({"role": "user", "content": _text(text)})
+            if run:  # a run of text blocks is one user message
+                messages.append(TurnMessage("user", _text(run)))
                 sources.append(where)
-                text = []
+                run = []
             if isinstance(block, ToolResultBlock):
                 content = block.content if block.content is not None else ""
-                messages.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": block.tool_use_id,
-                        "content": content if isinstance(content, str) else _text(content),
-                    }
-                )
+                result = content if isinstance(content, str) else _text(content)
+                messages.append(TurnMessage("tool", result, tool_call_id=block.tool_use_id))
                 sources.append(where)
     if req.messages[-1].role == "assistant":
         last = f"messages[{len(req.messages) - 1}]"
@@ -117,48 +118,45 @@ def chat_messages(req: MessagesInput) -> tuple[list[dict[str, Any]], list[str]]:
     return messages, sources
 
 
-def chat_fields(req: MessagesInput, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completions request these Messages fields mean (tools and tool_choice included)."""
-    fields: dict[str, Any] = {"model": req.model, "messages": messages}
+def messages_turn(req: MessagesInput, messages: list[TurnMessage], fields: FieldMap) -> TurnRequest:
+    """The turn these Messages fields ask for (tools, tool_choice and the output format included)."""
+    template: dict[str, Any] = {}
     if req.thinking is not None:
-        fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        template["enable_thinking"] = req.thinking.type != "disabled"
+    sampling = Sampling()
+    max_tokens = None
+    stream = False
     if isinstance(req, MessagesRequest):
-        fields |= {
-            "max_completion_tokens": req.max_tokens,
-            "stop": req.stop_sequences,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "stream": bool(req.stream),
-            "user": req.metadata.user_id if req.metadata is not None else None,
-        }
-    if req.tools:
-        fields["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "parameters": t.input_schema,
-                    **({"description": t.description} if t.description is not None else {}),
-                },
-            }
-            for t in req.tools
-        ]
+        sampling = Sampling(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=list(req.stop_sequences or ()),
+        )
+        max_tokens, stream = req.max_tokens, bool(req.stream)
     schema = req.json_schema()
-    if schema is not None:
-        fields["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {"name": "output", "schema": schema, "strict": True},
-        }
     choice = req.tool_choice
+    tool_choice: ToolChoice | None = None
+    parallel = None
     if choice is not None:
         if choice.type == "tool":
-            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            tool_choice = NamedTool(choice.name)
         else:
-            fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+            tool_choice = TOOL_CHOICES[choice.type]
         if getattr(choice, "disable_parallel_tool_use", None):
-            fields["parallel_tool_calls"] = False
-    return {k: v for k, v in fields.items() if v is not None}
+            parallel = False
+    return TurnRequest(
+        model=req.model,
+        messages=messages,
+        sampling=sampling,
+        stream=stream,
+        max_tokens=max_tokens,
+        constraint=json_schema_constraint(schema, fields) if schema is not None else None,
+        tools=[ToolSpec(t.name, t.description, t.input_schema) for t in req.tools or ()],
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        template_kwargs=template,
+    )
 
 
 def field_map(sources: list[str]) -> FieldMap:
@@ -168,7 +166,8 @@ def field_map(sources: list[str]) -> FieldMap:
 
 def _prepare(req: MessagesInput, state: ServerState, request_id: str) -> GenerationPlan:
     messages, sources = chat_messages(req)
-    return plan_as_chat(chat_fields(req, messages), field_map(sources), state, request_id)
+    fields = field_map(sources)
+    return plan_turn(messages_turn(req, messages, fields), state, request_id, fields)
 
 
 def stop_reason(turn: Turn) -> str:

@@ -1,9 +1,10 @@
-"""POST /v1/responses (and GET/DELETE /v1/responses/{id}): OpenAI's Responses API as a translation over the
-chat path. Input items become chat messages, the output an assistant turn as `message` and `function_call`
+"""POST /v1/responses (and GET/DELETE /v1/responses/{id}): OpenAI's Responses API over the turn pipeline.
+Input items become turn messages, the output an assistant turn as `message` and `function_call`
 items; streams are typed events with sequence numbers; `store` keeps responses for `previous_response_id`."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -12,12 +13,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine import RequestOutput
-from server.chat_translation import TurnEvents, plan_as_chat
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError
 from server.field_map import FieldMap
 from server.plan import GenerationPlan
 from server.protocol_responses import (
+    FormatJsonObject,
+    FormatJsonSchema,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
@@ -25,10 +27,13 @@ from server.protocol_responses import (
     ReasoningItem,
     Refusal,
     ResponsesRequest,
+    ToolChoiceFunction,
 )
 from server.response_store import StoredResponse
+from server.serving_chat import effort_kwargs, plan_turn
 from server.sse import sse_event
 from server.state import ServerState
+from server.structured_outputs import JSON_OBJECT, json_schema_constraint
 from server.turn import (
     ReasoningDelta,
     TextDelta,
@@ -38,6 +43,8 @@ from server.turn import (
     TurnDelta,
     TurnEnd,
 )
+from server.turn_events import TurnEvents
+from server.turn_request import NamedTool, Sampling, ToolSpec, TurnMessage, TurnRequest
 
 CHAT_FIELD_NAMES = {
     "max_completion_tokens": "max_output_tokens",
@@ -55,92 +62,85 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
     )
 
 
-def _parts(content: str | list[Any]) -> str | list[dict[str, str]]:
+def _parts(content: str | list[Any]) -> str | tuple[str, ...]:
     if isinstance(content, str):
         return content
-    return [
-        {"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text} for p in content
-    ]
+    return tuple(p.refusal if isinstance(p, Refusal) else p.text for p in content)
 
 
-def input_messages(items: str | list[InputItem]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Input items -> chat messages, with the `input[...]` path each message came from."""
+def input_messages(items: str | list[InputItem]) -> tuple[list[TurnMessage], list[str]]:
+    """Input items -> turn messages, with the `input[...]` path each message came from."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}], ["input"]
-    messages: list[dict[str, Any]] = []
+        return [TurnMessage("user", items)], ["input"]
+    messages: list[TurnMessage] = []
     sources: list[str] = []
     for i, item in enumerate(items):
         if isinstance(item, ReasoningItem):
             continue  # earlier reasoning: templates leave it out of the prompt
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _parts(item.content)})
+            messages.append(TurnMessage(item.role, _parts(item.content)))
         elif isinstance(item, FunctionCallItem):
-            call = ToolCall(item.call_id, item.name, item.arguments).chat_dict()
+            call = ToolCall(item.call_id, item.name, item.arguments)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last.role == "assistant":
                 # One assistant turn: its text and the calls that followed it.
-                last.setdefault("tool_calls", []).append(call)
+                messages[-1] = dataclasses.replace(last, tool_calls=(*last.tool_calls, call))
                 continue
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            messages.append(TurnMessage("assistant", "", tool_calls=(call,)))
         else:
             assert isinstance(item, FunctionCallOutputItem)
-            content = _parts(item.output)
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+            messages.append(TurnMessage("tool", _parts(item.output), tool_call_id=item.call_id))
         sources.append(f"input[{i}]")
     return messages, sources
 
 
-def chat_fields(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completions request this Responses request means (tools and text.format included)."""
-    fields: dict[str, Any] = {
-        "model": req.model,
-        "messages": messages,
-        "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "repetition_penalty": req.repetition_penalty,
-        "seed": req.seed,
-        "min_tokens": req.min_tokens,
-        "user": req.user,
-        "stream": bool(req.stream),
-        "parallel_tool_calls": req.parallel_tool_calls,
-    }
-    if req.tools:
-        fields["tools"] = [
-            {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-            for t in req.tools
-        ]
-    if req.tool_choice is not None:
-        choice = req.tool_choice
-        fields["tool_choice"] = (
-            choice
-            if isinstance(choice, str)
-            else {"type": "function", "function": {"name": choice.name}}
-        )
+def responses_turn(
+    req: ResponsesRequest, messages: list[TurnMessage], fields: FieldMap
+) -> TurnRequest:
+    """The turn this Responses request asks for (tools and text.format included)."""
+    choice = req.tool_choice
     text_format = req.text.format if req.text is not None else None
-    if text_format is not None and text_format.type != "text":
-        fmt = text_format.model_dump(by_alias=True, exclude_none=True)
-        kind = fmt.pop("type")
-        fields["response_format"] = {"type": kind, **({kind: fmt} if fmt else {})}
-    return {k: v for k, v in fields.items() if v is not None}
+    constraint = None
+    if isinstance(text_format, FormatJsonObject):
+        constraint = JSON_OBJECT
+    elif isinstance(text_format, FormatJsonSchema):
+        constraint = json_schema_constraint(text_format.schema_, fields)
+    return TurnRequest(
+        model=req.model,
+        messages=messages,
+        sampling=Sampling(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            min_tokens=req.min_tokens,
+        ),
+        stream=bool(req.stream),
+        max_tokens=req.max_output_tokens,
+        constraint=constraint,
+        tools=[ToolSpec(t.name, t.description, t.parameters, t.strict) for t in req.tools or ()],
+        tool_choice=NamedTool(choice.name) if isinstance(choice, ToolChoiceFunction) else choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        template_kwargs=effort_kwargs(req.reasoning.effort if req.reasoning is not None else None),
+    )
 
 
 class _Context:
-    """One Responses request: its translation to chat, and the response object around its output."""
+    """One Responses request: its plan, and the response object around its output."""
 
     def __init__(self, req: ResponsesRequest, state: ServerState) -> None:
         self.req = req
         self.state = state
-        history: list[dict[str, Any]] = []
+        history: list[TurnMessage] = []
         if req.previous_response_id is not None:
             entry = state.responses.get(req.previous_response_id)
             if entry is None:
                 raise not_found(req.previous_response_id, "previous_response_id")
             history = entry.conversation
         new, sources = input_messages(req.input)
-        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        system = [TurnMessage("system", req.instructions)] if req.instructions else []
         self.conversation = [*history, *new]  # what a continuation starts from (no instructions)
         names = FieldMap(
             "input",
@@ -149,8 +149,8 @@ class _Context:
             {},  # function tools are flat: tools[i].parameters
         )
         self.id = f"resp_{uuid.uuid4().hex}"
-        fields = chat_fields(req, [*system, *self.conversation])
-        self.plan: GenerationPlan = plan_as_chat(fields, names, state, self.id)
+        turn = responses_turn(req, [*system, *self.conversation], names)
+        self.plan: GenerationPlan = plan_turn(turn, state, self.id, names)
         self.created_at = int(time.time())
 
     def response(
@@ -190,7 +190,10 @@ class _Context:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "prompt_cache_key": req.prompt_cache_key,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {
+                "effort": req.reasoning.effort if req.reasoning is not None else None,
+                "summary": _summary(req),
+            },
             "safety_identifier": req.safety_identifier,
             "service_tier": "default",
             "store": req.store is not False,
@@ -223,14 +226,18 @@ class _Context:
         """The finished response object; stored (with its conversation) unless `store` is false."""
         body = self.response(status_of(turn), output, turn, cached)
         if self.req.store is not False:
-            assistant: dict[str, Any] = {"role": "assistant", "content": turn.text}
-            if turn.reasoning is not None:
-                assistant["reasoning_content"] = turn.reasoning
-            if turn.tool_calls:
-                assistant["tool_calls"] = [c.chat_dict() for c in turn.tool_calls]
+            calls = tuple(turn.tool_calls)
+            assistant = TurnMessage("assistant", turn.text, None, calls, None, turn.reasoning)
             conversation = [*self.conversation, assistant]
             self.state.responses.put(StoredResponse(body, conversation))
         return body
+
+
+def _summary(req: ResponsesRequest) -> str | None:
+    reasoning = req.reasoning
+    if reasoning is None:
+        return None
+    return reasoning.summary if reasoning.summary is not None else reasoning.generate_summary
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from server.generation import wait_for_disconnect
 from server.protocol import ScoreRequest
 from server.state import ServerState
 from server.tool_calling import template_messages
+from server.turn_request import turn_messages
 
 
 async def create_score(req: ScoreRequest, raw: Request, state: ServerState) -> Response:
@@ -45,7 +46,9 @@ async def create_score(req: ScoreRequest, raw: Request, state: ServerState) -> R
             "(--max-score-choices).",
             "choices",
         )
-    messages = template_messages(req.messages, None) if req.messages is not None else None
+    messages = None
+    if req.messages is not None:
+        messages = template_messages(turn_messages(req.messages), None)
     try:
         inputs = build_score_inputs(
             tokenizer,

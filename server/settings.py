@@ -546,9 +546,8 @@ def _convert(opt: Option, value: Any, source: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             result = value
-        elif isinstance(
-            value, dict
-        ):  # a config file's mapping (chat-template-kwargs, speculative-config)
+        elif isinstance(value, dict):
+            # A config file's mapping (chat-template-kwargs, speculative-config).
             result = opt.parse(json.dumps(value))
         elif isinstance(value, (list, tuple)):
             result = tuple(str(v) for v in value)

@@ -70,16 +70,26 @@ def request_constraint(req: SamplingFields, fields: FieldMap) -> StructuredOutpu
     return from_format or from_so
 
 
+JSON_OBJECT = StructuredOutputs(json_object=True, source="response_format")
+
+
+def json_schema_constraint(schema: Any, fields: FieldMap) -> StructuredOutputs:
+    """An answer that follows the JSON `schema` (chat's response_format.json_schema; Responses'
+    text.format and Messages' output format name it through `fields`)."""
+    source = "response_format.json_schema.schema"
+    return StructuredOutputs(json=check_json_schema(schema, fields.name(source)), source=source)
+
+
 def _from_response_format(rf: Any, fields: FieldMap) -> StructuredOutputs | None:
     if isinstance(rf, ResponseFormatJsonObject):
-        return StructuredOutputs(json_object=True, source="response_format")
+        return JSON_OBJECT
     if isinstance(rf, ResponseFormatJsonSchema):
-        source = "response_format.json_schema.schema"
-        param = fields.name(source)
         schema = rf.json_schema.json_schema
         if schema is None:
-            raise invalid_request("json_schema needs a schema", param)
-        return StructuredOutputs(json=check_json_schema(schema, param), source=source)
+            raise invalid_request(
+                "json_schema needs a schema", fields.name("response_format.json_schema.schema")
+            )
+        return json_schema_constraint(schema, fields)
     return None  # text, or absent
 
 

@@ -116,6 +116,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self.free_queue)
 
+    @property
+    def view(self) -> BlockPoolView:
+        """A read-only view of the pool for observers (the detail snapshot)."""
+        return BlockPoolView(self)
+
     def allocate(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         self._evict(block_id)
@@ -175,3 +180,34 @@ class BlockPool:
             if self.listener is not None:
                 self.listener.block_removed(self.block_groups[block_id], node)
             self.trie.unref(node)
+
+
+class BlockPoolView:
+    """What a BlockPool holds now, read-only: for observers such as the engine's detail snapshot,
+    which must not reach into the pool's own structures."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    def ref_count(self, block_id: int) -> int:
+        """References to `block_id` (0: free)."""
+        return self._pool.ref_counts[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether `block_id` holds registered prefix-cache content."""
+        return self._pool.is_cached_block(block_id)
+
+    def cached_free_blocks(self) -> tuple[int, ...]:
+        """Free blocks that still hold cached content, in eviction order (the next evicted first)."""
+        pool = self._pool
+        return tuple(b for b in pool.free_queue if pool.is_cached_block(b))

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.core.kv_events import KVEventsConfig
 from engine.core.lora import LoRAConfig
 from engine.core.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TASKS = ("generate", "embed")
+Task = Literal["generate", "embed"]  # what a built engine does
+TASKS: tuple[Task, ...] = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
 QUANTIZATIONS = ("auto", "int8", "int4", "gguf")  # and "none" (stored as None)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, Task
 from engine.core.lora import LoRAInfo
 from engine.core.outputs import EmbeddingOutput, RequestOutput
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class EngineCore(Protocol):
     config: EngineConfig
     model_name: str
-    task: str
+    task: Task
     max_model_len: int
     vocab_size: int
     tokenizer: Tokenizer

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroup:
-    window: (
-        int | None
-    )  # the layers' sliding window (transformers' semantics); None = full attention
+    # The layers' sliding window (transformers' semantics); None = full attention.
+    window: int | None
     layers: tuple[int, ...]  # model layer indices, in order: layer layers[j] uses cache tensor j
 
 

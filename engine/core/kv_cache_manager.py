@@ -106,6 +106,14 @@ class KVCacheManager:
         skipped = self.num_skipped[seq_id]
         return [b for g, table in enumerate(tables) for b in table[skipped[g] :]]
 
+    def block_holders(self) -> dict[int, list[str]]:
+        """Block id -> the ids of the sequences holding it (every group's live blocks)."""
+        holders: dict[int, list[str]] = {}
+        for seq_id in self.block_tables:
+            for block_id in self.held_blocks(seq_id):
+                holders.setdefault(block_id, []).append(seq_id)
+        return holders
+
     def num_held_blocks(self, seq: Sequence) -> int:
         tables = self.block_tables.get(seq.seq_id)
         if tables is None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.core.errors import InvalidRequestError
+
+FinishReason = Literal["stop", "length", "abort", "error"]  # why a sample ended
 
 
 @dataclass
@@ -24,7 +27,7 @@ class CompletionOutput:
     text: str  # cumulative, or only the new part when SamplingParams.output_kind == "delta"
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    finish_reason: FinishReason | None = None  # None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float = 0.0
     # Total generated so far, also in delta mode (the engine always sets it; 0 for a score choice).

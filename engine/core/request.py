@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine.core.errors import InvalidRequestError
-from engine.core.outputs import RequestMetrics, TokenLogprob
+from engine.core.outputs import FinishReason, RequestMetrics, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,8 +31,8 @@ class SequenceStatus(enum.Enum):
         return self._value_ in _FINISHED_VALUES  # str hash: members hash in Python code
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self._value_)
 
 
 _FINISHED_VALUES = frozenset(
@@ -44,6 +44,12 @@ _FINISHED_VALUES = frozenset(
         SequenceStatus.FINISHED_ERROR,
     )
 )
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}  # finished statuses' values -> the reason outputs report
 
 
 @dataclass(eq=False)
@@ -71,7 +77,6 @@ class Sequence:
     # Output bookkeeping for delta outputs.
     num_emitted_tokens: int = 0
     final_emitted: bool = False  # its finish_reason has been sent (delta outputs)
-    num_preemptions: int = 0
     # Score groups: the first scored position (the choice's first token); its logprobs go to `logprobs`.
     score_start: int | None = None
     num_lost_tokens: int = 0  # computed tokens whose KV the last preemption dropped

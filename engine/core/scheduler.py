@@ -32,7 +32,7 @@ from engine.core.sequence_update import (
     store_prompt_logprobs,
 )
 from engine.core.speculator import Speculator
-from engine.core.stats import StepStats
+from engine.core.stats import StepKind, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> StepKind:
         if self.num_prefill_tokens == 0:
             return "decode"
         return "prefill" if self.num_decode_tokens == 0 else "mixed"
@@ -111,7 +111,6 @@ class Scheduler:
         self.updater = updater or SequenceUpdater(frozenset(), sys.maxsize)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
         # seq id -> how many later sequences were admitted while this one could not get KV blocks
         self.bypassed: dict[str, int] = {}
 
@@ -135,9 +134,6 @@ class Scheduler:
     @property
     def num_waiting_tokens(self) -> int:
         return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -296,9 +292,7 @@ class Scheduler:
         seq.num_lost_tokens = seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
-        seq.num_preemptions += 1
         seq.group.metrics.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 

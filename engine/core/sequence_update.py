@@ -162,10 +162,11 @@ def finished_stats(group: RequestGroup, now: float) -> FinishedRequestStats:
     """A finished request's record for the step's stats (stamps its finish time)."""
     m = group.metrics
     m.finished_time = now
-    reason = "error" if group.error else group.seqs[0].status.value
+    reason = group.seqs[0].status.finish_reason
+    assert reason is not None, "only a finished request has finished stats"
     return FinishedRequestStats(
         group.request_id,
-        reason,
+        "error" if group.error else reason,
         group.num_prompt_tokens,
         sum(s.num_output_tokens for s in group.seqs),
         group.num_cached_tokens,

@@ -7,7 +7,10 @@ caller asks for them (the /engine page, while someone watches it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.core.config import Task
 
 from engine.core.kv_events import KVEventsState
 
@@ -71,7 +74,7 @@ class EngineSnapshot:
     """Engine state after step `num_steps`. `num_running`/`num_waiting` count sequences (an n > 1
     request has n); `num_requests_*` count requests. Counters since start-up are monotonic."""
 
-    task: str
+    task: Task
     num_steps: int
     time: float  # time.monotonic() when it was built
     num_running: int = 0

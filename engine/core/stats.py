@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.core.outputs import FinishReason
+    from engine.core.request import RequestKind
+
+StepKind = Literal["prefill", "decode", "mixed"]
 
 
 @dataclass
 class FinishedRequestStats:
     request_id: str
-    finish_reason: str
+    finish_reason: FinishReason
     num_prompt_tokens: int
     num_generation_tokens: int
     num_cached_tokens: int
@@ -16,13 +23,13 @@ class FinishedRequestStats:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float
-    kind: str = "generate"  # "generate" or "score"
+    kind: RequestKind = "generate"
     lora: str | None = None  # the LoRA adapter it ran on (None: the base model)
 
 
 @dataclass
 class StepStats:
-    kind: str  # "prefill" | "decode" | "mixed"
+    kind: StepKind
     duration: float = 0.0  # seconds spent in the step (schedule + forward + sample + outputs)
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0

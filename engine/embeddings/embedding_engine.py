@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, Task
 from engine.core.errors import InvalidRequestError, WrongTaskError
 from engine.core.lora import LoRAInfo
 from engine.core.outputs import EmbeddingOutput
@@ -45,7 +45,7 @@ class _EmbedRequest:
 
 
 class EmbeddingEngine:
-    task = "embed"
+    task: Task = "embed"
 
     def __init__(self, config: EngineConfig, model_dir: Path, model_name: str) -> None:
         self.config = config

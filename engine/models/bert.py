@@ -80,9 +80,12 @@ def packed_attention(
         return flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=layout.causal)
     if layout.seq_index is None:  # a single sequence: no padding, no mask
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            is_causal=layout.causal, enable_gqa=gqa,
-        )  # fmt: skip
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=layout.causal,
+            enable_gqa=gqa,
+        )
         return out.transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     seq_index, pos_index = layout.seq_index, layout.pos_index
     batch = layout.cu_seqlens.numel() - 1

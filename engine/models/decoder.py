@@ -107,9 +107,12 @@ class DecoderForCausalLM(nn.Module):
         self.dense: DenseFns | None = None  # compiled dense halves of a layer (compile_dense)
         self._decode_args: list[decoder_cpu.DecodeLayerArgs | None] | None = None
         self.lm_head_weight: torch.Tensor | None = optional_param(
-            spec.vocab_size, spec.hidden_size, dtype=dtype, device=device,
+            spec.vocab_size,
+            spec.hidden_size,
+            dtype=dtype,
+            device=device,
             enabled=not spec.tie_word_embeddings,
-        )  # fmt: skip
+        )
         self._layer_tensors = self.layer_tensor_names()
 
     @torch.inference_mode()
@@ -236,9 +239,13 @@ class DecoderForCausalLM(nn.Module):
                 f"mlp.down_proj.{kind}": (f"mlp.down_{kind}", 0),
             }
         for norm in (
-            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-            "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm",
-        ):  # fmt: skip
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+        ):
             names[f"{norm}.weight"] = (f"{norm}.weight", 0)
         return names
 

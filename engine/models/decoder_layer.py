@@ -53,8 +53,10 @@ class Attention(nn.Module):
         super().__init__()
         hidden = spec.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads, spec.num_kv_heads, spec.head_dim,
-        )  # fmt: skip
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = spec.attention_scale

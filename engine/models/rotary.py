@@ -198,8 +198,10 @@ class RotaryEmbedding(nn.Module):
         if self.long_after is not None:
             logger.info(
                 "LongRoPE: %s factors for contexts up to %d tokens (original length %d)",
-                "long" if self.uses_long_factors else "short", max_model_len, self.long_after,
-            )  # fmt: skip
+                "long" if self.uses_long_factors else "short",
+                max_model_len,
+                self.long_after,
+            )
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [n], each [n, 1, rotary_dim // 2]; looked up once per forward."""

@@ -15,10 +15,9 @@ from engine import Tokenizer, resolve_model
 from server.errors import APIError
 from server.field_map import CHAT_FIELDS
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.serving_chat import apply_template
+from server.serving_chat import apply_template, chat_turn
 from server.serving_completions import _prompts
 from server.state import ServerConfig
-from server.structured_outputs import request_constraint
 from server.tool_calling import tool_plan
 
 logger = logging.getLogger(__name__)
@@ -60,16 +59,15 @@ class RoutingTokenizer:
 
     def _chat(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.tokenizer
+        turn = chat_turn(req)
         plan = tool_plan(
-            req,
+            turn,
             tok.chat_template,
             self.config.tool_call_parser,
-            request_constraint(req, CHAT_FIELDS),
+            turn.constraint,
             CHAT_FIELDS,
             tok.added_tokens,
         )
-        kwargs = {**(self.config.chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
-        ids, _ = apply_template(
-            tok, req.messages, req.add_generation_prompt is not False, plan, kwargs
-        )
+        kwargs = {**(self.config.chat_template_kwargs or {}), **turn.template_kwargs}
+        ids, _ = apply_template(tok, turn.messages, turn.add_generation_prompt, plan, kwargs)
         return ids

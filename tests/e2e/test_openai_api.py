@@ -112,9 +112,14 @@ def test_stop_string_is_cut(client: openai.OpenAI, model: str) -> None:
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == free[: free.index(stop)]
     streamed = client.completions.create(
-        model=model, prompt="x y", max_tokens=12, temperature=0, stop=stop, stream=True,
+        model=model,
+        prompt="x y",
+        max_tokens=12,
+        temperature=0,
+        stop=stop,
+        stream=True,
         extra_body=no_eos,
-    )  # fmt: skip
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
 
 
@@ -279,8 +284,15 @@ def test_text_offsets_of_non_ascii_text(tiny_server: ServerProcess, model: str) 
         text = httpx.post(url + "/detokenize", json={"tokens": ids[:n]}).json()["prompt"]
         return len(text.rstrip("\ufffd"))
 
-    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1,
-            "echo": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+        "ignore_eos": True,
+    }
     choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     text, lp = choice["text"], choice["logprobs"]
     offsets, tokens = lp["text_offset"], lp["tokens"]

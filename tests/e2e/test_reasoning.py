@@ -2,7 +2,7 @@
 current one, so the output is known) behind a Qwen3-style chat template with a thinking block, read
 through the official SDKs: chat `reasoning_content` whole and streamed, the Responses reasoning
 item, the Messages thinking block; enable_thinking per request and as the server default; a template
-that opens `<think>` in the prompt; JSON schemas, tools and stop strings applied to the answer only."""
+that opens `<think>` in the prompt; the reasoning effort handed to the template; JSON schemas, tools and stop strings applied to the answer only."""
 
 from __future__ import annotations
 
@@ -22,8 +22,11 @@ REASONING = 'Maybe <tool_call>{"name":"get_weather","arguments":{}}</tool_call> 
 ANSWER = "Sunny today"
 THINKING_OFF = "<think>\n\n</think>\n\n"
 
-# A Qwen3-style template: native tools in Hermes format, `enable_thinking: false` closes the block.
+# A Qwen3-style template: native tools in Hermes format, `enable_thinking: false` closes the block;
+# a reasoning effort, when given, is stated in a system turn (as gpt-oss's template does).
 QWEN3_STYLE = (
+    "{%- if reasoning_effort is defined %}"
+    "{{- '<|im_start|>system\\nReasoning: ' + reasoning_effort + '<|im_end|>\\n' }}{%- endif %}"
     "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for tool in tools %}"
     '{{- tool | tojson }}{%- endfor %}{{- \'</tools>\\nCall a tool with <tool_call>{"name": ..., '
     '"arguments": {...}}</tool_call><|im_end|>\\n\' }}{%- endif %}'
@@ -173,6 +176,33 @@ def test_enable_thinking_false_per_request(client: openai.OpenAI):
     assert getattr(message, "reasoning_content", None) is None
 
 
+def test_reasoning_effort_reaches_the_chat_template(client: openai.OpenAI):
+    """chat's reasoning_effort and Responses' reasoning.effort are the template's
+    `reasoning_effort` (vLLM's variable), here a system turn of the prompt."""
+    plain = _chat(client)
+    high = _chat(client, reasoning_effort="high")
+    assert high.choices[0].message.content == ANSWER
+    assert plain.usage is not None and high.usage is not None
+    extra = high.usage.prompt_tokens - plain.usage.prompt_tokens
+    assert extra > 0  # "<|im_start|>system\nReasoning: high<|im_end|>\n"
+    model = client.models.list().data[0].id
+    ask: Any = {"model": model, "input": "Weather?", "max_output_tokens": 60, "temperature": 0}
+    base = client.responses.create(**ask)
+    assert base.reasoning is not None and base.reasoning.effort is None
+    response = client.responses.create(**ask, reasoning={"effort": "high", "summary": "auto"})
+    assert response.output_text == ANSWER
+    assert response.reasoning is not None
+    assert (response.reasoning.effort, response.reasoning.summary) == ("high", "auto")
+    assert base.usage is not None and response.usage is not None
+    assert response.usage.input_tokens - base.usage.input_tokens == extra
+    with pytest.raises(openai.BadRequestError) as bad:
+        _chat(client, extra_body={"reasoning_effort": "extreme"})
+    assert bad.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(**ask, reasoning={"effort": "extreme"})  # type: ignore[typeddict-item]
+    assert bad.value.body["param"] == "reasoning.effort"  # type: ignore[index]
+
+
 def test_a_tool_call_inside_the_reasoning_is_not_a_call(client: openai.OpenAI):
     tools: Any = [
         {
@@ -266,7 +296,7 @@ def test_responses_reasoning_item(client: openai.OpenAI):
         input=[
             *[item.model_dump(exclude_none=True) for item in response.output],
             {"role": "user", "content": "And tomorrow?"},
-        ],  # fmt: skip
+        ],
         max_output_tokens=60,
     )
     assert follow.output_text == ANSWER
@@ -310,8 +340,11 @@ def test_messages_thinking_block(server: ServerProcess):
     )
     assert [(b.type, getattr(b, "text", None)) for b in off.content] == [("text", ANSWER)]
     # The thinking block passed back as history is accepted.
-    history: Any = [*HELLO, {"role": "assistant", "content": message.content},
-                    {"role": "user", "content": "Thanks"}]  # fmt: skip
+    history: Any = [
+        *HELLO,
+        {"role": "assistant", "content": message.content},
+        {"role": "user", "content": "Thanks"},
+    ]
     again = client.messages.create(model=model, max_tokens=60, messages=history)
     assert again.content[-1].type == "text"
 

@@ -50,9 +50,12 @@ def hf_model(smollm2_dir):
 def llm(smollm2_dir):
     # A small token budget: long prompts are chunked and share steps with other requests' decodes.
     return LLM(
-        str(smollm2_dir), dtype="float32", quantization="none",
-        max_num_batched_tokens=96, max_num_seqs=16,
-    )  # fmt: skip
+        str(smollm2_dir),
+        dtype="float32",
+        quantization="none",
+        max_num_batched_tokens=96,
+        max_num_seqs=16,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +102,12 @@ def test_greedy_equals_transformers_with_chunked_prefill(llm, prompts, reference
 def test_greedy_equals_transformers_under_preemption(smollm2_dir, prompts, reference):
     # 50 blocks of 16 tokens hold the longest request (~590 tokens, 37 blocks) but not many at once.
     small = LLM(
-        str(smollm2_dir), dtype="float32", quantization="none",
-        max_num_batched_tokens=128, num_blocks=50,
-    )  # fmt: skip
+        str(smollm2_dir),
+        dtype="float32",
+        quantization="none",
+        max_num_batched_tokens=128,
+        num_blocks=50,
+    )
     outs = small.generate(prompts, greedy())
     assert small.engine.totals.num_preemptions > 0, "the pool was meant to force preemptions"
     for i, (out, (ref_tokens, _)) in enumerate(zip(outs, reference, strict=True)):

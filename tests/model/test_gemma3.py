@@ -22,13 +22,24 @@ LENGTHS = [1, 9, 17, 33, 50, 64, 90, 120]  # up to 7.5 windows
 def text_kwargs(smollm2_dir: Path, **overrides) -> dict:
     smol = json.loads((smollm2_dir / "config.json").read_text())
     base = dict(
-        vocab_size=smol["vocab_size"], hidden_size=64, intermediate_size=128,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        query_pre_attn_scalar=24, sliding_window=WINDOW, max_position_embeddings=512,
-        rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
-        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
-        pad_token_id=0, hidden_activation="gelu_pytorch_tanh",
-    )  # fmt: skip
+        vocab_size=smol["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=smol.get("bos_token_id"),
+        eos_token_id=smol.get("eos_token_id"),
+        pad_token_id=0,
+        hidden_activation="gelu_pytorch_tanh",
+    )
     return base | overrides
 
 
@@ -40,7 +51,7 @@ VARIANTS = {
         sliding_window_pattern=2,
         rope_scaling={"rope_type": "linear", "factor": 4.0},
         tie_word_embeddings=True,
-    ),  # fmt: skip
+    ),
     # explicit layer types, both softcaps set (transformers applies the final one only)
     "layer_types_softcap": dict(
         layer_types=[
@@ -52,7 +63,7 @@ VARIANTS = {
         final_logit_softcapping=12.0,
         attn_logit_softcapping=20.0,
         tie_word_embeddings=False,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -115,14 +126,20 @@ def multimodal_case(smollm2_dir, tmp_path_factory) -> tm.FamilyCase:
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
     vision = SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        image_size=28, patch_size=14,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
     text = Gemma3TextConfig(**text_kwargs(smollm2_dir, sliding_window_pattern=3))
     config = Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
         architectures=["Gemma3ForConditionalGeneration"],
-    )  # fmt: skip
+    )
     out = tmp_path_factory.mktemp("gemma3mm")
     folder = tm.save_tiny_checkpoint(config, out, smollm2_dir, embed_std=EMBED_STD[True])
     return tm.FamilyCase.build(folder, LENGTHS[:6])

@@ -63,9 +63,14 @@ class PagedCache:
     def __init__(self, model, num_blocks: int = 64, seed: int = 0):
         self.model = model
         self.kv = allocate_kv_cache(
-            model.num_layers, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim,
-            torch.float32, "cpu",
-        )  # fmt: skip
+            model.num_layers,
+            num_blocks,
+            BLOCK_SIZE,
+            model.num_kv_heads,
+            model.head_dim,
+            torch.float32,
+            "cpu",
+        )
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)  # scattered, non-monotonic block tables
         self.tables: dict[str, list[int]] = {}

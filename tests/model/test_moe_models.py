@@ -22,44 +22,73 @@ LENGTHS = [1, 5, 17, 33, 40, 64, 90, 120]
 def _config(family: str, smollm2_dir: Path):
     smol = json.loads((smollm2_dir / "config.json").read_text())
     common = dict(
-        vocab_size=smol["vocab_size"], hidden_size=64, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
-        tie_word_embeddings=False, num_experts_per_tok=2,
-    )  # fmt: skip
+        vocab_size=smol["vocab_size"],
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=smol.get("bos_token_id"),
+        eos_token_id=smol.get("eos_token_id"),
+        tie_word_embeddings=False,
+        num_experts_per_tok=2,
+    )
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
         # Layer 1 is dense (mlp_only_layers); the others sparse, top-2 renormalized.
         return Qwen3MoeConfig(
-            **common, num_hidden_layers=4, head_dim=32, intermediate_size=128,
-            moe_intermediate_size=64, num_experts=8, norm_topk_prob=True, decoder_sparse_step=1,
-            mlp_only_layers=[1], architectures=["Qwen3MoeForCausalLM"],
-        )  # fmt: skip
+            **common,
+            num_hidden_layers=4,
+            head_dim=32,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            architectures=["Qwen3MoeForCausalLM"],
+        )
     if family == "qwen3_moe_step2":
         from transformers import Qwen3MoeConfig
 
         # Every second layer sparse, top-2 probabilities as the softmax gives them.
         return Qwen3MoeConfig(
-            **(common | {"tie_word_embeddings": True}), num_hidden_layers=4, head_dim=16,
-            intermediate_size=96, moe_intermediate_size=32, num_experts=6, norm_topk_prob=False,
-            decoder_sparse_step=2, architectures=["Qwen3MoeForCausalLM"],
-        )  # fmt: skip
+            **(common | {"tie_word_embeddings": True}),
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=6,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            architectures=["Qwen3MoeForCausalLM"],
+        )
     if family == "qwen2_moe":
         from transformers import Qwen2MoeConfig
 
         # Layer 1 dense: pure decode steps run it as the one-call C++ layer, between sparse ones.
         return Qwen2MoeConfig(
-            **common, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32,
-            shared_expert_intermediate_size=96, num_experts=8, norm_topk_prob=False,
-            mlp_only_layers=[1], architectures=["Qwen2MoeForCausalLM"],
-        )  # fmt: skip
+            **common,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            num_experts=8,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            architectures=["Qwen2MoeForCausalLM"],
+        )
     from transformers import MixtralConfig
 
     return MixtralConfig(
-        **common, num_hidden_layers=3, intermediate_size=64, num_local_experts=8, sliding_window=48,
+        **common,
+        num_hidden_layers=3,
+        intermediate_size=64,
+        num_local_experts=8,
+        sliding_window=48,
         architectures=["MixtralForCausalLM"],
-    )  # fmt: skip
+    )
 
 
 FAMILIES = ["qwen3_moe", "qwen3_moe_step2", "qwen2_moe", "mixtral"]

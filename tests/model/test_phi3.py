@@ -31,13 +31,23 @@ def phi3_config(smollm2_dir: Path, longrope: bool, partial: float):
             "long_factor": [1.0 + 2.0 * i for i in range(rotary // 2)],
         }
     return Phi3Config(
-        vocab_size=smol["vocab_size"], hidden_size=128, intermediate_size=192,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, original_max_position_embeddings=ORIGINAL,
-        partial_rotary_factor=partial, rope_scaling=rope, rope_theta=10000.0,
-        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
-        pad_token_id=None, tie_word_embeddings=False, architectures=["Phi3ForCausalLM"],
-    )  # fmt: skip
+        vocab_size=smol["vocab_size"],
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=ORIGINAL,
+        partial_rotary_factor=partial,
+        rope_scaling=rope,
+        rope_theta=10000.0,
+        bos_token_id=smol.get("bos_token_id"),
+        eos_token_id=smol.get("eos_token_id"),
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        architectures=["Phi3ForCausalLM"],
+    )
 
 
 # name: (LongRoPE, partial rotary factor, prompt lengths, max_model_len)

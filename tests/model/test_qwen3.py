@@ -20,12 +20,21 @@ def qwen3_config(smollm2_dir: Path, **overrides):
 
     smol = json.loads((smollm2_dir / "config.json").read_text())
     base = dict(
-        vocab_size=smol["vocab_size"], hidden_size=64, intermediate_size=160,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
-        tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"],
-    )  # fmt: skip
+        vocab_size=smol["vocab_size"],
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        bos_token_id=smol.get("bos_token_id"),
+        eos_token_id=smol.get("eos_token_id"),
+        tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"],
+    )
     return Qwen3Config(**(base | overrides))
 
 

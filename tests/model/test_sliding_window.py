@@ -41,12 +41,19 @@ BACKENDS = [
 
 def _config(family: str, vocab_size: int, **ids) -> MistralConfig | Qwen2Config:
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, sliding_window=WINDOW, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        sliding_window=WINDOW,
+        tie_word_embeddings=True,
         initializer_range=0.1,  # 5x the default: decisive logits, and the window shows
         **ids,
-    )  # fmt: skip
+    )
     if family == "mistral":
         return MistralConfig(**common)
     # Layer 0 attends globally, layers 1 and 2 slide.
@@ -139,9 +146,13 @@ def test_greedy_equals_transformers_chunked_and_cached(
     monkeypatch.setattr(cpu_kernels, "decode_layer", lambda *a: calls.append(1) or real(*a))
     # A 24-token budget chunks every prompt; 8-token blocks put window edges inside blocks.
     llm = LLM(
-        str(model_dir), dtype="float32", quantization="none", block_size=8,
-        max_num_batched_tokens=24, max_num_seqs=4,
-    )  # fmt: skip
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        block_size=8,
+        max_num_batched_tokens=24,
+        max_num_seqs=4,
+    )
     windows = llm.engine.model.layer_windows
     assert windows == ([WINDOW] * 3 if "mistral" in model_dir.name else [None, WINDOW, WINDOW])
     assert _greedy(llm, prompts[:4]) == reference[:4]
@@ -161,9 +172,14 @@ def test_greedy_equals_transformers_under_preemption(model_dir, prompts, referen
     # sliding) make a block one layer's worth, so its pool counts more blocks.
     num_blocks = 10 if "mistral" in model_dir.name else 30
     llm = LLM(
-        str(model_dir), dtype="float32", quantization="none", block_size=8,
-        max_num_batched_tokens=32, num_blocks=num_blocks, enable_prefix_caching=False,
-    )  # fmt: skip
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        block_size=8,
+        max_num_batched_tokens=32,
+        num_blocks=num_blocks,
+        enable_prefix_caching=False,
+    )
     assert _greedy(llm, prompts) == reference
     assert llm.engine.totals.num_preemptions > 0, "the pool was meant to force preemptions"
 
@@ -171,9 +187,12 @@ def test_greedy_equals_transformers_under_preemption(model_dir, prompts, referen
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_prompt_logprobs_match_transformers(model_dir, hf_model, prompts, backend):
     llm = LLM(
-        str(model_dir), dtype="float32", quantization="none", block_size=8,
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        block_size=8,
         max_num_batched_tokens=24,
-    )  # fmt: skip
+    )
     prompt = prompts[3]
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
     with torch.inference_mode():

@@ -42,11 +42,20 @@ def _common(smollm2_dir: Path) -> dict:
 
     vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
     return dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=WINDOW, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        sliding_window=WINDOW,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +89,22 @@ def gemma3_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     common = _common(smollm2_dir)
     config = Gemma3TextConfig(
         **{k: common[k] for k in ("vocab_size", "hidden_size", "intermediate_size")},
-        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=6,
-        max_position_embeddings=512, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-        final_logit_softcapping=12.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        sliding_window_pattern=6,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        final_logit_softcapping=12.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         architectures=["Gemma3ForCausalLM"],
-    )  # fmt: skip
+    )
     assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     return save_tiny_checkpoint(
         config, tmp_path_factory.mktemp("tiny_gemma3"), smollm2_dir, embed_std=0.15
@@ -140,9 +159,14 @@ def test_greedy_tokens_match_transformers_with_window_release(family, request):
     expected = _reference(model_dir, prompts)
     # Room to keep every block cached (Gemma 3's blocks are one layer each: 6 per position).
     llm = LLM(
-        str(model_dir), dtype="float32", quantization="none", block_size=BLOCK,
-        max_num_batched_tokens=BUDGET, max_num_seqs=8, num_blocks=1024,
-    )  # fmt: skip
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        block_size=BLOCK,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=8,
+        num_blocks=1024,
+    )
     assert [g.window for g in llm.engine.kv_spec.groups] == GROUPS[family]
     got, peak = _generate_tracking(llm, prompts)
     assert got == expected
@@ -167,9 +191,14 @@ def test_preemption_and_a_small_pool_keep_the_tokens(family, request):
     # the global layer and 5 windows. Six sequences together preempt.
     num_blocks = {"mistral": 12, "qwen2": 32, "gemma3": 64}[family]
     llm = LLM(
-        str(model_dir), dtype="float32", quantization="none", block_size=BLOCK, max_num_batched_tokens=BUDGET,
-        max_num_seqs=8, num_blocks=num_blocks,
-    )  # fmt: skip
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        block_size=BLOCK,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=8,
+        num_blocks=num_blocks,
+    )
     got, _ = _generate_tracking(llm, prompts)
     assert got == expected
     assert llm.engine.totals.num_preemptions > 0
@@ -179,9 +208,14 @@ def test_preemption_and_a_small_pool_keep_the_tokens(family, request):
 
 def test_aborted_and_n_gt_1_requests_give_every_block_back(mistral_dir):
     llm = LLM(
-        str(mistral_dir), dtype="float32", quantization="none", block_size=BLOCK, max_num_batched_tokens=BUDGET,
-        num_blocks=128, enable_prefix_caching=False,
-    )  # fmt: skip
+        str(mistral_dir),
+        dtype="float32",
+        quantization="none",
+        block_size=BLOCK,
+        max_num_batched_tokens=BUDGET,
+        num_blocks=128,
+        enable_prefix_caching=False,
+    )
     prompt = _prompts()[2]
     outs = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS))
     samples = [c.token_ids for c in outs[0].outputs]

@@ -87,7 +87,7 @@ def test_chunked_prefill_preemption_and_prefix_hits(tiny_llama_dir, base):
         block_size=16, speculative_config=SPEC,
     )  # fmt: skip
     assert _answers(tiny.generate(prompts, _greedy(48))) == expected
-    assert tiny.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
+    assert tiny.engine.totals.num_preemptions > 0, "the tiny pool should force preemption"
     assert _accepted(tiny) > 0
     again = tiny.generate(prompts[1:2], _greedy(48))  # its prompt blocks are cached now
     assert again[0].num_cached_tokens > 0

@@ -29,8 +29,15 @@ def test_triton_backend_greedy_equals_sdpa(tiny_llama_dir, monkeypatch):
     device = "cuda" if ON_CUDA else "cpu"
     # A 24-token budget: the long prompt is prefilled in chunks that attend to cached context,
     # sharing steps with the other sequences' decodes.
-    options = dict(device=device, dtype="float32", max_num_seqs=4, num_blocks=64,
-                   max_num_batched_tokens=24, block_size=8, cuda_graphs=False)  # fmt: skip
+    options = dict(
+        device=device,
+        dtype="float32",
+        max_num_seqs=4,
+        num_blocks=64,
+        max_num_batched_tokens=24,
+        block_size=8,
+        cuda_graphs=False,
+    )
     try:
         monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "sdpa")
         attention_backend.cache_clear()

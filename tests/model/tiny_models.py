@@ -200,9 +200,14 @@ def check_backends_match_transformers(case: FamilyCase, prompt: list[int]) -> No
     table = list(range(num_blocks, 0, -1))  # reversed: block order must not matter
     for backend in ("cpu", "sdpa"):
         kv = allocate_kv_cache(
-            model.num_layers, num_blocks + 1, BLOCK, model.num_kv_heads, model.head_dim,
-            torch.float32, "cpu",
-        )  # fmt: skip
+            model.num_layers,
+            num_blocks + 1,
+            BLOCK,
+            model.num_kv_heads,
+            model.head_dim,
+            torch.float32,
+            "cpu",
+        )
         meta = AttentionMetadata.from_lists([len(prompt)], [len(prompt)], [table], BLOCK)
         meta.backend = backend
         logits = model.compute_logits(

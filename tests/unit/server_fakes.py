@@ -1,12 +1,13 @@
 """A byte-level fake tokenizer and scripted fake engines for fast server tests (no model, no torch).
 They implement engine.EngineClient, the one interface the server uses, and validate requests with the
-engine's own checks (engine.core.sampling_params), so the server never sees a fake rule. `app_client`
-serves the app over one of them in process."""
+engine's own checks (engine.core.sampling_params), so the server never sees a fake rule. Only the
+tokens are scripted: they go into the engine's own request state and detokenizer, and the engine's
+OutputProcessor makes the outputs, so their shape (deltas, finishes, logprobs) cannot drift from the
+real engine's. `app_client` serves the app over one of them in process."""
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -31,7 +32,10 @@ from engine import (
     StepStats,
     TokenLogprob,
 )
+from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.sampling_params import check_input_length, check_token_ids, resolve_max_tokens
+from engine.output_processor import OutputProcessor
+from engine.text.detokenizer import IncrementalDetokenizer
 from server.app import build_app
 from server.state import ServerConfig
 
@@ -55,6 +59,9 @@ class FakeTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode(errors="replace")
+
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool) -> None:
+        return None  # the detokenizer decodes windows
 
     def render_chat_template(
         self,
@@ -227,71 +234,79 @@ class FakeEngine(FakeClientBase):
             script = list(self.script.encode()) if self.script is not None else None
             if script is not None:
                 max_tokens = min(max_tokens, len(script))
-            samples = list(range(params.n))
-            utf8 = {i: codecs.getincrementaldecoder("utf-8")("replace") for i in samples}
-            tokens: dict[int, list[int]] = {i: [] for i in samples}
-            prompt_logprobs = None
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = [None] + [
-                    TokenLogprob(t, -1.0, 1, [(t, -1.0)]) for t in prompt_token_ids[1:]
-                ]
-            finish, stop_reason = "length", None
+            group = self._group(request_id, prompt, prompt_token_ids, params, max_tokens)
+            end, stop_reason = SequenceStatus.FINISHED_LENGTH, None
             if script is not None and self.script_stop is not None and max_tokens == len(script):
-                finish, stop_reason = "stop", self.script_stop
+                end, stop_reason = SequenceStatus.FINISHED_STOPPED, self.script_stop
+            outputs = OutputProcessor()  # the engine's own: outputs cannot drift from the real ones
             for step in range(max_tokens + 1):
                 await asyncio.sleep(self.step_delay)
                 if self.fail_after is not None and step >= self.fail_after:
                     raise RequestError("injected failure")
-                done = step == max_tokens
-                outs = []
-                for i in samples:
-                    if done:
-                        new = []
-                    elif script is not None:
-                        new = [script[step]]
-                    else:
-                        new = [(prompt_token_ids[-1] + 1 + i + step) % 256]
-                    tokens[i] += new
-                    if params.output_kind == "final" and not done:
+                for seq in group.seqs:
+                    if seq.status.finished:
                         continue
-                    ids = new if params.output_kind == "delta" else tokens[i]
-                    text = self.tokenizer.decode(ids)
-                    if script is not None and params.output_kind == "delta":
-                        text = utf8[i].decode(bytes(ids), final=done)
-                    logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = [
-                            TokenLogprob(
-                                t, -0.5, 1, [(t, -0.5), ((t + 1) % 256, -1.5)][: params.logprobs]
-                            )
-                            for t in ids
-                        ]
-                    outs.append(
-                        CompletionOutput(
-                            index=i,
-                            text=text,
-                            token_ids=ids,
-                            logprobs=logprobs,
-                            finish_reason=(None if not done else finish),
-                            stop_reason=stop_reason if done else None,
-                            num_output_tokens=len(tokens[i]),
-                        )
-                    )
-                if outs:
-                    first = step == 0 or params.output_kind != "delta"
-                    yield RequestOutput(
-                        request_id,
-                        prompt,
-                        prompt_token_ids,
-                        outs,
-                        finished=done,
-                        prompt_logprobs=prompt_logprobs if first else None,
-                    )
+                    if step == max_tokens:
+                        seq.status, seq.stop_reason = end, stop_reason
+                        continue
+                    token = script[step] if script is not None else prompt_token_ids[-1] + 1
+                    if script is None:
+                        token = (token + seq.index + step) % 256
+                    self._append(seq, token, params)
+                output = outputs.make_output(group)
+                if output is not None:
+                    yield output
+                if group.finished:
+                    break
             finished = True
         finally:
             self.active.discard(request_id)
             if not finished:
                 self.aborted.append(request_id)
+
+    def _group(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+    ) -> RequestGroup:
+        """The engine's request state for a request: its samples with the real detokenizer; the
+        prompt already computed (a prompt logprob of -1 for every token after the first)."""
+        ids = list(prompt_token_ids)
+        group = RequestGroup(request_id, prompt, ids, params, max_tokens)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] + [
+                TokenLogprob(t, -1.0, 1, [(t, -1.0)]) for t in ids[1:]
+            ]
+        for i in range(params.n):
+            seq = Sequence(f"{request_id}/{i}", group, i, list(ids), len(ids))
+            seq.num_computed_tokens = len(ids)
+            seq.status = SequenceStatus.RUNNING
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,  # type: ignore[arg-type]
+                ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.reasoning,
+            )
+            group.seqs.append(seq)
+        return group
+
+    @staticmethod
+    def _append(seq: Sequence, token: int, params: SamplingParams) -> None:
+        """Append a scripted token as the engine does (a stop string ends the sample)."""
+        seq.append_token(token)
+        if params.logprobs is not None:
+            top = [(token, -0.5), ((token + 1) % 256, -1.5)][: params.logprobs]
+            seq.logprobs.append(TokenLogprob(token, -0.5, 1, top))
+            seq.cumulative_logprob -= 0.5
+        assert seq.detokenizer is not None
+        stop = seq.detokenizer.add_tokens([token])
+        if stop is not None:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
 
 
 class FakeEmbeddingClient(FakeClientBase):

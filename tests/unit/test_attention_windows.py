@@ -70,9 +70,7 @@ class Step:
             self.kv_cache[1, blocks, old % block_size] = v_ctx[: len(old)]
         self.query_lens, self.seq_lens, self.block_size = query_lens, seq_lens, block_size
         self.meta = AttentionMetadata.from_lists(query_lens, seq_lens, self.tables, block_size)
-        self.q = (
-            torch.randn(sum(query_lens), num_heads, head_dim) * 2
-        )  # larger scores: softcap bites
+        self.q = torch.randn(sum(query_lens), num_heads, head_dim) * 2  # softcap bites
         pairs = zip(self.contexts, query_lens, seq_lens, strict=True)
         news = [(kc[s - n :], vc[s - n :]) for (kc, vc), n, s in pairs]
         self.k = torch.cat([k for k, _ in news])
@@ -82,9 +80,15 @@ class Step:
     def run(self, backend, window, softcap):
         self.meta.backend = backend
         return paged_attention(
-            self.q, self.k, self.v, self.kv_cache, self.meta, self.scale,
-            window=window, softcap=softcap,
-        )  # fmt: skip
+            self.q,
+            self.k,
+            self.v,
+            self.kv_cache,
+            self.meta,
+            self.scale,
+            window=window,
+            softcap=softcap,
+        )
 
     def check(self, out, window, softcap):
         start = 0
@@ -194,8 +198,15 @@ def test_bad_window_or_softcap_is_an_error():
 
 
 def _tiny(cls, **kwargs):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return cls(**{**base, **kwargs})
 
 
@@ -224,8 +235,14 @@ def test_half_precision_window_and_softcap_match_float32(dtype):
         step.q, step.k, step.v, step.kv_cache, step.meta, 0.125, window=10, softcap=4.0
     )
     low = attend_cached(
-        step.q.to(dtype), step.k, step.v, step.kv_cache.to(dtype), step.meta, 0.125,
-        window=10, softcap=4.0,
-    )  # fmt: skip
+        step.q.to(dtype),
+        step.k,
+        step.v,
+        step.kv_cache.to(dtype),
+        step.meta,
+        0.125,
+        window=10,
+        softcap=4.0,
+    )
     assert low.dtype == dtype
     torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)

@@ -14,9 +14,13 @@ from benchmarks import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {
-    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-    "num_hidden_layers": 2, "vocab_size": 1000,
-}  # fmt: skip
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+}
 
 
 @pytest.mark.parametrize("script", ["gpu-check.sh", "gpu-wheels.sh"])
@@ -33,9 +37,13 @@ def _bench(output_tok_s, itl_ms, concurrency):
     stats = {"mean": itl_ms, "median": itl_ms, "p99": 2 * itl_ms}
     return {
         "config": {"concurrency": concurrency, "input_len": 128, "output_len": 64},
-        "completed": 10, "total_prompt_tokens": 1280, "output_throughput": output_tok_s,
-        "total_token_throughput": 3 * output_tok_s, "ttft_ms": stats, "itl_ms": stats,
-    }  # fmt: skip
+        "completed": 10,
+        "total_prompt_tokens": 1280,
+        "output_throughput": output_tok_s,
+        "total_token_throughput": 3 * output_tok_s,
+        "ttft_ms": stats,
+        "itl_ms": stats,
+    }
 
 
 def test_table_fractions_and_ratios(tmp_path):
@@ -46,8 +54,10 @@ def test_table_fractions_and_ratios(tmp_path):
     (results / "limits.json").write_text(json.dumps(limits))
     (results / "bench_c1.json").write_text(json.dumps(_bench(500.0, 2.0, 1)))
     (results / "bench_c8.json").write_text(json.dumps(_bench(8000.0, 4.0, 8)))
-    hf = {"generate_batch1": {"ms_per_token": 10.0, "output_tok_s": 100.0},
-          "continuous_batching": {"output_tok_s": 2000.0}}  # fmt: skip
+    hf = {
+        "generate_batch1": {"ms_per_token": 10.0, "output_tok_s": 100.0},
+        "continuous_batching": {"output_tok_s": 2000.0},
+    }
     (results / "hf_baseline.json").write_text(json.dumps(hf))
     table = gpu_check.build_table(tmp_path, results, [1, 8], "bfloat16")
     cost = gpu_check.model_cost(CONFIG, 16, 128 + 32)

@@ -64,9 +64,12 @@ def test_steps_with_growing_tables_match_from_lists():
         c = _seq(f"c{step}", [1, 2, 3, 4, 5])  # a new sequence each step takes and frees a row
         _check(
             batch,
-            [_scheduled(a, ta, a.num_tokens - 1, 1), _scheduled(b, tb, b.num_tokens - 1, 1),
-             _scheduled(c, [30 + step, 40 + step], 0, 5)],
-        )  # fmt: skip
+            [
+                _scheduled(a, ta, a.num_tokens - 1, 1),
+                _scheduled(b, tb, b.num_tokens - 1, 1),
+                _scheduled(c, [30 + step, 40 + step], 0, 5),
+            ],
+        )
         c.status = SequenceStatus.FINISHED_LENGTH
     assert batch.block_tables.shape[1] >= 5
 

@@ -210,9 +210,8 @@ def test_followers_share_the_window_of_the_prompt(caching: bool):
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), kv)
     group = make_group("a", list(range(6 * BS)), n=3)
     sched.add_group(group)
-    sched.update_from_output(
-        sched.schedule(), RunnerOutput()
-    )  # the leader prefills the 24-token prompt
+    # The leader prefills the 24-token prompt.
+    sched.update_from_output(sched.schedule(), RunnerOutput())
     leader = group.seqs[0]
     leader.append_token(9)
     sched.release_followers(group)

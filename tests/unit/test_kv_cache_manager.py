@@ -148,9 +148,8 @@ def test_finished_blocks_stay_cached_until_evicted_lru():
     kv.free(a)
     assert kv.num_free_blocks == 4
     again = make_seq(list(range(9)), "a2")
-    assert (
-        len(hit_blocks(kv.find_cached_prefix(again))) == 2
-    )  # still cached after the request finished
+    # Still cached after the request finished.
+    assert len(hit_blocks(kv.find_cached_prefix(again))) == 2
     # Taking 3 fresh blocks evicts the partial tail block first and then the last full block (LRU order
     # puts a sequence's tail ahead of its prefix); the first block survives.
     b = make_seq(list(range(100, 112)), "b")
@@ -211,3 +210,21 @@ def test_namespaces_never_share_kv_and_the_plain_model_is_unaffected():
     for seq in taken:
         kv.free(seq)
     assert len(kv.pool.trie) == 0 and kv.pool.trie.refs == {}
+
+
+def test_the_pool_view_reports_holders_references_and_cached_free_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_seq(list(range(9)), "a")  # 2 full blocks + 1 token
+    compute(kv, a)
+    b = make_seq(list(range(8)) + [50, 51], "b")
+    compute(kv, b, kv.find_cached_prefix(b))  # shares a's 2 full blocks
+    view = kv.pool.view
+    shared = kv.get_block_table(a)[:2]
+    assert kv.block_holders()[shared[0]] == ["a/0", "b/0"]
+    assert [view.ref_count(x) for x in shared] == [2, 2] and all(view.is_cached(x) for x in shared)
+    assert view.cached_free_blocks() == ()
+    kv.free(b)
+    kv.free(a)
+    # A sequence's tail goes first in eviction order: a's second full block before its first.
+    assert view.cached_free_blocks() == (shared[1], shared[0])
+    assert view.num_free == view.num_blocks == 8 and kv.block_holders() == {}

@@ -29,9 +29,14 @@ def our_logits(loaded, ids: list[int]) -> torch.Tensor:
     model, block_size = loaded.model, 16
     num_blocks = -(-len(ids) // block_size)
     kv = allocate_kv_cache(
-        model.num_layers, num_blocks + 1, block_size, model.num_kv_heads, model.head_dim,
-        torch.float32, "cpu",
-    )  # fmt: skip
+        model.num_layers,
+        num_blocks + 1,
+        block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        torch.float32,
+        "cpu",
+    )
     table = list(range(num_blocks, 0, -1))  # reversed: block order must not matter
     meta = AttentionMetadata.from_lists([len(ids)], [len(ids)], [table], block_size)
     hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv, meta)
@@ -64,9 +69,14 @@ def save_tiny(tmp_path: Path, config, seed: int = 0) -> Path:
 
 def tiny_kwargs(**overrides) -> dict:
     base = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return base | overrides
 
 

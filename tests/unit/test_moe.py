@@ -29,10 +29,15 @@ def _qwen3_config(norm_topk_prob: bool):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob, num_hidden_layers=4,
-        decoder_sparse_step=2, mlp_only_layers=[3],
-    )  # fmt: skip
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTER,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=norm_topk_prob,
+        num_hidden_layers=4,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
 
 
 def _hf_block(family: str, norm_topk_prob: bool = True) -> tuple[torch.nn.Module, object]:
@@ -47,19 +52,24 @@ def _hf_block(family: str, norm_topk_prob: bool = True) -> tuple[torch.nn.Module
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
         cfg = Qwen2MoeConfig(
-            hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
-            num_experts_per_tok=TOP_K, shared_expert_intermediate_size=96,
+            hidden_size=HIDDEN,
+            moe_intermediate_size=INTER,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            shared_expert_intermediate_size=96,
             norm_topk_prob=norm_topk_prob,
-        )  # fmt: skip
+        )
         block = Qwen2MoeSparseMoeBlock(cfg)
     else:
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
         cfg = MixtralConfig(
-            hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS,
+            hidden_size=HIDDEN,
+            intermediate_size=INTER,
+            num_local_experts=EXPERTS,
             num_experts_per_tok=TOP_K,
-        )  # fmt: skip
+        )
         block = MixtralSparseMoeBlock(cfg)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.3)

@@ -358,8 +358,11 @@ def test_portable_loops_agree_with_the_vectorized_kernels(tmp_path: Path) -> Non
     script = [sys.executable, "-c", _PORTABLE_SCRIPT]
     result = subprocess.run(
         [*script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     portable = torch.load(tmp_path / "out.pt")
     for kind, v in values.items():

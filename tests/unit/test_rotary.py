@@ -18,19 +18,24 @@ def llama_config(rope: dict):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=128, num_attention_heads=4, max_position_embeddings=MAX_POS,
+        hidden_size=128,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_POS,
         rope_parameters=rope,
-    )  # fmt: skip
+    )
 
 
 def phi3_config(rope: dict | None, partial: float = 1.0, original: int = 64):
     from transformers import Phi3Config
 
     return Phi3Config(
-        hidden_size=128, num_attention_heads=4, max_position_embeddings=MAX_POS,
-        original_max_position_embeddings=original, partial_rotary_factor=partial,
+        hidden_size=128,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_POS,
+        original_max_position_embeddings=original,
+        partial_rotary_factor=partial,
         rope_scaling=rope,
-    )  # fmt: skip
+    )
 
 
 def longrope(dim: int) -> dict:
@@ -49,7 +54,7 @@ CASES = {
             "rope_theta": 1e6,
             "original_max_position_embeddings": 64,
         }
-    ),  # fmt: skip
+    ),
     "yarn_mscale": lambda: llama_config(
         {
             "rope_type": "yarn",
@@ -61,7 +66,7 @@ CASES = {
             "mscale_all_dim": 1.0,
             "original_max_position_embeddings": 32,
         }
-    ),  # fmt: skip
+    ),
     "llama3": lambda: llama_config(
         {
             "rope_type": "llama3",
@@ -71,7 +76,7 @@ CASES = {
             "original_max_position_embeddings": 32,
             "rope_theta": 5e5,
         }
-    ),  # fmt: skip
+    ),
     "longrope": lambda: phi3_config(longrope(HEAD_DIM)),
     "longrope_partial": lambda: phi3_config(longrope(24), partial=0.75),
 }

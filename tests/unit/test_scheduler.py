@@ -90,7 +90,7 @@ def test_preemption_evicts_the_newest_and_frees_its_blocks():
         used = sum(len(sched.kv.get_block_table(s)) for s in sched.running)
         assert used + sched.kv.num_free_blocks == 6  # every block accounted for
     assert preempted and preempted[0] == "b/0"
-    assert b.seqs[0].num_preemptions >= 1
+    assert b.metrics.num_preemptions >= 1
     assert a.seqs[0].status is SequenceStatus.RUNNING
 
 
@@ -105,7 +105,7 @@ def test_preempted_sequence_resumes_with_its_generated_tokens():
             s = g.seqs[0]
             if s.status is SequenceStatus.RUNNING and s.num_output_tokens >= 6:
                 sched.finish(s, SequenceStatus.FINISHED_LENGTH)
-        if not sched.has_work():
+        if not (sched.waiting or sched.running):
             break
     assert a.seqs[0].num_output_tokens == 6 and b.seqs[0].num_output_tokens == 6
     assert sched.kv.num_free_blocks == 5
@@ -133,7 +133,7 @@ def test_finish_releases_blocks_of_waiting_and_running():
     run_step(sched)
     sched.finish(a.seqs[0], SequenceStatus.FINISHED_ABORTED)
     sched.finish(b.seqs[0], SequenceStatus.FINISHED_ABORTED)
-    assert not sched.has_work() and sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert not (sched.waiting or sched.running) and sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
 def test_preempted_sequence_resumes_from_its_cached_blocks():

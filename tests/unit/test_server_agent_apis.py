@@ -1,5 +1,6 @@
 """The Responses and Messages APIs over a fake engine: shapes checked with the official SDKs' types, event
-sequences, the response store, the translation to chat messages, and errors in each API's envelope."""
+sequences, the response store, the typed turn each request is parsed into, and errors in each API's
+envelope."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from engine import CompletionOutput
+from server.field_map import FieldMap
 from server.protocol_messages import MessagesRequest
 from server.protocol_responses import ResponsesRequest
-from server.serving_messages import chat_fields as messages_chat_fields
-from server.serving_messages import chat_messages, content_blocks, stop_reason
-from server.serving_responses import chat_fields as responses_chat_fields
-from server.serving_responses import input_messages, output_items
+from server.serving_messages import chat_messages, content_blocks, messages_turn, stop_reason
+from server.serving_responses import input_messages, output_items, responses_turn
 from server.turn import ToolCall, Turn, TurnEnd, final_turn
+from server.turn_request import NamedTool, ToolSpec, TurnMessage
 from tests.unit.server_fakes import FakeEngine, app_client
 
 OPENAI_EVENT = TypeAdapter(ResponseStreamEvent)
@@ -256,7 +257,8 @@ async def test_an_engine_failure_mid_stream_is_an_error_event(
         ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0]"),
         ({"input": "abc", "text": {"format": {"type": {"a": 1}}}}, "text.format"),
         ({"input": "abc", "temperature": 3}, "temperature"),
-        ({"input": "abc", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "abc", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"input": "abc", "reasoning": {"encrypted": True}}, "reasoning.encrypted"),
         ({"input": "abc", "bogus": 1}, "bogus"),
         ({"input": "abc", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"input": "x" * 80}, "input"),  # over the fake model's 64 tokens
@@ -296,27 +298,18 @@ def test_function_call_items_translate_to_chat_tool_messages() -> None:
     )
     messages, sources = input_messages(req.input)
     assert sources == ["input[0]", "input[1]", "input[3]", "input[4]"]
-    assert messages[1] == {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}},
-            {"id": "c2", "type": "function", "function": {"name": "get", "arguments": '{"a":1}'}},
-        ],
-    }
+    calls = (ToolCall("c1", "get", "{}"), ToolCall("c2", "get", '{"a":1}'))
+    assert messages[1] == TurnMessage("assistant", "", tool_calls=calls)
     assert messages[2:] == [
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+        TurnMessage("tool", "sunny", tool_call_id="c1"),
+        TurnMessage("tool", "rain", tool_call_id="c2"),
     ]
-    fields = responses_chat_fields(req, messages)
-    assert fields["tools"] == [
-        {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
-    ]
-    assert fields["tool_choice"] == {"type": "function", "function": {"name": "get"}}
-    assert fields["parallel_tool_calls"] is False
-    assert fields["response_format"] == {
-        "type": "json_schema",
-        "json_schema": {"name": "w", "schema": {"type": "object"}},
+    turn = responses_turn(req, messages, FieldMap("input", {"response_format": "text.format"}))
+    assert turn.tools == [ToolSpec("get", None, {"type": "object"})]
+    assert turn.tool_choice == NamedTool("get")
+    assert turn.parallel_tool_calls is False
+    assert turn.constraint is not None and json.loads(turn.constraint.json or "") == {
+        "type": "object"
     }
 
 
@@ -589,25 +582,15 @@ def test_tool_blocks_translate_to_chat_tool_messages() -> None:
     )
     messages, sources = chat_messages(req)
     assert sources == ["system", "messages[0]", "messages[1]", "messages[2]", "messages[2]"]
-    assert messages[2] == {
-        "role": "assistant",
-        "content": [{"type": "text", "text": "Checking."}],
-        "tool_calls": [
-            {"id": "t1", "type": "function", "function": {"name": "get", "arguments": '{"c": "P"}'}}
-        ],
-    }
+    call = ToolCall("t1", "get", '{"c": "P"}')
+    assert messages[2] == TurnMessage("assistant", ("Checking.",), tool_calls=(call,))
     assert messages[3:] == [
-        {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
-        {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},
+        TurnMessage("tool", "sunny", tool_call_id="t1"),
+        TurnMessage("user", ("Thanks",)),
     ]
-    fields = messages_chat_fields(req, messages)
-    assert fields["tools"] == [
-        {
-            "type": "function",
-            "function": {"name": "get", "parameters": {"type": "object"}, "description": "d"},
-        }
-    ]
-    assert fields["tool_choice"] == "required" and fields["parallel_tool_calls"] is False
+    turn = messages_turn(req, messages, FieldMap("messages"))
+    assert turn.tools == [ToolSpec("get", "d", {"type": "object"})]
+    assert turn.tool_choice == "required" and turn.parallel_tool_calls is False
 
 
 def test_stop_reasons_from_engine_finishes() -> None:

@@ -181,9 +181,8 @@ def test_native_auto_is_constrained_only_with_an_answer() -> None:
 
 def test_a_bad_answer_schema_names_its_own_field(compiler: GrammarCompiler) -> None:
     bad = StructuredOutputs(
-        json=json.dumps(
-            {"type": "string", "pattern": "(?=a)"}
-        ),  # lookahead: not a regular language
+        # A lookahead: not a regular language.
+        json=json.dumps({"type": "string", "pattern": "(?=a)"}),
         source="response_format.json_schema.schema",
     )
     plan = _plan("hermes", "auto", bad)

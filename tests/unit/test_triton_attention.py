@@ -49,8 +49,19 @@ def _step(rng, query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_d
     return kv_cache, meta, rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
 
 
-def _check(query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim=16, seed=0,
-           dtype=torch.float32, num_splits=None, window=None, softcap=None):  # fmt: skip
+def _check(
+    query_lens,
+    seq_lens,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    head_dim=16,
+    seed=0,
+    dtype=torch.float32,
+    num_splits=None,
+    window=None,
+    softcap=None,
+):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     kv_cache, meta, q, k, v = _step(
@@ -106,8 +117,16 @@ def test_random_steps(seed):
     query_lens = [1] * num_decodes + [rng.randint(2, 30) for _ in range(num_prefills)]
     seq_lens = [n + rng.choice([0, rng.randint(1, 90)]) for n in query_lens]
     seq_lens[:num_decodes] = [max(1, s) for s in seq_lens[:num_decodes]]
-    _check(query_lens, seq_lens, rng.choice([2, 8, 16]), num_heads, num_kv_heads,
-           head_dim=rng.choice([8, 24, 32]), seed=seed, num_splits=rng.choice([None, 2, 4]))  # fmt: skip
+    _check(
+        query_lens,
+        seq_lens,
+        rng.choice([2, 8, 16]),
+        num_heads,
+        num_kv_heads,
+        head_dim=rng.choice([8, 24, 32]),
+        seed=seed,
+        num_splits=rng.choice([None, 2, 4]),
+    )
 
 
 @pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (16, None), (300, None),
@@ -118,8 +137,17 @@ def test_sliding_window_and_softcap(window, softcap, num_splits):
     # into cached context, and a chunk spanning several query tiles (GQA 3: 21 tokens per tile).
     query_lens = [1, 1, 1, 13, 7, 50]
     seq_lens = [1, 19, 70, 13, 45, 90]
-    _check(query_lens, seq_lens, 4, 6, 2, seed=window or 1, window=window, softcap=softcap,
-           num_splits=num_splits)  # fmt: skip
+    _check(
+        query_lens,
+        seq_lens,
+        4,
+        6,
+        2,
+        seed=window or 1,
+        window=window,
+        softcap=softcap,
+        num_splits=num_splits,
+    )
 
 
 def test_keys_before_the_window_are_never_loaded():
@@ -248,6 +276,9 @@ def test_kernels_compile_for_hopper():
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE_FOR_HOPPER],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

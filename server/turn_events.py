@@ -1,34 +1,12 @@
-"""What the Responses and Messages surfaces share: their request planned as a chat-shaped request (its
-errors named through the surface's FieldMap), and the skeleton of their event streams over the turn
+"""What the Responses and Messages surfaces share: the skeleton of their event streams over the turn
 events of the one sample they ask for."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import ValidationError
-
 from engine import RequestOutput
-from server.errors import validation_error
-from server.field_map import FieldMap
 from server.plan import GenerationPlan
-from server.protocol import ChatCompletionRequest
-from server.serving_chat import prepare_chat
-from server.state import ServerState
 from server.streaming import FrameStream
 from server.turn import Turn, TurnDelta
-
-
-def plan_as_chat(
-    fields: dict[str, Any], names: FieldMap, state: ServerState, request_id: str
-) -> GenerationPlan:
-    """Validate a surface's translated fields as a chat request and plan it; every 400 names the
-    surface's own field through `names`."""
-    try:
-        chat = ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:
-        raise validation_error([dict(err) for err in e.errors()], fields=names) from None
-    return prepare_chat(chat, state, request_id=request_id, fields=names)
 
 
 class TurnEvents(FrameStream):
