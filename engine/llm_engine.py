@@ -117,6 +117,8 @@ class LLMEngine:
         self.adapters = LoRAAdapters(self.model, config.lora)
         self.adapters.load_all()  # a bad start-up adapter raises LoRAError here
         self.runner.loras = self.adapters.by_id
+        if self.kv_events is not None:  # BlockStored names the adapter of a namespaced chain
+            self.kv_events.recorder.lora_names = self.adapters.namespace_names
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None

@@ -39,6 +39,9 @@ class KVEventRecorder:
         self._root_namespaces: dict[int, str] = {}
         self.events: list[KVCacheEvent] = []
         self.num_events = 0  # since start-up, merged events counted once
+        # A LoRA adapter's namespace -> its served name (BlockStored.lora_name); the engine's
+        # adapter registry keeps it (engine/executor/lora_adapters.py).
+        self.lora_names: dict[str, str] = {}
 
     # -- the pool's hooks ---------------------------------------------------------------------------
     def block_stored(self, group: int, node: int) -> None:
@@ -67,6 +70,7 @@ class KVEventRecorder:
                 parent_hash,
                 tokens,
                 self.block_size,
+                lora_name=self.lora_names.get(namespace) if namespace is not None else None,
                 extra_keys=None if extra is None else [extra],
                 group_idx=self._group_idx(group),
                 kv_cache_spec_kind=self._kind(group),

@@ -26,6 +26,8 @@ class LoRAAdapters:
         # lora id -> weights the runner reads: the served ones and unloaded ones still pinned.
         self.by_id: dict[int, LoRAAdapter] = {}
         self.pins: dict[int, int] = {}  # lora id -> unfinished request groups on it
+        # prefix-cache namespace -> the name last loaded with it (KV events name blocks by it)
+        self.namespace_names: dict[str, str] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # read() runs on worker threads
 
@@ -57,6 +59,7 @@ class LoRAAdapters:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded", "lora_name")
         self.served[name] = adapter
         self.by_id[adapter.lora_id] = adapter
+        self.namespace_names[namespace_of(adapter)] = name
         logger.info(
             "LoRA adapter %s loaded: rank %d, %s, %.1f MiB (%s)",
             name, adapter.info.rank, ",".join(adapter.info.target_modules),
@@ -81,7 +84,7 @@ class LoRAAdapters:
         adapter = self.selected(name)
         group.lora_name = name
         group.lora_id = adapter.lora_id
-        group.cache_namespace = "lora:" + adapter.info.content_hash
+        group.cache_namespace = namespace_of(adapter)
 
     def selected(self, name: str) -> LoRAAdapter:
         adapter = self.served.get(name)
@@ -121,3 +124,8 @@ class LoRAAdapters:
 
     def infos(self) -> tuple[LoRAInfo, ...]:
         return tuple(a.info for a in self.served.values())
+
+
+def namespace_of(adapter: LoRAAdapter) -> str:
+    """The prefix-cache namespace of requests on `adapter`: its weights' content, not its name."""
+    return "lora:" + adapter.info.content_hash

@@ -1,6 +1,7 @@
 """Models and their weights: plain-torch decoders (one shared decoder, a small file per family) and
-BERT, shared layers, weight quantization, and loading Hugging Face folders or GGUF files. The
-registry maps config.json architectures to classes."""
+BERT, shared layers, weight quantization, LoRA adapters (lora_weights loads PEFT folders, lora_apply
+adds a step's per-adapter deltas), and loading Hugging Face folders or GGUF files. The registry maps
+config.json architectures to classes."""
 
 from __future__ import annotations
 

@@ -70,20 +70,22 @@ _LINEARS = ("qkv", "o", "gate_up", "down")  # the one-call C++ layer's matmul or
 
 
 def one_call_args(lora: LayerLoRA | None) -> tuple[list[torch.Tensor], list[int]] | None:
-    """The layer's deltas as csrc/decode_layer.cpp's decode_layer_lora takes them: the (a, b) pairs
-    in segment and matmul order, and [start, end, mask of the matmuls with a pair] per segment."""
+    """The layer's deltas as csrc/decode_layer.cpp's decode_layer_lora takes them: per segment
+    [start, end, matmuls], per matmul [index, pieces], per piece [col_start, rank, out_start]; the
+    tensors in the same order (a matmul's a, then its pieces' b)."""
     if lora is None:
         return None
     tensors: list[torch.Tensor] = []
     segments: list[int] = []
     for start, end, linears in lora.parts:
-        mask = 0
-        for i, name in enumerate(_LINEARS):
-            lin = linears.get(name)
-            if lin is not None:
-                tensors += [lin.a, lin.b]
-                mask |= 1 << i
-        segments += [start, end, mask]
+        present = [(i, linears[name]) for i, name in enumerate(_LINEARS) if name in linears]
+        segments += [start, end, len(present)]
+        for i, lin in present:
+            segments += [i, len(lin.pieces)]
+            tensors.append(lin.a)
+            for p in lin.pieces:
+                segments += [p.col_start, p.rank, p.out_start]
+                tensors.append(p.b)
     return tensors, segments
 
 
@@ -105,7 +107,11 @@ def add_lora(
 
 def _add_segment(y: torch.Tensor, x: torch.Tensor, lin: LinearLoRA) -> None:
     t = F.linear(x if x.dtype == torch.float32 else x.float(), lin.a)  # [rows, total rank]
-    if y.dtype == torch.float32:
-        y.addmm_(t, lin.b.t())
-    else:  # a 16-bit model: the delta in float32, added once rounded
-        y.add_(F.linear(t, lin.b).to(y.dtype))
+    whole = len(lin.pieces) == 1
+    for p in lin.pieces:
+        tp = t if whole else t.narrow(1, p.col_start, p.rank)
+        dest = y.narrow(1, p.out_start, p.b.shape[0])
+        if y.dtype == torch.float32:
+            dest.addmm_(tp, p.b.t())
+        else:  # a 16-bit model: the delta in float32, added once rounded
+            dest.add_(F.linear(tp, p.b).to(y.dtype))

@@ -28,15 +28,23 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
+class LoRAPiece:
+    """One PEFT module inside an engine linear (q, k or v of qkv; gate or up of gate_up)."""
+
+    col_start: int  # its first column of x @ a^T
+    rank: int
+    out_start: int  # its first output column of the fused linear
+    b: torch.Tensor  # [out_rows, rank] float32: scaling * lora_B
+
+
+@dataclass
 class LinearLoRA:
-    """An adapter's delta on one fused linear: y += (x @ a^T) @ b^T. The PEFT modules inside it
-    (q/k/v of qkv, gate/up of gate_up) are stacked: a's rows are their lora_A rows, b holds each
-    one's scaled lora_B in its own output rows and rank columns, zeros elsewhere, so a step makes
-    two small matmuls per linear and adapter. Both keep PEFT's [out, in] layout (a transposed
-    weight is the fast small gemm on CPU)."""
+    """An adapter's delta on one fused linear: t = x @ a^T once (the modules' lora_A stacked), then
+    y[:, piece's outputs] += t[:, piece's ranks] @ b^T per module. PEFT's [out, in] layout is kept
+    (a transposed weight is the fast small gemm on CPU)."""
 
     a: torch.Tensor  # [total rank, in_features] float32
-    b: torch.Tensor  # [out_features, total rank] float32: scaling * lora_B, block by block
+    pieces: list[LoRAPiece]
 
 
 @dataclass
@@ -54,7 +62,7 @@ class LoRAAdapter:
         total = 0
         for linears in self.layers:
             for lin in linears.values():
-                total += (lin.a.numel() + lin.b.numel()) * lin.a.element_size()
+                total += 4 * (lin.a.numel() + sum(p.b.numel() for p in lin.pieces))
         return total
 
 
@@ -205,13 +213,16 @@ def load_adapter(model: Any, spec: AdapterSpec, name: str, lora_id: int) -> LoRA
     for per_layer in grouped:
         linears: dict[str, LinearLoRA] = {}
         for linear, parts in per_layer.items():
+            parts.sort(key=lambda part: part[0])  # by first output
             a = torch.cat([a for _, a, _, _ in parts], dim=0).contiguous()  # [sum r, in]
-            b = torch.zeros(shapes[linear][0], a.shape[0])  # [out, sum r]
+            pieces: list[LoRAPiece] = []
             col = 0
-            for offset, _, piece, _ in parts:
-                b[offset : offset + piece.shape[0], col : col + piece.shape[1]] = piece * scaling
-                col += piece.shape[1]
-            linears[linear] = LinearLoRA(a, b)
+            for offset, _, b, _ in parts:
+                if pieces and offset < pieces[-1].out_start + pieces[-1].b.shape[0]:
+                    raise _bad(spec, f"layers.{len(layers)}: two modules change the same outputs")
+                pieces.append(LoRAPiece(col, b.shape[1], offset, (b * scaling).contiguous()))
+                col += b.shape[1]
+            linears[linear] = LinearLoRA(a, pieces)
         layers.append(linears)
     info = LoRAInfo(
         name=name,

@@ -179,3 +179,37 @@ def test_async_engine_loads_streams_and_unloads(base, good, tmp_path):
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_kv_events_name_the_adapter_of_its_blocks(base, good):
+    from engine.core.kv_events import BlockStored
+
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+    }
+    llm = LLM(
+        str(base), quantization="none", block_size=8, kv_events_config=config,
+        lora_modules=[f"good={good}"],
+    )  # fmt: skip
+    try:
+        assert llm.engine.kv_events is not None
+        recorder = llm.engine.kv_events.recorder
+        seen: list[object] = []
+        add = recorder._add
+
+        def recording(event: object) -> None:
+            seen.append(event)
+            add(event)  # type: ignore[arg-type]
+
+        recorder._add = recording  # type: ignore[method-assign]
+        prompt = list(range(5, 30))
+        llm.generate([prompt], GREEDY, lora="good")
+        llm.generate([prompt], GREEDY)
+        stored = [e for e in seen if isinstance(e, BlockStored)]
+        assert {e.lora_name for e in stored} == {"good", None}
+        for event in stored:  # the adapter's chain carries its namespace in the extra keys
+            assert (event.extra_keys is not None) == (event.lora_name == "good")
+    finally:
+        llm.engine.close()

@@ -89,30 +89,39 @@ void head_norm(at::Tensor& qkv, int64_t start, int64_t size, int64_t d, const at
 }
 
 // LoRA adapters' deltas on matmul i's output y (input x), as engine/models/lora_apply.py adds
-// them: per segment of rows, y[rows] += linear(x[rows], a) @ b^T. segments: [start, end, mask] per
-// segment (bit i of mask: matmul i has an (a, b) pair, in lora in segment and matmul order).
+// them: per segment of rows, t = linear(x[rows], a), then y[rows, piece] += t[:, piece] @ b^T per
+// piece. segments: per segment [start, end, matmuls], per matmul [index, pieces], per piece
+// [col_start, rank, out_start]; tensors in the same order (a matmul's a, then its pieces' b).
 struct LoRA {
   const std::vector<at::Tensor>& tensors;
   const std::vector<int64_t>& segments;
 
-  void add(at::Tensor& y, const at::Tensor& x, int i) const {
-    size_t next = 0;
-    for (size_t s = 0; s + 2 < segments.size(); s += 3) {
-      const int64_t start = segments[s], rows = segments[s + 1] - start, mask = segments[s + 2];
-      for (int j = 0; j < 4; ++j) {
-        if (!(mask >> j & 1)) continue;
-        if (j == i) {
-          const at::Tensor xs = x.narrow(0, start, rows);
-          const at::Tensor t =
-              at::linear(xs.scalar_type() == at::kFloat ? xs : xs.to(at::kFloat), tensors[next]);
-          at::Tensor ys = y.narrow(0, start, rows);
+  void add(at::Tensor& y, const at::Tensor& x, int64_t i) const {
+    size_t s = 0, next = 0;
+    while (s < segments.size()) {
+      const int64_t start = segments[s], rows = segments[s + 1] - start, count = segments[s + 2];
+      s += 3;
+      for (int64_t m = 0; m < count; ++m) {
+        const int64_t index = segments[s], pieces = segments[s + 1];
+        s += 2;
+        if (index != i) {
+          s += 3 * pieces;
+          next += 1 + pieces;
+          continue;
+        }
+        const at::Tensor xs = x.narrow(0, start, rows);
+        const at::Tensor t =
+            at::linear(xs.scalar_type() == at::kFloat ? xs : xs.to(at::kFloat), tensors[next++]);
+        for (int64_t p = 0; p < pieces; ++p, s += 3) {
+          const at::Tensor& b = tensors[next++];
+          const at::Tensor tp = pieces == 1 ? t : t.narrow(1, segments[s], segments[s + 1]);
+          at::Tensor dest = y.narrow(0, start, rows).narrow(1, segments[s + 2], b.size(0));
           if (y.scalar_type() == at::kFloat) {
-            ys.addmm_(t, tensors[next + 1].t());
+            dest.addmm_(tp, b.t());
           } else {  // a 16-bit model: the delta in float32, added once rounded
-            ys.add_(at::linear(t, tensors[next + 1]).to(y.scalar_type()));
+            dest.add_(at::linear(tp, b).to(y.scalar_type()));
           }
         }
-        next += 2;
       }
     }
   }
