@@ -60,7 +60,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
             "load_inplace",
         )
     if not body.lora_name or not body.lora_path:
-        raise invalid_request("Both 'lora_name' and 'lora_path' must be given.", "lora_name")
+        missing = "lora_name" if not body.lora_name else "lora_path"
+        raise invalid_request(f"{missing} must not be empty", missing)
     if body.lora_name == state.model_name:
         raise invalid_request(
             f"lora_name {body.lora_name!r} is the base model's id; give the adapter its own name",

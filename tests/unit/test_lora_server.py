@@ -219,6 +219,10 @@ async def test_load_and_unload_routes() -> None:
         assert r.status_code == 400 and "base model" in r.json()["error"]["message"]
         r = await c.post("/v1/load_lora_adapter", json={"lora_name": "x"}, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        for empty in ({"lora_name": "", "lora_path": "/a"}, {"lora_name": "x", "lora_path": ""}):
+            r = await c.post("/v1/load_lora_adapter", json=empty, headers=AUTH)
+            missing = "lora_name" if not empty["lora_name"] else "lora_path"
+            assert r.status_code == 400 and r.json()["error"]["param"] == missing
         inplace = {**load, "load_inplace": True}
         r = await c.post("/v1/load_lora_adapter", json=inplace, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
