@@ -4,6 +4,7 @@ tokenizer; implements engine.core.engine_core.EngineCore."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -17,6 +18,7 @@ from engine.core.block_hashes import DEFAULT_SEED
 from engine.core.config import EngineConfig, Task
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_offload import KVTiers
 from engine.core.lora import LoRAInfo
 from engine.core.outputs import RequestOutput
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
@@ -39,6 +41,7 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
+from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.lora_adapters import LoRAAdapters
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
@@ -119,6 +122,7 @@ class LLMEngine:
         self.runner.loras = self.adapters.by_id
         if self.kv_events is not None:  # BlockStored names the adapter of a namespaced chain
             self.kv_events.recorder.lora_names = self.adapters.namespace_names
+        self._open_kv_tiers(quantization)
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
         self.last_step: StepStats | None = None
@@ -136,6 +140,23 @@ class LLMEngine:
             * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
             / (1 << 20),
         )
+
+    def _open_kv_tiers(self, weight_format: str | None) -> None:
+        """The KV offload tiers, when configured: the pool's evictions feed them, lookups read them."""
+        cache, bs, m = self.config.cache, self.config.cache.block_size, self.model
+        self.kv_store: TieredKVStore | None = None
+        if not (cache.kv_offload_memory or cache.kv_offload_dir):
+            return
+        fingerprint = model_fingerprint(
+            self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
+        )
+        shape = (m.num_kv_heads, m.head_dim)
+        store = open_kv_store(cache, fingerprint, self.kv_spec, bs, shape, self.dtype, self.device)
+        self.kv_store = store
+        if store is not None:
+            self.kv.tiers = KVTiers(store, bs)
+            self.kv.pool.on_evict = self.kv.tiers.on_evict
+            self.runner.attach_kv_store(store)
 
     def _num_kv_blocks(self, block_size: int) -> int:
         cc = self.config.cache
@@ -442,6 +463,7 @@ class LLMEngine:
             running_loras=tuple(sorted(running_loras)),
             waiting_loras=tuple(sorted(waiting_loras - running_loras)),
             max_loras=self.config.lora.max_loras,
+            kv_offload=copy.copy(self.kv_store.stats) if self.kv_store is not None else None,
             requests=tuple(rows),
             detail=self._snapshot_detail() if detail else None,
             kv_events=self.kv_events.publisher.state() if self.kv_events is not None else None,

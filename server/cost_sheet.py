@@ -58,6 +58,9 @@ def _sheet(out: RequestOutput) -> dict[str, Any]:
             "kv_block_seconds": m.kv_block_seconds,
             "num_draft_tokens": m.num_draft_tokens,  # speculative decoding: proposed
             "num_accepted_tokens": m.num_accepted_tokens,  # ... and accepted
+            # Of num_cached_tokens, those the KV offload tiers loaded back (the rest: the pool).
+            "num_memory_tier_tokens": m.num_memory_tier_tokens,
+            "num_disk_tier_tokens": m.num_disk_tier_tokens,
         }
     )
     return sheet
@@ -73,6 +76,8 @@ _SUMMED = (
     "kv_block_seconds",
     "num_draft_tokens",
     "num_accepted_tokens",
+    "num_memory_tier_tokens",
+    "num_disk_tier_tokens",
 )
 
 

@@ -102,6 +102,23 @@ async def _events(
         await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
 
 
+def _tiers(snap: EngineSnapshot) -> dict[str, Any] | None:
+    """The KV offload tiers' fill and hits (None: no tiers)."""
+    t = snap.kv_offload
+    if t is None:
+        return None
+    return {
+        "memory": [t.memory_bytes, t.memory_capacity, t.memory_entries, t.memory_hits],
+        "disk": [
+            t.disk_bytes,
+            t.disk_capacity if t.disk_enabled else 0,
+            t.disk_entries,
+            t.disk_hits,
+        ],
+        "misses": t.misses,
+    }
+
+
 def _kv_events(snap: EngineSnapshot) -> dict[str, Any] | None:
     ev = snap.kv_events
     if ev is None:
@@ -183,6 +200,7 @@ def page_payload(
             "states": states.decode(),
             "tables": tables,
         },
+        "kv_offload": _tiers(snap),
         # The KV events publisher (--kv-events-config), or null.
         "kv_events": _kv_events(snap),
         # [step, duration s, prefill tokens, decode tokens, preemptions, running, waiting]

@@ -17,6 +17,7 @@ from prometheus_client.exposition import generate_latest
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.kv_offload_metrics import KVOffloadCollector
 from server.state import ServerState
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class ServerMetrics:
         self._engine: EngineClient | None = None
         r = self.registry
         r.register(_QueueGauges(state))
+        r.register(KVOffloadCollector(state))
         self.prompt_tokens = Counter(
             "kvserve_prompt_tokens", "Prompt tokens of requests admitted to the engine.", registry=r
         )

@@ -354,6 +354,24 @@ OPTIONS: tuple[Option, ...] = (
         "reuse KV blocks of shared prompt prefixes",
         is_bool=True,
     ),
+    Option(
+        "kv-offload-memory",
+        "cache.kv_offload_memory",
+        _optional_size,
+        "host-memory tier for KV blocks evicted from the prefix cache (e.g. 2GiB); default: none",
+    ),
+    Option(
+        "kv-offload-dir",
+        "cache.kv_offload_dir",
+        parse_optional_str,
+        "directory of a disk tier for evicted KV blocks (kept across restarts); default: none",
+    ),
+    Option(
+        "kv-offload-disk",
+        "cache.kv_offload_disk",
+        _optional_size,
+        "size of the disk tier (e.g. 20GiB); default: 10GiB",
+    ),
     Option("max-num-seqs", "scheduler.max_num_seqs", _int, "sequences running in one engine step"),
     Option(
         "max-num-batched-tokens",

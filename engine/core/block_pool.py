@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 ROOT_NODE = 0  # parent node of a sequence's first block
@@ -110,6 +111,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[tuple[int, int], int] = {}  # (group, node) -> block id
         self.trie = PrefixTrie()
+        # Called as (pool, group, node, block id) when a cached block is evicted, before its content
+        # is dropped (the KV offload tiers save it; engine.core.kv_offload).
+        self.on_evict: Callable[[BlockPool, int, int, int], None] | None = None
         self.listener: BlockPoolListener | None = None  # KV events (engine.core.kv_event_recorder)
 
     @property
@@ -175,6 +179,8 @@ class BlockPool:
     def _evict(self, block_id: int) -> None:
         node = self.block_nodes[block_id]
         if node != NO_NODE:
+            if self.on_evict is not None:
+                self.on_evict(self, self.block_groups[block_id], node, block_id)
             self.block_nodes[block_id] = NO_NODE
             del self.cached[(self.block_groups[block_id], node)]
             if self.listener is not None:

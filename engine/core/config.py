@@ -65,8 +65,21 @@ class CacheConfig:
         None  # bytes for K+V of all layers; None -> a default for the device
     )
     enable_prefix_caching: bool = True
+    # KV offload tiers of evicted prefix blocks (engine.core.kv_offload): host-memory bytes (None or
+    # 0: no host tier), a directory for the disk tier (None: none) and its bytes (None: 10 GiB).
+    kv_offload_memory: int | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a size of at least 0 bytes")
+        if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
+            raise ValueError(
+                "KV offload tiers keep evicted prefix blocks: they need prefix caching"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.num_blocks is not None and self.num_blocks < 2:

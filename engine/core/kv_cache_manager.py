@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.core.block_pool import BlockPool, block_key
 from engine.core.kv_cache_groups import first_needed_block
+from engine.core.kv_offload import TIER_BLOCK, KVTiers, TierLoad
 from engine.core.request import Sequence
 
 NULL_BLOCK = 0  # a released / never-taken entry: a valid block id so a stray read stays in bounds
@@ -32,6 +33,7 @@ class PrefixHit:
 
     num_blocks: int
     tables: tuple[list[int], ...]
+    loads: tuple[TierLoad, ...] = ()  # entries (TIER_BLOCK in `tables`) a KV offload tier fills
 
 
 class KVCacheManager:
@@ -52,6 +54,7 @@ class KVCacheManager:
         self.block_tokens: dict[str, list[tuple[int, ...]]] = {}  # token ids of each full block
         self.node_chains: dict[str, list[int]] = {}  # trie nodes of a sequence's full blocks
         self.stats = PrefixCacheStats()
+        self.tiers: KVTiers | None = None  # KV offload tiers of evicted blocks (None: off)
         self._no_tables: list[list[int]] = [[] for _ in windows]  # never mutated
 
     @property
@@ -158,6 +161,10 @@ class KVCacheManager:
             parent = node
         found = [[self.pool.lookup(g, node) for node in nodes] for g in range(self.num_groups)]
         hit = len(nodes)
+        loads: list[TierLoad] = []
+        tiers = self.tiers
+        if tiers is not None:  # the tiers fill the pool's gaps, up to the whole reusable prefix
+            hit, loads = tiers.extend(seq, found, max_blocks, self.windows, self._longest_usable)
         for g, blocks in enumerate(found):
             hit = min(hit, self._longest_usable(g, blocks, hit))
         if hit == 0:
@@ -166,7 +173,7 @@ class KVCacheManager:
         for g, blocks in enumerate(found):
             first = self._first_needed(g, hit)
             tables.append([NULL_BLOCK] * first + [b for b in blocks[first:hit] if b is not None])
-        return PrefixHit(hit, tuple(tables))
+        return PrefixHit(hit, tuple(tables), tuple(loads))
 
     def _longest_usable(self, group: int, blocks: list[int | None], limit: int) -> int:
         """The largest h <= limit whose needed blocks [first_needed(h), h) are all in `blocks`."""
@@ -227,8 +234,15 @@ class KVCacheManager:
         skipped = [self._first_needed(g, hit.num_blocks) for g in range(self.num_groups)]
         for g, table in enumerate(hit.tables):
             for block_id in table[skipped[g] :]:
-                self.pool.touch(block_id)
+                if block_id != TIER_BLOCK:
+                    self.pool.touch(block_id)
         tables = [list(t) for t in hit.tables]
+        if hit.loads:  # fresh blocks (taken after the touches, so never one of the hit's own)
+            assert self.tiers is not None
+            block_ids = [self.pool.allocate() for _ in hit.loads]
+            for (g, i, _, _), block_id in zip(hit.loads, block_ids, strict=True):
+                tables[g][i] = block_id
+            self.tiers.adopted(seq, list(hit.loads), block_ids)
         self.block_tables[seq.seq_id] = tables
         self.num_skipped[seq.seq_id] = skipped
         return tables
@@ -242,6 +256,10 @@ class KVCacheManager:
         for counts in (self.stats, step) if step is not None else (self.stats,):
             counts.queries += num_query_tokens
             counts.hits += num_hit_tokens
+
+    def record_tier_query(self, seq: Sequence, num_hit_tokens: int) -> None:
+        if self.tiers is not None and self.enable_prefix_caching:
+            self.tiers.record_query(seq.num_reusable_tokens, num_hit_tokens)
 
     # -- allocation -------------------------------------------------------------------------------
     def allocate_slots(
@@ -268,7 +286,8 @@ class KVCacheManager:
         if hit is not None:
             for g, table in enumerate(hit.tables):
                 first = self._first_needed(g, hit.num_blocks)
-                revived += sum(1 for b in table[first:] if self.pool.ref_counts[b] == 0)
+                revived += sum(1 for b in table[first:] if b >= 0 and self.pool.ref_counts[b] == 0)
+            revived += len(hit.loads)  # a tier's blocks are loaded into fresh ones
         if max(0, num_new_blocks) * self.num_groups + revived > self.pool.num_free:
             return False
         if hit is not None:

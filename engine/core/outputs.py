@@ -57,6 +57,9 @@ class RequestMetrics:
     kv_block_seconds: float = 0.0  # sum over steps of the KV blocks its samples held x step time
     num_draft_tokens: int = 0  # speculative tokens proposed for its samples
     num_accepted_tokens: int = 0  # of those, accepted by verification
+    # Prompt tokens the KV offload tiers supplied (part of the request's cached tokens).
+    num_memory_tier_tokens: int = 0
+    num_disk_tier_tokens: int = 0
 
 
 @dataclass

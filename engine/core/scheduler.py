@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, PrefixHit
+from engine.core.kv_offload import KVTransfers
 from engine.core.request import RequestGroup, Sequence, SequenceStatus
 from engine.core.runner_output import RunnerOutput
 from engine.core.sequence_update import (
@@ -73,6 +74,7 @@ class SchedulerOutput:
     num_draft_tokens: int = 0  # proposed tokens to verify (part of num_prefill_tokens)
     num_new_prompt_tokens: int = 0  # prompt tokens of requests scheduled for the first time
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)  # this step's lookups
+    kv_transfers: KVTransfers | None = None  # KV offload: blocks to save / load before the forward
 
     @property
     def is_empty(self) -> bool:
@@ -183,6 +185,7 @@ class Scheduler:
         num_decode = sum(1 for s in scheduled if s.is_decode)
         total = sum(s.num_new_tokens for s in scheduled)
         num_drafts = sum(len(s.draft_token_ids) for s in scheduled)
+        transfers = self.kv.tiers.take() if self.kv.tiers is not None and scheduled else None
         num_new_prompt = 0
         now = time.monotonic()
         for s in scheduled:
@@ -199,6 +202,7 @@ class Scheduler:
             num_drafts,
             num_new_prompt,
             lookups,
+            transfers,
         )
 
     def _drafts(self, speculator: Speculator, seq: Sequence, budget: int) -> list[int]:
@@ -246,6 +250,7 @@ class Scheduler:
             self.bypassed.pop(seq.seq_id, None)
             if seq.status is SequenceStatus.WAITING and looked_up:  # first admission, a real lookup
                 self.kv.record_prefix_query(seq.num_tokens, num_cached, lookups)
+                self.kv.record_tier_query(seq, num_cached)
                 seq.num_cached_tokens = num_cached
             elif seq.num_lost_tokens:  # resumed: what the prefix cache does not give back is redone
                 seq.group.metrics.num_recomputed_tokens += max(0, seq.num_lost_tokens - num_cached)

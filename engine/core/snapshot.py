@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from engine.core.config import Task
 
 from engine.core.kv_events import KVEventsState
+from engine.core.kv_offload import KVOffloadStats
 
 RequestState = Literal["waiting", "running", "preempted"]
 
@@ -103,6 +104,7 @@ class EngineSnapshot:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    kv_offload: KVOffloadStats | None = None  # the KV offload tiers' counters and fill (a copy)
     requests: tuple[RequestProgress, ...] = ()
     detail: SnapshotDetail | None = None
 

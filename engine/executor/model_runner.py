@@ -16,6 +16,8 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.executor.cuda_graphs import CudaGraphRunner
 from engine.executor.input_batch import InputBatch
+from engine.executor.kv_store import TieredKVStore
+from engine.executor.kv_transfer import KVTransferRunner
 from engine.executor.sampler import RowError, Sampler, SamplingRow, compute_prompt_logprobs
 from engine.executor.spec_verify import GeneratorRewind, num_accepted, verification_rows
 from engine.kernels.attention import (
@@ -101,8 +103,10 @@ class ModelRunner:
             dtype,
             device,
         )
+        self.kv_tensors = tensors
         slots = self.kv_spec.layer_slots()
         self.kv_caches = [tensors[j] for _, j in slots]  # per model layer
+        self.kv_transfer: KVTransferRunner | None = None  # KV offload tiers (attach_kv_store)
         self.sampler = Sampler()
         # LoRA adapters by id (the engine's LoRAAdapters.by_id): rows of requests on one get its deltas.
         self.loras: Mapping[int, LoRAAdapter] = {}
@@ -125,9 +129,15 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * layers * block_size * model.num_kv_heads * model.head_dim * element
 
+    def attach_kv_store(self, store: TieredKVStore) -> None:
+        """Copy evicted blocks to `store` and load tier hits from it, before each forward."""
+        self.kv_transfer = KVTransferRunner(store, self.kv_tensors, self.kv_spec, self.device)
+
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_token_ids: frozenset[int]) -> RunnerOutput:
+        if sched.kv_transfers is not None and self.kv_transfer is not None:
+            self.kv_transfer.run(sched.kv_transfers)
         scheduled = sched.scheduled
         ids, pos, meta = self.input_batch.prepare(scheduled)
         lora = lora_batch(scheduled, self.loras)  # the step's adapter segments, or None

@@ -8,30 +8,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import msgpack
 import zmq
 
-from server.distributed.kv_index import KVIndex
+from server.distributed.kv_index import KVIndex, ReplicaEvents
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = -1
 POLL_MS = 50
 REPLAY_TIMEOUT_MS = 2000
-
-
-@dataclass(frozen=True)
-class ReplicaEvents:
-    """Where a replica publishes (as it registered in the replica directory)."""
-
-    replica: Hashable
-    endpoint: str
-    replay_endpoint: str | None
-    block_size: int
-    hash_seed: str
-    topic: str = ""
 
 
 class _Stream:

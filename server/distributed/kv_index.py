@@ -9,12 +9,23 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from engine import external_block_hashes
 
-if TYPE_CHECKING:
-    from server.distributed.kv_feed import ReplicaEvents
+
+@dataclass(frozen=True)
+class ReplicaEvents:
+    """Where a replica publishes (as it registered in the replica directory)."""
+
+    replica: Hashable
+    endpoint: str
+    replay_endpoint: str | None
+    block_size: int
+    hash_seed: str
+    topic: str = ""
+
 
 R = TypeVar("R")
 

@@ -23,8 +23,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from server.distributed.kv_feed import KVEventFeed, ReplicaEvents
-from server.distributed.kv_index import KVIndex, kv_matches, route
+from server.distributed.kv_feed import KVEventFeed
+from server.distributed.kv_index import KVIndex, ReplicaEvents, kv_matches, route
 from server.distributed.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes
 
 logger = logging.getLogger(__name__)

@@ -153,3 +153,16 @@ async def test_page_load_with_key_sets_the_stream_cookie() -> None:
         cookie = r.headers["set-cookie"]
         assert "kvserve_engine_key=k" in cookie and "HttpOnly" in cookie
         assert "Path=/engine" in cookie and "SameSite=strict" in cookie
+
+
+def test_payload_shows_the_kv_offload_tiers_fill() -> None:
+    from engine.core.kv_offload import KVOffloadStats
+
+    assert page_payload(_snapshot(), {})["kv_offload"] is None  # no tiers: the card stays hidden
+    tiers = KVOffloadStats(
+        memory_hits=3, memory_bytes=2048, memory_capacity=4096, memory_entries=2, misses=5
+    )
+    tiers.disk_bytes, tiers.disk_capacity, tiers.disk_entries = 100, 1000, 1  # disk_enabled False
+    snap = EngineSnapshot("generate", 1, time.monotonic(), kv_offload=tiers)
+    payload = page_payload(snap, {})["kv_offload"]
+    assert payload == {"memory": [2048, 4096, 2, 3], "disk": [100, 0, 1, 0], "misses": 5}

@@ -268,3 +268,25 @@ def test_speculative_decoding_counters_use_vllm_names(metrics: ServerMetrics) ->
     assert value("kvserve_spec_decode_num_accepted_tokens_total") == 8
     per_pos = "kvserve_spec_decode_num_accepted_tokens_per_pos_total"
     assert [value(per_pos, position=str(p)) for p in range(4)] == [4, 3, 1, 0]
+
+
+async def test_kv_offload_tiers_are_exported_only_with_tiers() -> None:
+    from engine.core.kv_offload import KVOffloadStats
+
+    engine = FakeEngine()
+    app = build_app(ServerConfig(), None)
+    app.state.server.engine = engine
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        engine.published = EngineSnapshot(task="generate", num_steps=1, time=0.0)
+        assert "kvserve_kv_offload" not in (await c.get("/metrics")).text
+        tiers = KVOffloadStats(memory_hits=4, disk_hits=2, misses=3, saved_bytes=1000)
+        tiers.disk_enabled, tiers.disk_capacity, tiers.disk_bytes = True, 5000, 700
+        engine.published = EngineSnapshot(task="generate", num_steps=2, time=1.0, kv_offload=tiers)
+        samples = _samples((await c.get("/metrics")).text)
+    assert samples[("kvserve_kv_offload_hits_total", (("tier", "memory"),))] == 4
+    assert samples[("kvserve_kv_offload_hits_total", (("tier", "disk"),))] == 2
+    assert samples[("kvserve_kv_offload_misses_total", (("tier", "memory"),))] == 5
+    assert samples[("kvserve_kv_offload_misses_total", (("tier", "disk"),))] == 3
+    assert samples[("kvserve_kv_offload_bytes_total", (("direction", "saved"),))] == 1000
+    assert samples[("kvserve_kv_offload_capacity_bytes", (("tier", "disk"),))] == 5000
+    assert samples[("kvserve_kv_offload_used_bytes", (("tier", "disk"),))] == 700

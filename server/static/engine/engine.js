@@ -54,6 +54,13 @@
     $("t-steps").textContent = snap.num_steps;
     $("t-pre").textContent = t.num_preemptions;
     $("t-fin").textContent = t.num_finished;
+    const tiers = snap.kv_offload;
+    $("c-tiers").hidden = !tiers;
+    if (tiers) {  // [bytes, capacity, blocks, hits] per tier
+      const mib = (b) => fmt(b / 1048576), tier = ([used, cap, n, hits]) => cap ? `${mib(used)}/${mib(cap)} MiB (${n} blocks, ${hits} hits)` : "off";
+      $("t-tiers").textContent = `${tier(tiers.memory)} · ${tier(tiers.disk)}`;
+      $("t-tiers").title = `blocks no tier held: ${tiers.misses}`;
+    }
     const ev = snap.kv_events;  // --kv-events-config: events published, where, dropped batches
     $("t-events-card").hidden = !ev;
     if (ev) {
