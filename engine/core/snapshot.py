@@ -99,12 +99,12 @@ class EngineSnapshot:
     kv_events: KVEventsState | None = None  # the KV events publisher, when events are on
     # Requests the async front holds (admitted, not yet ended), filled in when the snapshot is read.
     num_unfinished_requests: int = 0
+    kv_offload: KVOffloadStats | None = None  # the KV offload tiers' counters and fill (a copy)
     # LoRA adapters (names) of running and of waiting requests, and the distinct adapters one step
     # runs at most (vLLM's lora_requests_info gauge).
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
-    kv_offload: KVOffloadStats | None = None  # the KV offload tiers' counters and fill (a copy)
     requests: tuple[RequestProgress, ...] = ()
     detail: SnapshotDetail | None = None
 

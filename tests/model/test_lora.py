@@ -231,3 +231,25 @@ def test_snapshot_names_each_request_s_adapter(base, adapters, prompts):
     for rid in ("a", "b", "c"):
         engine.abort_request(rid)
     assert not engine.adapters.pins
+
+
+def test_structured_output_and_streaming_on_an_adapter(base, adapters):
+    from engine import StructuredOutputs
+
+    llm = _llm(base, adapters)
+    choices = ("alpha beta", "gamma", "delta epsilon zeta")
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputs(choice=choices)
+    )
+    outs = llm.generate([[5, 6, 7], [8, 9, 10]], params, lora=["all", "mlp"])
+    assert all(o.outputs[0].text in choices for o in outs)
+    # Delta outputs of a request on an adapter add up to its whole answer.
+    engine = llm.engine
+    stream = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind="delta")
+    engine.add_request("s", [5, 6, 7, 8], stream, lora="attn")
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    whole = llm.generate([[5, 6, 7, 8]], GREEDY, lora="attn")[0].outputs[0].token_ids
+    assert tokens == list(whole)[:6]

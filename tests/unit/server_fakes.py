@@ -134,17 +134,6 @@ class FakeClientBase:
         if listener not in self.step_listeners:
             self.step_listeners.append(listener)
 
-    # LoRA adapters: none served, and none can be loaded (tests/unit/test_lora_server.py has a fake
-    # that serves them).
-    def loras(self) -> tuple[LoRAInfo, ...]:
-        return ()
-
-    async def load_lora(self, name: str, path: str) -> LoRAInfo:
-        raise LoRAError(f"this fake loads no LoRA adapters ({path!r})", "lora_path")
-
-    async def unload_lora(self, name: str) -> None:
-        raise LoRANotFoundError(name, ())
-
     # Requests of the other task are refused, as the real engine refuses them.
     does = ""  # what this fake serves, for the refusal: "generates text", "embeds text"
 
@@ -159,6 +148,16 @@ class FakeClientBase:
 
     async def abort(self, request_id: str) -> None:
         self.active.discard(request_id)
+
+    # LoRA adapters: the fakes serve none (and load none).
+    def loras(self) -> tuple[LoRAInfo, ...]:
+        return ()
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        raise LoRAError(f"this fake loads no LoRA adapters ({path})", "lora_path")
+
+    async def unload_lora(self, name: str) -> None:
+        raise LoRANotFoundError(name, ())
 
     async def start(self) -> None:
         pass
