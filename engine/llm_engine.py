@@ -41,6 +41,7 @@ from engine.core.snapshot import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
+from engine.core.step_budget import StepBudget, StepLoad
 from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.lora_adapters import LoRAAdapters
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
@@ -108,6 +109,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.kv, speculator, updater, config.lora.max_loras
         )
+        if self.device.type == "cpu" and config.scheduler.target_step_ms > 0:  # GPUs: fixed budget
+            self.scheduler.step_budget = StepBudget(
+                config.scheduler.target_step_ms / 1000, config.scheduler.max_num_batched_tokens
+            )
         self.output_processor = OutputProcessor()
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
         # Test-only fault hooks are a runner subclass chosen here, never a check inside a step.
@@ -376,6 +381,9 @@ class LLMEngine:
 
         stats = update.stats  # the scheduler's own report of the step; its duration is timed here
         stats.duration = time.monotonic() - t0
+        if self.scheduler.step_budget is not None:  # the step-time budget learns from each step
+            load = StepLoad.of((s.num_new_tokens, s.start_pos) for s in sched.scheduled)
+            self.scheduler.step_budget.observe(load, stats.duration)
         # Blocks a sample held through this step (shared ones count for each).
         for s in sched.scheduled:
             s.seq.group.metrics.kv_block_seconds += s.num_held_blocks * stats.duration

@@ -380,6 +380,13 @@ OPTIONS: tuple[Option, ...] = (
         "tokens per engine step (decodes + prefill chunks)",
     ),
     Option(
+        "target-step-ms",
+        "scheduler.target_step_ms",
+        float,
+        "CPU: the step time prefill chunks aim at while streams decode, so they keep getting "
+        "tokens (0, the default: --max-num-batched-tokens every step)",
+    ),
+    Option(
         "max-queued-requests",
         "scheduler.max_queued_requests",
         _int,

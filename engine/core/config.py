@@ -98,8 +98,14 @@ class SchedulerConfig:
     max_queued_requests: int = 256  # waiting requests beyond which admission fails
     # Waiting prompt tokens beyond which admission fails; None -> QUEUED_TOKENS_PER_BATCH steps' worth.
     max_queued_tokens: int | None = None
+    # CPU: the step time the prefill budget aims at while streams decode (engine.core.step_budget);
+    # 0: off, max_num_batched_tokens every step (the default until the budget is measured to pay on
+    # an idle machine: see README, Long prompts on CPU). GPUs always run the fixed budget.
+    target_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.target_step_ms < 0:
+            raise ValueError("target_step_ms must be >= 0 (0: a fixed token budget)")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

@@ -34,6 +34,7 @@ from engine.core.sequence_update import (
 )
 from engine.core.speculator import Speculator
 from engine.core.stats import StepKind, StepStats
+from engine.core.step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         # seq id -> how many later sequences were admitted while this one could not get KV blocks
         self.bypassed: dict[str, int] = {}
+        # The step-time token budget (CPU; set by the engine), None: max_num_batched_tokens per step.
+        self.step_budget: StepBudget | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def add_group(self, group: RequestGroup) -> None:
@@ -140,6 +143,8 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        if self.step_budget is not None:
+            budget = self._step_time_budget()
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         lookups = PrefixCacheStats()
@@ -204,6 +209,21 @@ class Scheduler:
             lookups,
             transfers,
         )
+
+    def _step_time_budget(self) -> int:
+        """This step's token budget under the step-time budget: the decodes plus the prefill its
+        cost model fits in the target step time (engine.core.step_budget), the chunk starting
+        where the first prompt still prefilling (else the next waiting one) stands."""
+        assert self.step_budget is not None
+        decodes, start = 0, None
+        for seq in self.running:
+            left = seq.num_tokens - seq.num_computed_tokens
+            decodes += left == 1
+            if left > 1 and start is None:
+                start = seq.num_computed_tokens
+        if start is None:
+            start = self.waiting[0].num_computed_tokens if self.waiting else 0
+        return self.step_budget.token_budget(decodes, start)
 
     def _drafts(self, speculator: Speculator, seq: Sequence, budget: int) -> list[int]:
         """Proposed tokens for a decoding sequence whose KV blocks can take them now; never

@@ -2,8 +2,9 @@
 sequence's cached context. The step's metadata and the backend choice live here; the backends are
 chosen once: flash-attn on CUDA when installed and the block size lets it read the cache in place
 (engine.kernels.flash_attention), else Triton kernels (engine.kernels.triton_attention) on CUDA; on
-CPU the C++ decode kernel reading the paged cache in place for every query, prefill ones too
-(engine.kernels.cpu_kernels); else the torch SDPA reference (engine.kernels.sdpa_attention: CUDA
+CPU the C++ kernels reading the paged cache in place for every query, prefill ones too (the prefill
+kernel shares K/V tiles across a chunk's rows, bitwise the decode kernel per token;
+engine.kernels.cpu_kernels); else the torch SDPA reference (engine.kernels.sdpa_attention: CUDA
 without triton, CPU without the kernels).
 
 Every backend takes a layer's sliding window (a query at position p sees keys at positions

@@ -24,6 +24,7 @@ _SOURCES = tuple(
     _CSRC / name
     for name in (
         "paged_decode.cpp",
+        "paged_prefill.cpp",
         "block_matmul.cpp",
         "block_matmul_avx2.cpp",
         "block_matmul_vnni.cpp",
@@ -31,7 +32,7 @@ _SOURCES = tuple(
         "decode_layer.cpp",
     )
 )
-_HEADERS = (_CSRC / "block_matmul.h",)
+_HEADERS = (_CSRC / "block_matmul.h", _CSRC / "attention_avx2.h")
 _DISABLE_ENV = "KVSERVE_CPU_KERNELS"  # "0" turns the C++ kernels off (pure-torch paths only)
 
 
@@ -113,6 +114,24 @@ def paged_decode_attention(
     softcapped when `softcap` is set."""
     return torch.ops.kvserve.paged_decode_attention(
         q, kv_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, heads, d]: each sequence's new tokens, sequence by sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, d]
+    block_tables: torch.Tensor,  # [>= num_seqs, width] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: context length after the step
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # [num_tokens, heads, d]
+    """Every new token over its own causal context (the last query_len positions of its sequence's
+    seq_len), bitwise what paged_decode_attention gives that token alone, with key/value tiles
+    shared by a chunk's rows (csrc/paged_prefill.cpp)."""
+    return torch.ops.kvserve.paged_prefill_attention(
+        q, kv_cache, block_tables, query_start_loc, seq_lens, scale, window or 0, softcap or 0.0
     )
 
 

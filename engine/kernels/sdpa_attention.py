@@ -1,5 +1,5 @@
 """The torch SDPA attention backend (the reference, everywhere) and the CPU path that reads the paged
-cache in place with the C++ decode kernel (engine.kernels.cpu_kernels) for every query; both with
+cache in place with the C++ kernels (engine.kernels.cpu_kernels) for every query; both with
 sliding windows and logit softcapping (an explicit masked softmax where SDPA cannot softcap)."""
 
 from __future__ import annotations
@@ -33,12 +33,21 @@ def sdpa_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
         )
     if in_place_decode:
-        # Every query, prefill ones too, attends over its own causal context read in place by the
-        # decode kernel: a token's result is the same whether its prompt was prefilled whole, in
-        # chunks, after a prefix-cache hit or recomputed after preemption (batch-invariant). A
-        # window starts each query's context at max(0, its length - window).
-        tables, lens = meta.token_context()
-        return cpu_kernels.paged_decode_attention(q, kv_cache, tables, lens, scale, window, softcap)
+        # Every query, prefill ones too, attends over its own causal context read in place, bitwise
+        # as the decode kernel gives it alone (the prefill kernel shares K/V tiles across a chunk's
+        # rows): a token's result is the same whether its prompt was prefilled whole, in chunks,
+        # after a prefix-cache hit or recomputed after preemption (batch-invariant). A window
+        # starts each query's context at max(0, its length - window).
+        return cpu_kernels.paged_prefill_attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            window,
+            softcap,
+        )
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     if num_decodes:
         out[:num_decodes] = sdpa_decode(q[:num_decodes], kv_cache, meta, scale, window, softcap)

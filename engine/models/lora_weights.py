@@ -195,6 +195,7 @@ def load_adapter(model: Any, spec: AdapterSpec, name: str, lora_id: int) -> LoRA
     pairs = _pairs(spec, tensors, model.num_layers)
     shapes = linear_shapes(model)
     scaling = spec.scaling
+    device = model.norm.weight.device  # the adapter lives beside the model (float32)
     grouped: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor, str]]]] = [
         {} for _ in range(model.num_layers)
     ]
@@ -214,13 +215,14 @@ def load_adapter(model: Any, spec: AdapterSpec, name: str, lora_id: int) -> LoRA
         linears: dict[str, LinearLoRA] = {}
         for linear, parts in per_layer.items():
             parts.sort(key=lambda part: part[0])  # by first output
-            a = torch.cat([a for _, a, _, _ in parts], dim=0).contiguous()  # [sum r, in]
+            a = torch.cat([a for _, a, _, _ in parts], dim=0).to(device).contiguous()  # [sum r, in]
             pieces: list[LoRAPiece] = []
             col = 0
             for offset, _, b, _ in parts:
                 if pieces and offset < pieces[-1].out_start + pieces[-1].b.shape[0]:
                     raise _bad(spec, f"layers.{len(layers)}: two modules change the same outputs")
-                pieces.append(LoRAPiece(col, b.shape[1], offset, (b * scaling).contiguous()))
+                scaled = (b * scaling).to(device).contiguous()
+                pieces.append(LoRAPiece(col, b.shape[1], offset, scaled))
                 col += b.shape[1]
             linears[linear] = LinearLoRA(a, pieces)
         layers.append(linears)

@@ -21,13 +21,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define KV_HAVE_AVX2_ATTENTION 1
-#define KV_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "attention_avx2.h"
 
 namespace {
+
+using namespace kvserve_attention;
 
 constexpr int kLanes = 16;  // independent accumulators: lets the compiler vectorize the dot
 
@@ -41,12 +39,6 @@ constexpr int kLanes = 16;  // independent accumulators: lets the compiler vecto
 template <typename T>
 inline float to_f(T x) {
   return static_cast<float>(x);
-}
-
-// Gemma's attention logit softcapping, in place on n scores (softcap <= 0: off).
-inline void softcap_scores(float* s, int64_t n, float softcap) {
-  if (softcap <= 0.f) return;
-  for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
 }
 
 // q [group, d] (float, pre-scaled), k [d] -> scores[g] for one context token
@@ -85,61 +77,6 @@ KV_TARGETS void axpy_group(const float* p, const T* v, int64_t group, int64_t d,
 // together), a vectorized softmax, then P.V with the group's query heads sharing each V load. The
 // arithmetic depends only on the sequence (its length and values), never on the batch.
 
-bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-
-KV_AVX2 inline __m256 exp256(__m256 x) {  // Cephes-style expf, relative error ~1e-7
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
-// softcap * tanh(s / softcap) on n scores, 8 at a time: tanh(x) = sign(x) (1 - e) / (1 + e),
-// e = exp(-2|x|) (no overflow); the tail uses std::tanh. Which of the two a score gets depends
-// only on its index, so on the sequence's length and window, never on the batch.
-KV_AVX2 void softcap_scores_avx2(float* s, int64_t n, float softcap) {
-  if (softcap <= 0.f) return;
-  const __m256 cap = _mm256_set1_ps(softcap), one = _mm256_set1_ps(1.f);
-  const __m256 sign_bit = _mm256_set1_ps(-0.f), minus_two = _mm256_set1_ps(-2.f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(s + i), cap);
-    const __m256 e = exp256(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign_bit, x)));
-    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    const __m256 signed_t = _mm256_or_ps(t, _mm256_and_ps(sign_bit, x));
-    _mm256_storeu_ps(s + i, _mm256_mul_ps(cap, signed_t));
-  }
-  softcap_scores(s + i, n - i, softcap);
-}
-
-KV_AVX2 inline __m256 hsum8(const __m256* a) {  // lane u = sum of a[u]'s lanes
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-KV_AVX2 inline float hsum1(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // out[a, :] = sum_t p[a, t] v[t, :] for GN heads (p rows `len` apart), 32 values of d per pass.
 template <int GN>
 KV_AVX2 void pv_pass(const float* p, const float* const* vp, int64_t len, int64_t d, float* out) {
@@ -168,41 +105,9 @@ KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const flo
     const float* qg = qf + g * d;
     float* sg = scores + g * len;
     int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-      __m256 acc[8];
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + i);
-        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kp[t + u] + i), qv, acc[u]);
-      }
-      _mm256_storeu_ps(sg + t, hsum8(acc));
-    }
-    for (; t < len; ++t) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(kp[t] + i), _mm256_loadu_ps(qg + i), acc);
-      sg[t] = hsum1(acc);
-    }
-    softcap_scores_avx2(sg, len, softcap);
-    float mx = -std::numeric_limits<float>::infinity();  // softmax over this head's scores
-    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
-    const __m256 mxv = _mm256_set1_ps(mx);
-    __m256 sumv = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mxv));
-      _mm256_storeu_ps(sg + j, e);
-      sumv = _mm256_add_ps(sumv, e);
-    }
-    float sum = hsum1(sumv);
-    for (; j < len; ++j) {
-      alignas(32) float tmp[8] = {sg[j] - mx};
-      const float e = _mm256_cvtss_f32(exp256(_mm256_load_ps(tmp)));
-      sg[j] = e;
-      sum += e;
-    }
-    const float inv = len > 0 ? 1.f / sum : 0.f;
-    for (int64_t k = 0; k < len; ++k) sg[k] *= inv;
+    for (; t + 8 <= len; t += 8) scores8_avx2(qg, kp + t, d, sg + t);
+    for (; t < len; ++t) sg[t] = score1_avx2(qg, kp[t], d);
+    softmax_row_avx2(sg, len, softcap);
   }
   for (int64_t g0 = 0; g0 < group; g0 += 2) {  // out = P V: two heads x 32 values per pass
     if (group - g0 >= 2)

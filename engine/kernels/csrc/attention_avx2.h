@@ -1,0 +1,148 @@
+// The float32 AVX2 + FMA attention primitives the paged decode kernel (paged_decode.cpp) and the
+// prefill kernel (paged_prefill.cpp) share, so a query's scores, softmax and P.V round the same in
+// both: an exp, the softcap, the two horizontal sums, a head's softmax and the P.V pass.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KV_HAVE_AVX2_ATTENTION 1
+#define KV_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace kvserve_attention {
+
+// Gemma's attention logit softcapping, in place on n scores (softcap <= 0: off).
+inline void softcap_scores(float* s, int64_t n, float softcap) {
+  if (softcap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = softcap * std::tanh(s[i] / softcap);
+}
+
+#ifdef KV_HAVE_AVX2_ATTENTION
+inline bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+KV_AVX2 inline __m256 exp256(__m256 x) {  // Cephes-style expf, relative error ~1e-7
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// softcap * tanh(s / softcap) on n scores, 8 at a time: tanh(x) = sign(x) (1 - e) / (1 + e),
+// e = exp(-2|x|) (no overflow); the tail uses std::tanh. Which of the two a score gets depends
+// only on its index, so on the sequence's length and window, never on the batch.
+KV_AVX2 inline void softcap_scores_avx2(float* s, int64_t n, float softcap) {
+  if (softcap <= 0.f) return;
+  const __m256 cap = _mm256_set1_ps(softcap), one = _mm256_set1_ps(1.f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f), minus_two = _mm256_set1_ps(-2.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(s + i), cap);
+    const __m256 e = exp256(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign_bit, x)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 signed_t = _mm256_or_ps(t, _mm256_and_ps(sign_bit, x));
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(cap, signed_t));
+  }
+  softcap_scores(s + i, n - i, softcap);
+}
+
+KV_AVX2 inline __m256 hsum8(const __m256* a) {  // lane u = sum of a[u]'s lanes
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+KV_AVX2 inline float hsum1(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The scores of one (pre-scaled) query against 8 context tokens: 8 lane-wise dot products over d
+// reduced together (lane u of hsum8), the decode kernel's unit for each full run of 8 tokens.
+KV_AVX2 inline void scores8_avx2(const float* q, const float* const* kp, int64_t d, float* out) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kp[u] + i), qv, acc[u]);
+  }
+  _mm256_storeu_ps(out, hsum8(acc));
+}
+
+// One score (the tail tokens after the last full run of 8): the same lane-wise dot, hsum1.
+KV_AVX2 inline float score1_avx2(const float* q, const float* k, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(k + i), _mm256_loadu_ps(q + i), acc);
+  return hsum1(acc);
+}
+
+// Softcap, then the softmax of one head's n scores in place: max, exp and sum 8 at a time (the
+// tail one by one), then each score times 1 / sum.
+KV_AVX2 inline void softmax_row_avx2(float* sg, int64_t len, float softcap) {
+  softcap_scores_avx2(sg, len, softcap);
+  float mx = -std::numeric_limits<float>::infinity();  // softmax over this head's scores
+  for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 sumv = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mxv));
+    _mm256_storeu_ps(sg + j, e);
+    sumv = _mm256_add_ps(sumv, e);
+  }
+  float sum = hsum1(sumv);
+  for (; j < len; ++j) {
+    alignas(32) float tmp[8] = {sg[j] - mx};
+    const float e = _mm256_cvtss_f32(exp256(_mm256_load_ps(tmp)));
+    sg[j] = e;
+    sum += e;
+  }
+  const float inv = len > 0 ? 1.f / sum : 0.f;
+  for (int64_t k = 0; k < len; ++k) sg[k] *= inv;
+}
+
+// out[a, :] = sum_t p[a, t] v[t, :] for GN heads (p rows `len` apart), 32 values of d per pass.
+template <int GN>
+KV_AVX2 inline void pv_pass(const float* p, const float* const* vp, int64_t len, int64_t d, float* out) {
+  for (int64_t i0 = 0; i0 < d; i0 += 32) {
+    __m256 acc[GN][4];
+    for (int a = 0; a < GN; ++a)
+      for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      __m256 v[4];
+      for (int b = 0; b < 4; ++b) v[b] = _mm256_loadu_ps(vp[t] + i0 + 8 * b);
+      for (int a = 0; a < GN; ++a) {
+        const __m256 w = _mm256_broadcast_ss(p + a * len + t);
+        for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
+      }
+    }
+    for (int a = 0; a < GN; ++a)
+      for (int b = 0; b < 4; ++b) _mm256_storeu_ps(out + a * d + i0 + 8 * b, acc[a][b]);
+  }
+}
+
+#endif
+
+}  // namespace kvserve_attention

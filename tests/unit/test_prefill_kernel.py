@@ -1,0 +1,144 @@
+"""The C++ prefill attention kernel (csrc/paged_prefill.cpp) against the decode kernel run per token:
+bitwise the same for every query token, over chunk lengths, GQA ratios, head dims, sliding windows,
+softcaps, shuffled block tables and prefix-hit offsets, in mixed decode + prefill steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.kernels import cpu_kernels
+from engine.kernels.attention import AttentionMetadata, allocate_kv_cache, paged_attention
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+
+
+def random_step(rng, query_lens, seq_lens, block_size, kv_heads, head_dim, dtype=torch.float32):
+    """A filled cache with shuffled, non-contiguous block tables and the step's metadata."""
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 5
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    (cache,) = allocate_kv_cache(1, num_blocks, block_size, kv_heads, head_dim, dtype, "cpu")
+    cache.copy_(torch.randn(cache.shape).to(dtype))
+    meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, block_size)
+    return cache, meta
+
+
+def both(q, cache, meta, scale, window=None, softcap=None):
+    """(prefill kernel, decode kernel per token) on the same step."""
+    fast = cpu_kernels.paged_prefill_attention(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, softcap
+    )
+    tables, lens = meta.token_context()
+    slow = cpu_kernels.paged_decode_attention(q, cache, tables, lens, scale, window, softcap)
+    return fast, slow
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (37, None), (None, 30.0), (100, 50.0)])
+def test_prefill_kernel_is_bitwise_the_decode_kernel(head_dim, heads, kv_heads, window, softcap):
+    rng = random.Random(head_dim * 100 + heads * 10 + (window or 0))
+    torch.manual_seed(rng.randrange(1 << 30))
+    # decodes first, then chunks: whole prompts, chunks after cached context (prefix hits),
+    # lengths around the 8-token runs, the 16-row blocks and the 64-key tiles
+    query_lens = [1, 1, 1, 200, 7, 17, 64, 1 + rng.randrange(90), 9]
+    cached = [5, 130, 63, 0, 0, 33, 129, rng.randrange(300), 250]
+    seq_lens = [c + n for c, n in zip(cached, query_lens, strict=True)]
+    block_size = rng.choice([4, 16])
+    cache, meta = random_step(rng, query_lens, seq_lens, block_size, kv_heads, head_dim)
+    q = torch.randn(sum(query_lens), heads, head_dim)
+    fast, slow = both(q, cache, meta, head_dim**-0.5, window, softcap)
+    assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("query_len", [1, 2, 7, 8, 9, 15, 16, 17, 31, 63, 64, 65, 100, 257])
+def test_every_chunk_length_after_every_prefix_offset(query_len):
+    """A chunk of each length after prefix hits of several offsets, with and without a window."""
+    rng = random.Random(query_len)
+    torch.manual_seed(query_len)
+    for cached in (0, 1, 8, 13, 64, 70):
+        for window in (None, 9, 64):
+            cache, meta = random_step(rng, [query_len], [cached + query_len], 16, 2, 64)
+            q = torch.randn(query_len, 6, 64)
+            fast, slow = both(q, cache, meta, 0.125, window)
+            assert torch.equal(fast, slow), (cached, window)
+
+
+def test_strided_queries_from_a_fused_qkv_view():
+    """q as the model passes it: a view into the fused qkv rows (row stride > heads * d)."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    cache, meta = random_step(rng, [1, 40], [20, 90], 16, 2, 64)
+    qkv = torch.randn(41, (4 + 2 * 2) * 64)
+    q = qkv[:, : 4 * 64].view(41, 4, 64)
+    fast, slow = both(q, cache, meta, 0.125)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast, both(q.contiguous(), cache, meta, 0.125)[0])
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float32, 16)])
+def test_other_dtypes_and_head_dims_run_the_decode_kernel_per_token(dtype, head_dim):
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    cache, meta = random_step(rng, [1, 30, 12], [9, 30, 50], 4, 2, head_dim, dtype)
+    q = torch.randn(43, 4, head_dim).to(dtype)
+    fast, slow = both(q, cache, meta, 0.25, 20, 10.0)
+    assert torch.equal(fast, slow)
+
+
+def test_thread_count_does_not_change_a_bit():
+    rng = random.Random(8)
+    torch.manual_seed(8)
+    cache, meta = random_step(rng, [1, 150, 33], [70, 300, 33], 16, 3, 64)
+    q = torch.randn(184, 9, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = both(q, cache, meta, 0.125)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, both(q, cache, meta, 0.125)[0])
+
+
+def test_paged_attention_cpu_backend_matches_a_dense_reference_and_decoding():
+    """Through the backend: a 300-token prompt in two chunks equals decoding its last token alone,
+    and is close to float64 dense causal attention."""
+    torch.manual_seed(9)
+    n, heads, kv_heads, d, block_size = 300, 8, 2, 64, 16
+    table = list(range(1, 20))[::-1]
+    (cache,) = allocate_kv_cache(1, 21, block_size, kv_heads, d, torch.float32, "cpu")
+    q = torch.randn(n, heads, d)
+    k, v = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
+
+    def step(lo: int, hi: int) -> torch.Tensor:
+        meta = AttentionMetadata.from_lists([hi - lo], [hi], [table], block_size)
+        meta.backend = "cpu"
+        return paged_attention(q[lo:hi], k[lo:hi], v[lo:hi], cache, meta, d**-0.5)
+
+    chunked = torch.cat([step(0, 130), step(130, n)])
+    assert torch.equal(step(n - 1, n)[0], chunked[-1])
+    kk = k.double().repeat_interleave(heads // kv_heads, 1)
+    vv = v.double().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * d**-0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    dense = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    torch.testing.assert_close(chunked.double(), dense, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_arguments_are_clear_errors():
+    rng = random.Random(1)
+    cache, meta = random_step(rng, [10], [10], 16, 2, 64)
+    q = torch.randn(10, 4, 64)
+    bad_starts = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="query_start_loc must cover every token"):
+        cpu_kernels.paged_prefill_attention(
+            q, cache, meta.block_tables, bad_starts, meta.seq_lens, 0.125
+        )
+    with pytest.raises(RuntimeError, match="exceed its context"):
+        cpu_kernels.paged_prefill_attention(
+            q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens - 5, 0.125
+        )
