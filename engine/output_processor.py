@@ -57,6 +57,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
+            lora=group.lora_name,
         )
 
     @staticmethod
@@ -82,6 +83,7 @@ class OutputProcessor:
             True,
             num_cached_tokens=group.num_cached_tokens,
             metrics=group.metrics,
+            lora=group.lora_name,
         )
 
     def _completion(

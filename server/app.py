@@ -14,9 +14,11 @@ from fastapi.responses import JSONResponse, Response
 from engine import EngineClient
 from server.engine_page import router as engine_page_router
 from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
+from server.lora_routes import router as lora_router
 from server.metrics import MetricsMiddleware, ServerMetrics
 from server.metrics import router as metrics_router
 from server.middleware import GuardMiddleware, RequestIdMiddleware, UnhandledErrorMiddleware
+from server.models_registry import model_card, model_cards
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -116,27 +118,17 @@ async def version() -> dict[str, str]:
     return {"version": kvserve_version()}
 
 
-def _model_card(state: ServerState) -> ModelCard:
-    engine = state.require_engine()
-    return ModelCard(
-        id=state.model_name,
-        created=state.created,
-        root=engine.model_name,
-        max_model_len=engine.max_model_len,
-    )
-
-
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_model_card(_state(request))])
+    """The base model, then each LoRA adapter served (`parent`: the base model)."""
+    state = _state(request)
+    return ModelList(data=model_cards(state.require_engine(), state.model_name, state.created))
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
 async def retrieve_model(model: str, request: Request) -> ModelCard:
     state = _state(request)
-    card = _model_card(state)
-    state.check_model(model)
-    return card
+    return model_card(state.require_engine(), state.model_name, state.created, model)
 
 
 @router.post(
@@ -267,6 +259,7 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastA
     app.state.metrics = ServerMetrics(app.state.server)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(lora_router)
     app.include_router(metrics_router)
     app.include_router(engine_page_router)
     # Added innermost first: requests pass Metrics -> RequestId -> CORS -> Guard -> UnhandledError -> routes.
@@ -283,6 +276,7 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastA
     app.add_middleware(RequestIdMiddleware)
     routes = [
         *router.routes,
+        *lora_router.routes,
         *metrics_router.routes,
         *engine_page_router.routes,
         *app.router.routes,

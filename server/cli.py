@@ -14,8 +14,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from engine import LoRAError
 from server.logging_setup import configure_logging
-from server.settings import add_serve_arguments, build_configs, build_ray_config, resolve
+from server.models_registry import check_adapter_names
+from server.settings import (
+    add_serve_arguments,
+    build_configs,
+    build_ray_config,
+    check_lora_modules,
+    resolve,
+)
 
 if TYPE_CHECKING:
     from engine import EngineClient, EngineConfig
@@ -66,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         values = resolve(cli_values)
         engine_config, server_config = build_configs(values)
         ray_config = build_ray_config(values)
+        check_lora_modules(engine_config.lora)
     except ValueError as e:
         parser.exit(2, f"kvserve serve: error: {e}\n")
     configure_logging(server_config.log_level)
@@ -158,19 +167,29 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     loading = _load_in_daemon_thread(engine_config)
     bundled = "all-MiniLM-L6-v2" if engine_config.model.task == "embed" else "SmolLM2-135M-Instruct"
     logger.info("loading model %s ...", engine_config.model.model or f"(bundled {bundled})")
+    if server_config.allow_runtime_lora_updating and server_config.api_key is None:
+        logger.warning(
+            "--allow-runtime-lora-updating without --api-key: any client can load LoRA adapters "
+            "from this machine's disk"
+        )
     started = time.monotonic()
     done, _ = await asyncio.wait({serve_task, loading}, return_when=asyncio.FIRST_COMPLETED)
     if loading in done and not state.draining:
         try:
             engine = loading.result()
+            check_adapter_names(engine, server_config.served_model_name or engine.model_name)
             await engine.start()
         except Exception as e:  # noqa: BLE001 - one clear line, then exit 1
-            logger.error("could not load the model: %s", e)
+            what = "a LoRA adapter (--lora-modules)" if isinstance(e, LoRAError) else "the model"
+            logger.error("could not load %s: %s", what, e)
             logger.debug("traceback", exc_info=True)
             exit_code = 1
             server.should_exit = True
         else:
             state.engine = engine
+            if engine.loras():
+                names = ", ".join(info.name for info in engine.loras())
+                logger.info("serving LoRA adapters: %s (select one by `model`)", names)
             logger.info(
                 "model %s loaded in %.1fs (max_model_len %d); serving on http://%s:%d",
                 state.model_name,

@@ -31,6 +31,7 @@ def _sheet(out: RequestOutput) -> dict[str, Any]:
         "num_prompt_tokens": num_prompt,
         "num_cached_tokens": out.num_cached_tokens,
         "num_computed_prompt_tokens": num_prompt - out.num_cached_tokens,
+        "lora": out.lora,  # the LoRA adapter it ran on (None: the base model)
     }
     if m is None:
         return sheet

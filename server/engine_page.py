@@ -218,6 +218,7 @@ def page_payload(
                 r.num_cached_tokens,
                 r.num_output_tokens,
                 round(snap.time - r.arrival_time, 3),
+                r.lora,  # the LoRA adapter (None: the base model)
             ]
             for r in snap.requests
         ],

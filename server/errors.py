@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from engine import (
     ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
+    LoRANotFoundError,
     PromptError,
     QueueFullError,
     RequestError,
@@ -129,9 +131,23 @@ def wrong_task(served: str) -> APIError:
     return APIError(message, status=400, code="unsupported_task")
 
 
-def model_not_found(model: str) -> APIError:
+def model_not_found(model: str, served: Sequence[str] = ()) -> APIError:
+    """A 404 for a `model` this server does not serve, naming those it does."""
+    listed = f"this server serves {', '.join(map(repr, served))}" if served else "none is served"
     return APIError(
-        f"The model {model!r} does not exist; GET /v1/models lists the served model.",
+        f"The model {model!r} does not exist; {listed} (GET /v1/models lists them).",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def lora_not_found(exc: LoRANotFoundError) -> APIError:
+    """An adapter unloaded between a request's check and its start (or an unload of one not served)."""
+    served = ", ".join(map(repr, exc.served)) if exc.served else "none"
+    return APIError(
+        f"The model {exc.name!r} does not exist: no LoRA adapter of that name is loaded "
+        f"(loaded adapters: {served}; GET /v1/models lists every model).",
         status=404,
         param="model",
         code="model_not_found",
@@ -169,6 +185,8 @@ def to_api_error(exc: BaseException, fields: FieldMap = COMPLETION_FIELDS) -> AP
         return invalid_request(f"the constrained decoder cannot follow {name}: {exc.reason}", name)
     if isinstance(exc, WrongTaskError):
         return wrong_task(exc.served)
+    if isinstance(exc, LoRANotFoundError):
+        return lora_not_found(exc)
     if isinstance(exc, InvalidRequestError):
         return invalid_request(str(exc), param=fields.name(exc.param) if exc.param else None)
     if isinstance(exc, RequestError):

@@ -253,22 +253,27 @@ def start_streams(
     prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams,
     request: Request | None = None,
+    lora: str | None = None,
 ) -> list[AsyncGenerator[RequestOutput, None]]:
-    """One engine request per prompt, ids `<request_id>-<prompt index>`."""
+    """One engine request per prompt, ids `<request_id>-<prompt index>`, on the LoRA adapter `lora`
+    (None: the base model)."""
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
-            "request %s: engine request(s) %s-0..%d, %d prompt tokens, max_tokens=%s, n=%d",
+            "request %s: engine request(s) %s-0..%d, %d prompt tokens, max_tokens=%s, n=%d, lora=%s",
             log_id(request),
             request_id,
             len(prompts) - 1,
             sum(len(ids) for _, ids in prompts),
             params.max_tokens,
             params.n,
+            lora,
         )
     streams: list[AsyncGenerator[RequestOutput, None]] = []
     try:
         for i, (text, ids) in enumerate(prompts):
-            streams.append(engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
+            streams.append(
+                engine.generate(f"{request_id}-{i}", ids, params, prompt=text, lora=lora)
+            )
     except BaseException:
         for stream in streams:
             asyncio.ensure_future(stream.aclose())

@@ -5,6 +5,7 @@ scrape time from the engine's published snapshot, and HTTP request counts by rou
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from server.kv_offload_metrics import KVOffloadCollector
 from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine import EngineClient, FinishedRequestStats, StepStats
+    from engine import EngineClient, EngineSnapshot, FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,22 @@ class _QueueGauges:
                 ),
             ):
                 yield CounterMetricFamily(f"kvserve_{name}", text, value)
+        yield _lora_info(snapshot)
+
+
+def _lora_info(snapshot: EngineSnapshot | None) -> Metric:
+    """vLLM's lora_requests_info: the adapters of running and of waiting requests (comma-separated)
+    and the adapters one step runs at most, as labels; the value is the scrape's unix time."""
+    info = GaugeMetricFamily(
+        "kvserve_lora_requests_info",
+        "LoRA adapters of running and waiting requests, and the most one step runs (labels).",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    running = ",".join(snapshot.running_loras) if snapshot else ""
+    waiting = ",".join(snapshot.waiting_loras) if snapshot else ""
+    max_lora = str(snapshot.max_loras) if snapshot else "0"
+    info.add_metric([running, waiting, max_lora], time.time())
+    return info
 
 
 class ServerMetrics:
@@ -116,6 +133,12 @@ class ServerMetrics:
             "kvserve_requests",
             "Requests the engine finished, by kind (generate, score) and finish reason.",
             ["kind", "finish_reason"],
+            registry=r,
+        )
+        self.lora_requests = Counter(
+            "kvserve_lora_requests",
+            "Requests the engine finished on each LoRA adapter (any finish reason).",
+            ["adapter"],
             registry=r,
         )
         self.requests_rejected = Counter(
@@ -229,6 +252,8 @@ class ServerMetrics:
 
     def _on_finished(self, f: FinishedRequestStats) -> None:
         self.requests.labels(f.kind, f.finish_reason).inc()
+        if f.lora is not None:
+            self.lora_requests.labels(f.lora).inc()
         if f.finish_reason not in SUCCESS_REASONS:
             return
         self.request_success.labels(f.finish_reason).inc()

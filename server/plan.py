@@ -38,6 +38,7 @@ class GenerationPlan:
     tools: ToolPlan | None = None  # how the tools are prompted, forced and parsed
     parallel_tool_calls: bool | None = None
     thinking: bool = False  # a reasoning parser is on: outputs report their reasoning apart
+    lora: str | None = None  # the LoRA adapter the request's `model` selected (None: the base)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -58,7 +59,9 @@ class GenerationPlan:
     def open(self, raw: Request | None) -> Outputs:
         """Start the engine requests; the outputs stream aborts them when closed or when `raw`
         disconnects."""
-        streams = start_streams(self.engine, self.request_id, self.prompts, self.params, raw)
+        streams = start_streams(
+            self.engine, self.request_id, self.prompts, self.params, raw, self.lora
+        )
         return merge_outputs(streams, raw)
 
     async def respond(

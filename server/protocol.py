@@ -513,7 +513,8 @@ class ModelCard(OpenModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvserve"
-    root: str | None = None
+    root: str | None = None  # the base model's source; an adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model (None for the base model)
     max_model_len: int | None = None
 
 

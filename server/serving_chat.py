@@ -138,7 +138,7 @@ def plan_turn(
     and tools, every check done here once (400s name the field through `fields`, the surface's
     names)."""
     engine = state.require_engine()
-    model = state.check_model(req.model)
+    served = state.resolve_model(req.model)
     tokenizer = engine.tokenizer
     if req.max_tokens == 0:
         name = fields.name(req.max_tokens_field)
@@ -181,7 +181,7 @@ def plan_turn(
     check_prompts(engine, [prompt_ids], params, fields)
     return GenerationPlan(
         engine,
-        model,
+        served.name,
         request_id or f"chatcmpl-{uuid.uuid4().hex}",
         [(None, prompt_ids)],
         params,
@@ -190,6 +190,7 @@ def plan_turn(
         plan,
         req.parallel_tool_calls,
         reasoning is not None,
+        lora=served.lora,
     )
 
 

@@ -41,7 +41,7 @@ def _prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[Prompt]:
 def prepare_completion(req: CompletionRequest, state: ServerState) -> GenerationPlan:
     """Check a completions request and plan it: one engine request per prompt (400s name the field)."""
     engine = state.require_engine()
-    model = state.check_model(req.model)
+    served = state.resolve_model(req.model)
     check_stream_options(req)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     prompts = _prompts(req, engine.tokenizer)
@@ -64,7 +64,9 @@ def prepare_completion(req: CompletionRequest, state: ServerState) -> Generation
     )
     check_prompts(engine, [ids for _, ids in prompts], params, COMPLETION_FIELDS)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    return GenerationPlan(engine, model, request_id, prompts, params, COMPLETION_FIELDS)
+    return GenerationPlan(
+        engine, served.name, request_id, prompts, params, COMPLETION_FIELDS, lora=served.lora
+    )
 
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:

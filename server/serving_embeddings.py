@@ -137,11 +137,15 @@ class _ClientGone(Exception):
 
 
 async def _embed_all(
-    engine: EngineClient, request_id: str, inputs: list[list[int]], raw: Request | None
+    engine: EngineClient,
+    request_id: str,
+    inputs: list[list[int]],
+    raw: Request | None,
+    lora: str | None = None,
 ) -> list[EmbeddingOutput]:
     """Submit every input at once (the engine batches them); a disconnect or error cancels the rest."""
     tasks = [
-        asyncio.ensure_future(engine.embed(f"{request_id}-{i}", ids))
+        asyncio.ensure_future(engine.embed(f"{request_id}-{i}", ids, lora=lora))
         for i, ids in enumerate(inputs)
     ]
     gathered = asyncio.gather(*tasks)
@@ -185,7 +189,7 @@ def encode_base64(vector: list[float]) -> str:
 
 async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerState) -> Response:
     engine = state.require_engine()
-    model = state.check_model(req.model)
+    served = state.resolve_model(req.model)
     require_task(engine, "embed")
     tokenizer = engine.tokenizer
     keep = _truncation(req, engine.max_model_len)
@@ -194,7 +198,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
     _check_capacity(engine, inputs)
     request_id = f"embd-{uuid.uuid4().hex}"
     try:
-        outputs = await _embed_all(engine, request_id, inputs, raw)
+        outputs = await _embed_all(engine, request_id, inputs, raw, served.lora)
     except _ClientGone:
         return Response(status_code=499)
     data = []
@@ -209,7 +213,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
         {
             "object": "list",
             "data": data,
-            "model": model,
+            "model": served.name,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
     )

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from engine import (
     ContextLengthError,
     InvalidRequestError,
+    LoRANotFoundError,
     ScoreResult,
     summarize_scores,
 )
@@ -24,6 +25,7 @@ from server.errors import (
     context_length_exceeded,
     context_length_message,
     invalid_request,
+    lora_not_found,
 )
 from server.generation import wait_for_disconnect
 from server.protocol import ScoreRequest
@@ -34,7 +36,8 @@ from server.turn_request import turn_messages
 
 async def create_score(req: ScoreRequest, raw: Request, state: ServerState) -> Response:
     engine = state.require_engine()
-    model = state.check_model(req.model)
+    served = state.resolve_model(req.model)
+    model = served.name
     tokenizer = engine.tokenizer
     limit = state.config.max_score_choices
     if len(req.choices) > limit:
@@ -66,6 +69,7 @@ async def create_score(req: ScoreRequest, raw: Request, state: ServerState) -> R
             inputs.choice_token_ids,
             num_top,
             prompt=req.prompt if isinstance(req.prompt, str) else None,
+            lora=served.lora,
         )
     )
     watcher = asyncio.ensure_future(wait_for_disconnect(raw))
@@ -90,6 +94,8 @@ def _score_error(e: InvalidRequestError) -> APIError:
     """The engine's refusal, naming the score request's own field (prompt or choices)."""
     if isinstance(e, ContextLengthError):
         return context_length_exceeded(context_length_message(e), e.param or "choices")
+    if isinstance(e, LoRANotFoundError):
+        return lora_not_found(e)
     return invalid_request(str(e), e.param)
 
 

@@ -19,10 +19,12 @@ from engine import (
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine.core.lora import parse_lora_modules, read_adapter_spec
 from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
 from server.distributed.config import ROUTERS, RayConfig
 from server.state import ServerConfig
@@ -35,8 +37,11 @@ _TARGETS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "engine": EngineConfig,
+    "lora": LoRAConfig,
     "ray": RayConfig,
 }
+# vLLM's switch for the runtime LoRA routes, read when KVSERVE_ALLOW_RUNTIME_LORA_UPDATING is unset.
+VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def parse_bool(text: str) -> bool:
@@ -114,6 +119,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     is_bool: bool = False
     metavar: str | None = None
+    many: bool = False  # one or more values after the flag; `parse` takes the text or the list
 
     @property
     def dest(self) -> str:
@@ -155,6 +161,24 @@ def _kv_events_config(text: str) -> KVEventsConfig | None:
 def _speculative_config(text: str) -> SpeculativeConfig | None:
     try:
         return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise _OptionError(str(e)) from None
+
+
+def parse_lora_module_list(value: Any) -> tuple[tuple[str, str], ...]:
+    """--lora-modules: `name=path` entries or vLLM's JSON objects ({"name", "path",
+    "base_model_name"}); as one text (environment), a JSON list or entries separated by blanks."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except ValueError as e:
+                raise _OptionError(f"expected a JSON list of LoRA modules ({e})") from None
+        else:
+            value = [text] if text.startswith("{") else text.split()
+    try:
+        return parse_lora_modules(value)
     except ValueError as e:
         raise _OptionError(str(e)) from None
 
@@ -399,6 +423,43 @@ OPTIONS: tuple[Option, ...] = (
         "seconds between engine stats log lines (0 disables)",
     ),
     Option(
+        "lora-modules",
+        "lora.modules",
+        parse_lora_module_list,
+        "LoRA adapters served from start-up, each as name=path (a PEFT folder) or vLLM's JSON "
+        '\'{"name": "sql", "path": "/adapters/sql"}\'; a request selects one by its `model` '
+        "(name, or base:name)",
+        metavar="NAME=PATH",
+        many=True,
+    ),
+    Option(
+        "max-loras",
+        "lora.max_loras",
+        _int,
+        "distinct LoRA adapters one engine step runs (requests for others wait)",
+    ),
+    Option(
+        "max-lora-rank",
+        "lora.max_lora_rank",
+        _int,
+        "largest LoRA rank accepted, at start-up and by /v1/load_lora_adapter",
+    ),
+    Option(
+        "enable-lora",
+        "server.enable_lora",
+        parse_bool,
+        "accepted for vLLM's command lines: LoRA adapters are always available",
+        is_bool=True,
+    ),
+    Option(
+        "allow-runtime-lora-updating",
+        "server.allow_runtime_lora_updating",
+        parse_bool,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter; unset: on when --api-key "
+        "is set (behind it), else off (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING is read too)",
+        is_bool=True,
+    ),
+    Option(
         "replicas",
         "ray.replicas",
         _int,
@@ -480,6 +541,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                 default=argparse.SUPPRESS,
                 help=text,
             )
+        elif opt.many:  # the list is parsed whole by resolve()
+            parser.add_argument(
+                f"--{opt.name}",
+                nargs="+",
+                default=argparse.SUPPRESS,
+                metavar=opt.metavar or opt.dest.upper(),
+                help=text,
+            )
         else:
             parser.add_argument(
                 f"--{opt.name}",
@@ -493,7 +562,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _convert(opt: Option, value: Any, source: str) -> Any:
     try:
-        if isinstance(value, str):
+        if opt.many and value is not None:
+            result = opt.parse(value)
+        elif isinstance(value, str):
             result = opt.parse(value)
         elif value is None:
             result = None
@@ -553,6 +624,10 @@ def resolve(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
     for opt in OPTIONS:
         if opt.env in environ:
             values[opt.dest] = _convert(opt, environ[opt.env], f"environment variable {opt.env}")
+    runtime_lora = OPTIONS_BY_DEST["allow_runtime_lora_updating"]
+    if runtime_lora.env not in environ and environ.get(VLLM_RUNTIME_LORA_ENV):
+        source = f"environment variable {VLLM_RUNTIME_LORA_ENV}"
+        values[runtime_lora.dest] = _convert(runtime_lora, environ[VLLM_RUNTIME_LORA_ENV], source)
     cli = dict(cli)
     if "model_option" in cli:
         flag = cli.pop("model_option")
@@ -560,6 +635,9 @@ def resolve(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
             raise ValueError(f"two models given: {cli['model']!r} and --model {flag!r}")
         cli["model"] = flag
     for key, value in cli.items():
+        given = OPTIONS_BY_DEST.get(key)
+        if given is not None and given.many:
+            value = _convert(given, value, f"--{given.name}")
         if key != "config":
             values[key] = value
     return values
@@ -575,9 +653,20 @@ def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig
         model=ModelConfig(model=values.get("model"), **groups["model"]),
         cache=CacheConfig(**groups["cache"]),
         scheduler=SchedulerConfig(**groups["scheduler"]),
+        lora=LoRAConfig(**groups["lora"]),
         **groups["engine"],
     )
     return engine_config, ServerConfig(**groups["server"])
+
+
+def check_lora_modules(config: LoRAConfig) -> None:
+    """Read each --lora-modules folder's adapter_config.json before the model loads, so a wrong path
+    or rank is a start-up error at once (the engine checks the tensors against the model)."""
+    for name, path in config.modules:
+        try:
+            read_adapter_spec(path, config.max_lora_rank)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}: {e}") from None
 
 
 def build_ray_config(values: Mapping[str, Any]) -> RayConfig:

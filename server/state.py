@@ -9,7 +9,8 @@ from typing import Any
 
 from engine import EngineClient
 from engine.text import ReasoningParser, get_reasoning_parser
-from server.errors import model_not_found, service_unavailable
+from server.errors import service_unavailable
+from server.models_registry import ServedModel, resolve_model
 from server.response_store import ResponseStore
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
@@ -32,6 +33,9 @@ class ServerConfig:
     max_score_choices: int = 64  # choices one /v1/score request may hold
     responses_store_size: int = 1024
     engine_page: bool = True  # serve the live /engine page and its snapshot stream
+    enable_lora: bool = False  # vLLM's --enable-lora, accepted: adapters are always available
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (None: on exactly when api_key is set).
+    allow_runtime_lora_updating: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +54,13 @@ class ServerConfig:
             raise ValueError("chat_template_kwargs must be a JSON object of template variables")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
+
+    @property
+    def runtime_lora_updating(self) -> bool:
+        """Whether adapters may be loaded and unloaded at run time."""
+        if self.allow_runtime_lora_updating is not None:
+            return self.allow_runtime_lora_updating
+        return self.api_key is not None
 
 
 class ServerState:
@@ -90,9 +101,11 @@ class ServerState:
             return self.config.served_model_name
         return self.engine.model_name if self.engine is not None else "kvserve"
 
+    def resolve_model(self, requested: str | None) -> ServedModel:
+        """What a request's `model` runs on: the base model (its id, or None) or a LoRA adapter
+        (its name, or "<base>:<name>"); an unknown name is a 404 listing what is served."""
+        return resolve_model(requested, self.model_name, self.engine)
+
     def check_model(self, requested: str | None) -> str:
-        """The served name for a request's `model` (None means the one served model)."""
-        name = self.model_name
-        if requested is not None and requested != name:
-            raise model_not_found(requested)
-        return name
+        """The served name for a request's `model` (None means the base model)."""
+        return self.resolve_model(requested).name

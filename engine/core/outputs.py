@@ -74,6 +74,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
     fault: InvalidRequestError | None = None  # set when that failure is the request's own fault
+    lora: str | None = None  # the LoRA adapter it ran on (None: the base model)
 
     @property
     def error_param(self) -> str | None:

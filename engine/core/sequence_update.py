@@ -175,4 +175,5 @@ def finished_stats(group: RequestGroup, now: float) -> FinishedRequestStats:
         m.first_token_time,
         now,
         kind=group.kind,
+        lora=group.lora_name,
     )

@@ -24,6 +24,7 @@ class FinishedRequestStats:
     first_token_time: float | None
     finished_time: float
     kind: RequestKind = "generate"
+    lora: str | None = None  # the LoRA adapter it ran on (None: the base model)
 
 
 @dataclass

@@ -217,7 +217,16 @@ class EmbeddingEngine:
             outputs.append(EmbeddingOutput(r.request_id, vector.tolist(), len(r.token_ids)))
             stats.finished.append(
                 FinishedRequestStats(
-                    r.request_id, "stop", len(r.token_ids), 0, 0, r.arrival_time, t0, now, now
+                    r.request_id,
+                    "stop",
+                    len(r.token_ids),
+                    0,
+                    0,
+                    r.arrival_time,
+                    t0,
+                    now,
+                    now,
+                    lora=r.lora_name,
                 )
             )
         self.totals.num_steps += 1

@@ -2,7 +2,9 @@
 driven in-process) and `KvserveIngress` (reads an HTTP request, hands it to a replica through a
 deployment handle whose request router picks the replica, and streams the replica's answer back).
 A replica's own /metrics, /health and stats are also served on a port of its node, listed by the
-ingress at GET /v1/internal/replicas and as Prometheus HTTP service discovery at /v1/internal/sd."""
+ingress at GET /v1/internal/replicas and as Prometheus HTTP service discovery at /v1/internal/sd.
+A runtime LoRA load or unload goes to every replica's own port (server/distributed/lora_broadcast.py),
+and the directory keeps the loaded ones, so a replica Ray starts later loads them too."""
 
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.distributed.asgi_call import ForwardRequest, ResponseStart, call_asgi
+from server.distributed.lora_broadcast import (
+    LOAD_PATH,
+    LORA_UPDATE_PATHS,
+    ReplicaAnswer,
+    broadcast_lora_update,
+)
 from server.distributed.prefix_index import routing_text
 from server.distributed.replica_events import events_info, with_replica_events
 from server.distributed.routing_tokens import RoutingTokenizer
@@ -37,6 +45,7 @@ class ReplicaDirectory:
 
     def __init__(self) -> None:
         self.replicas: dict[str, dict[str, Any]] = {}
+        self.loras: dict[str, str] = {}  # LoRA adapters loaded at run time: name -> path
 
     def register(self, replica_id: str, info: dict[str, Any]) -> None:
         self.replicas[replica_id] = info
@@ -46,6 +55,16 @@ class ReplicaDirectory:
 
     def list(self) -> dict[str, dict[str, Any]]:
         return dict(self.replicas)
+
+    def set_lora(self, name: str, path: str | None) -> None:
+        """Record a runtime load (path) or unload (None) that every replica did."""
+        if path is None:
+            self.loras.pop(name, None)
+        else:
+            self.loras[name] = path
+
+    def runtime_loras(self) -> dict[str, str]:
+        return dict(self.loras)
 
 
 def directory() -> Any:
@@ -73,6 +92,7 @@ class KvserveReplica:
         engine = await asyncio.to_thread(AsyncLLMEngine.from_config, engine_config)
         await engine.start()
         self.app.state.server.engine = engine
+        await self._load_runtime_loras(engine)
         # The same app on a port of this node, for Prometheus and per-replica probes.
         uv = uvicorn.Config(self.app, host="0.0.0.0", port=0, log_config=None, lifespan="off")
         sock = uv.bind_socket()
@@ -88,6 +108,19 @@ class KvserveReplica:
             "kv_events": events_info(engine.snapshot().kv_events, node_ip),
         }
         await directory().register.remote(self.replica_id, self.info)
+
+    async def _load_runtime_loras(self, engine: Any) -> None:
+        """The adapters loaded at run time before this replica started (a restart, a scale-up)."""
+        loaded = {info.name for info in engine.loras()}
+        for name, path in (await directory().runtime_loras.remote()).items():
+            if name in loaded:
+                continue
+            try:
+                await engine.load_lora(name, path)
+            except Exception as e:  # noqa: BLE001 - it serves the rest; the log says which
+                logger.error(
+                    "replica %s: cannot load LoRA adapter %r: %s", self.replica_id, name, e
+                )
 
     async def forward(self, request: ForwardRequest) -> AsyncIterator[ResponseStart | bytes]:
         async for item in call_asgi(self.app, request):
@@ -166,6 +199,8 @@ class KvserveIngress:
                     )
                 )
         client = (request.client.host, request.client.port) if request.client else None
+        if path in LORA_UPDATE_PATHS and request.method == "POST":
+            return await self._broadcast(request, bytes(body))
         tokens = None
         if self.tokenizer is not None:
             tokens = await asyncio.to_thread(self.tokenizer.tokens, path, bytes(body))
@@ -204,6 +239,29 @@ class KvserveIngress:
             )
         headers.pop("content-length", None)
         return StreamingResponse(_sse(stream), status_code=start.status, headers=headers)
+
+    async def _broadcast(self, request: Request, body: bytes) -> Response:
+        """A LoRA load or unload to every live replica's own port (one answer, see lora_broadcast)."""
+        import httpx
+
+        urls = {r["replica_id"]: r["url"] for r in await self._replicas()}
+        headers = {k: v for k, v in request.headers.items() if k not in ("host", "content-length")}
+        forward = ForwardRequest(request.method, request.url.path, b"", [], body)
+
+        async def send(replica_id: str, req: ForwardRequest) -> ReplicaAnswer:
+            async with httpx.AsyncClient(timeout=600.0) as client:
+                r = await client.post(
+                    urls[replica_id] + req.path, content=req.body, headers=headers
+                )
+            kind = r.headers.get("content-type", "application/json")
+            return ReplicaAnswer(replica_id, r.status_code, r.content, kind)
+
+        answer = await broadcast_lora_update(forward, list(urls), send)
+        if answer.ok:
+            fields = json.loads(body)
+            path = fields.get("lora_path") if request.url.path == LOAD_PATH else None
+            await directory().set_lora.remote(fields["lora_name"], path)
+        return Response(answer.body, answer.status, media_type=answer.content_type)
 
     def _authorized(self, request: Request) -> bool:
         return self.api_key is None or key_ok(request.headers, self.api_key)

@@ -213,6 +213,62 @@ def test_a_replicas_429_reaches_the_client_with_retry_after(ray_server, client) 
         assert r.json()["error"]["type"]
 
 
+def replica_models(replica: dict) -> list[str]:
+    models = httpx.get(replica["url"] + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+    return [m["id"] for m in models]
+
+
+def test_a_lora_load_or_unload_reaches_every_replica(
+    ray_server, client, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    import openai
+
+    pytest.importorskip("peft")
+    from tests.model.lora_adapters import make_adapter
+
+    model = model_id(client)
+    adapter = str(make_adapter(tiny_llama_dir, tmp_path / "sql", rank=4, seed=1))
+    found = wait_replicas(ray_server, 2)
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(ray_server.url + path, json=body, headers=AUTH, timeout=120)
+
+    r = post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": adapter})
+    assert r.status_code == 200 and "added successfully" in r.text, r.text
+    assert all(replica_models(rep) == [model, "sql"] for rep in found)
+    for i in range(4):  # whichever replica the router picks serves it
+        out = client.completions.create(model="sql", prompt=f"query {i} " * 8, max_tokens=3)
+        assert out.model == "sql"
+    bad = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/folder"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    # One replica already serves "solo": the other's load is undone, and the answer says which.
+    solo = {"lora_name": "solo", "lora_path": adapter}
+    direct = httpx.post(found[0]["url"] + "/v1/load_lora_adapter", json=solo, headers=AUTH)
+    assert direct.status_code == 200
+    r = post("/v1/load_lora_adapter", solo)
+    assert r.status_code == 400 and found[0]["replica_id"] in r.json()["error"]["message"]
+    assert [replica_models(rep) for rep in found] == [[model, "sql", "solo"], [model, "sql"]]
+    assert post("/v1/unload_lora_adapter", {"lora_name": "solo"}).status_code == 200
+    # A replica Ray starts later (here: after a crash) loads the adapters loaded at run time.
+    victim = found[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        found = replicas(ray_server)
+        restored = len(found) == 2 and victim not in {rep["pid"] for rep in found}
+        if restored and all(replica_models(rep) == [model, "sql"] for rep in found):
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"no restored replica serving the adapter: {replicas(ray_server)}")
+    r = post("/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert r.status_code == 200 and "removed successfully" in r.text
+    assert all(replica_models(rep) == [model] for rep in found)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql", prompt="x", max_tokens=1)
+    assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
+
+
 def test_killed_replica_fails_its_requests_and_ray_restores_it(ray_server, client) -> None:
     model = model_id(client)
     found = wait_replicas(ray_server, 2)

@@ -58,6 +58,8 @@ OPERATIONS = [
     ("POST", "/v1/score"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
 ]
 
 

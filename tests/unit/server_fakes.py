@@ -199,6 +199,7 @@ class FakeEngine(FakeClientBase):
         choices: list[list[int]],
         num_top_logprobs: int = 0,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> RequestOutput:
         """Token t scores -t/100; it is the most likely one when even."""
         outs = [
@@ -219,6 +220,7 @@ class FakeEngine(FakeClientBase):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         self.validate(prompt_token_ids, params)
         if self.queue_full:
@@ -322,6 +324,8 @@ class FakeEmbeddingClient(FakeClientBase):
         check_input_length(len(prompt_token_ids), self.max_model_len, "input")
         return 0
 
-    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+    async def embed(
+        self, request_id: str, prompt_token_ids: list[int], lora: str | None = None
+    ) -> EmbeddingOutput:
         self.validate(prompt_token_ids, None)
         return EmbeddingOutput(request_id, [1.0, 0.0], len(prompt_token_ids))

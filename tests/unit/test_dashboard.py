@@ -34,6 +34,8 @@ COUNTERS_AND_GAUGES = {
     "kvserve_spec_decode_num_draft_tokens_total",
     "kvserve_spec_decode_num_accepted_tokens_total",
     "kvserve_spec_decode_num_accepted_tokens_per_pos_total",
+    "kvserve_lora_requests_total",
+    "kvserve_lora_requests_info",
 }
 HISTOGRAMS = {
     "kvserve_time_to_first_token_seconds",

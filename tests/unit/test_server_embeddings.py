@@ -54,7 +54,9 @@ class FakeEmbeddingEngine(FakeEmbeddingClient):
         self.delay = 0.01
         self.refuse_token: int | None = None  # inputs holding this token id get QueueFullError
 
-    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+    async def embed(
+        self, request_id: str, prompt_token_ids: list[int], lora: str | None = None
+    ) -> EmbeddingOutput:
         self.validate(prompt_token_ids, None)
         if self.refuse_token in prompt_token_ids:
             raise QueueFullError("queue is full", retry_after=2.0)

@@ -192,10 +192,10 @@
     }
     const rows = snap.requests.slice().sort((a, b) => (a[1] === "running" ? 0 : 1) - (b[1] === "running" ? 0 : 1) || b[7] - a[7]);
     const html = rows.slice(0, MAX_ROWS).map((r) => {
-      const [id, state, n, prompt, computed, cached, out, age] = r;
+      const [id, state, n, prompt, computed, cached, out, age, lora] = r;
       const done = Math.min(computed, prompt), pct = prompt ? (100 * done) / prompt : 100;
       return `<tr data-request="${esc(id)}" class="${page.pinned === id ? "hl" : ""}"><td>${esc(id)}${n > 1 ? ` ×${n}` : ""}</td>` +
-        `<td class="state-${state}">${state}</td><td><span class="prog"><i style="width:${pct}%"></i></span>${done}/${prompt}</td>` +
+        `<td class="state-${state}">${state}</td><td>${lora == null ? "base" : esc(lora)}</td><td><span class="prog"><i style="width:${pct}%"></i></span>${done}/${prompt}</td>` +
         `<td>${cached}</td><td>${out}</td><td>${blocksOf.get(id) || 0}</td><td>${fmt(age)}</td></tr>`;
     });
     $("requests").tBodies[0].innerHTML = html.join("");
