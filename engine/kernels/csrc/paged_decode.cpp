@@ -77,26 +77,6 @@ KV_TARGETS void axpy_group(const float* p, const T* v, int64_t group, int64_t d,
 // together), a vectorized softmax, then P.V with the group's query heads sharing each V load. The
 // arithmetic depends only on the sequence (its length and values), never on the batch.
 
-// out[a, :] = sum_t p[a, t] v[t, :] for GN heads (p rows `len` apart), 32 values of d per pass.
-template <int GN>
-KV_AVX2 void pv_pass(const float* p, const float* const* vp, int64_t len, int64_t d, float* out) {
-  for (int64_t i0 = 0; i0 < d; i0 += 32) {
-    __m256 acc[GN][4];
-    for (int a = 0; a < GN; ++a)
-      for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      __m256 v[4];
-      for (int b = 0; b < 4; ++b) v[b] = _mm256_loadu_ps(vp[t] + i0 + 8 * b);
-      for (int a = 0; a < GN; ++a) {
-        const __m256 w = _mm256_broadcast_ss(p + a * len + t);
-        for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
-      }
-    }
-    for (int a = 0; a < GN; ++a)
-      for (int b = 0; b < 4; ++b) _mm256_storeu_ps(out + a * d + i0 + 8 * b, acc[a][b]);
-  }
-}
-
 // qf [group, d] pre-scaled; kp/vp: per context token, its K/V row; out [group, d]; d % 32 == 0.
 KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const float* const* vp,
                               int64_t len, int64_t group, int64_t d, float softcap, float* scores,
