@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 from engine.core.block_pool import ROOT_NODE, BlockPool
 from engine.core.kv_cache_groups import first_needed_block
-from engine.core.request import Sequence
+from engine.core.request import Sequence, SequenceStatus
 
 Tier = Literal["memory", "disk"]
 TIER_BLOCK = -2  # in a prefix lookup's per-group block list: not in the pool, loadable from a tier
@@ -225,20 +225,25 @@ class KVTiers:
         return hit, loads
 
     def adopted(self, seq: Sequence, loads: list[TierLoad], block_ids: list[int]) -> None:
-        """A hit was taken: queue its loads into the fresh `block_ids`, credit the tiers."""
+        """A hit was taken: queue its loads into the fresh `block_ids`, credit the tiers. The
+        request's cost-sheet counts are a part of its `num_cached_tokens`, which is its leader's first
+        admission: a resumed (preempted) sequence or a follower adds to the totals only."""
         positions: dict[int, Tier] = {}
         for (_, i, key, tier), block_id in zip(loads, block_ids, strict=True):
             self.pending.loads.append((block_id, key))
             if positions.get(i) != "disk":
                 positions[i] = tier
         stats, metrics = self.stats, seq.group.metrics
+        reported = seq.index == 0 and seq.status is SequenceStatus.WAITING
         for tier in positions.values():
             if tier == "disk":
                 stats.disk_hit_tokens += self.block_size
-                metrics.num_disk_tier_tokens += self.block_size
+                if reported:
+                    metrics.num_disk_tier_tokens += self.block_size
             else:
                 stats.memory_hit_tokens += self.block_size
-                metrics.num_memory_tier_tokens += self.block_size
+                if reported:
+                    metrics.num_memory_tier_tokens += self.block_size
         for _, _, _, tier in loads:
             if tier == "disk":
                 stats.disk_hits += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_offload import KVOffloadStats, KVTiers, PrefixKeys, Tier, TierKey
+from engine.core.request import SequenceStatus
 from engine.executor.kv_disk_tier import decode_entry, encode_entry
 from tests.unit.test_kv_cache_manager import compute, make_seq
 
@@ -163,3 +164,26 @@ def test_a_disk_tier_that_cannot_start_or_fills_up_turns_off_with_one_warning(
     assert not disk.enabled and not any(disk.contains(k) for k in keys)
     assert disk.read(keys[0]) is None
     disk.close()
+
+
+def test_tier_tokens_count_only_for_the_admission_whose_cached_tokens_are_reported():
+    kv, store = tiered(16)
+    tokens = list(range(21))  # 5 full blocks reusable
+    keys = PrefixKeys(None, tokens, BS)
+    store.keys.update(keys.key(i, 0) for i in range(2))
+    seq = make_seq(tokens, "first")
+    hit = kv.find_cached_prefix(seq)
+    assert hit is not None and hit.num_blocks == 2
+    assert kv.allocate_slots(seq, len(tokens) - 8, hit)
+    assert seq.group.metrics.num_memory_tier_tokens == 8
+    kv.free(seq)  # preempted; by its resumption the tiers hold all of its prefix
+    seq.status = SequenceStatus.PREEMPTED
+    seq.num_computed_tokens = 0
+    store.keys.update(keys.key(i, 0) for i in range(5))
+    fresh = KVCacheManager(16, BS)  # an empty pool over the same tiers: every block is a load
+    fresh.tiers = kv.tiers
+    hit = fresh.find_cached_prefix(seq)
+    assert hit is not None and hit.num_blocks == 5 and len(hit.loads) == 5
+    assert fresh.allocate_slots(seq, 1, hit)
+    assert seq.group.metrics.num_memory_tier_tokens == 8  # the resumed admission: not reported
+    assert store.stats.memory_hit_tokens == 8 + 20  # the totals count every token loaded
