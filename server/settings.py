@@ -136,7 +136,17 @@ class Option:
 
 
 def _int(text: str) -> int:
-    return int(text.replace("_", ""))
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
 
 
 def _optional_int(text: str) -> int | None:
@@ -220,7 +230,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "shutdown-timeout",
         "server.shutdown_timeout",
-        float,
+        _float,
         "seconds running requests may take to finish after SIGTERM/Ctrl-C",
     ),
     Option("log-level", "server.log_level", str.lower, "logging level", choices=LOG_LEVELS),
@@ -383,7 +393,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "target-step-ms",
         "scheduler.target_step_ms",
-        float,
+        _float,
         "CPU: the step time prefill chunks aim at while streams decode, so they keep getting "
         "tokens (0, the default: --max-num-batched-tokens every step)",
     ),
@@ -419,7 +429,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "log-stats-interval",
         "engine.log_stats_interval",
-        float,
+        _float,
         "seconds between engine stats log lines (0 disables)",
     ),
     Option(
@@ -488,7 +498,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "target-ongoing-requests",
         "ray.target_ongoing_requests",
-        float,
+        _float,
         "autoscaling target of in-flight requests per replica",
     ),
     Option(
@@ -552,12 +562,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(
                 f"--{opt.name}",
-                type=opt.parse,
+                type=_argparse_type(opt.parse),
                 choices=opt.choices,
                 default=argparse.SUPPRESS,
                 metavar=opt.metavar or opt.dest.upper(),
                 help=text,
             )
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for argparse: a bad value's message as the environment and config file give it,
+    not argparse's "invalid <function name> value"."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
 def _convert(opt: Option, value: Any, source: str) -> Any:

@@ -148,3 +148,24 @@ def test_target_step_ms_is_off_by_default_and_set_by_flag_or_env() -> None:
     assert engine.scheduler.target_step_ms == 350
     with pytest.raises(ValueError, match="target_step_ms"):
         build_configs(resolve(_cli(["--target-step-ms", "-5"]), {}))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-offload-memory", "abc"], "expected a size such as 512MiB or 4GB, got 'abc'"),
+        (["--kv-offload-memory", "-5"], "expected a size such as 512MiB or 4GB, got '-5'"),
+        (["--kv-offload-disk=-1GiB"], "expected a size such as 512MiB or 4GB, got '-1GiB'"),
+        (["--max-request-body-bytes", "abc"], "expected a size such as 512MiB or 4GB, got 'abc'"),
+        (["--max-num-seqs", "many"], "expected an integer, got 'many'"),
+        (["--max-model-len", "x"], "expected an integer, got 'x'"),
+    ],
+)
+def test_bad_cli_values_say_what_was_expected_not_a_function_name(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    err = capsys.readouterr().err
+    assert message in err
+    assert "invalid" not in err.splitlines()[-1]  # no "invalid _optional_size value"
