@@ -40,8 +40,10 @@ class KVEventsConfig:
             raise ValueError(f"kv events publisher must be one of {', '.join(PUBLISHERS)}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv events config: {name} must be a positive integer")
+            low = 0 if name == "hwm" else 1  # ZMQ's high-water mark 0 means no limit
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "a non-negative" if low == 0 else "a positive"
+                raise ValueError(f"kv events config: {name} must be {kind} integer")
         for name in ("endpoint", "topic"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"kv events config: {name} must be a string")

@@ -122,11 +122,13 @@ def test_kv_events_config_parses_vllms_json_and_refuses_bad_fields() -> None:
     assert engine_config.kv_events_config == config
     env = {"KVSERVE_KV_EVENTS_CONFIG": '{"enable_kv_cache_events": true}'}
     assert build_configs(resolve({}, environ=env))[0].kv_events_config.enabled
+    assert KVEventsConfig.parse('{"hwm": 0}').hwm == 0  # ZMQ's (and vLLM's) "no limit"
     for bad, match in (
         ("{not json", "not valid JSON"),
         ('{"endpoint": "tcp://*:1", "colour": 1}', "unknown key"),
         ('{"publisher": "kafka"}', "publisher"),
         ('{"buffer_steps": 0}', "buffer_steps"),
+        ('{"hwm": -1}', "hwm must be a non-negative integer"),
         ('{"enable_kv_cache_events": "yes"}', "enable_kv_cache_events"),
         ("[1, 2]", "JSON object"),
     ):
