@@ -15,6 +15,7 @@ from collections import deque
 import msgpack
 import zmq
 
+from engine.core.errors import StartupError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_event_recorder import KVEventRecorder
 from engine.core.kv_events import KVEventBatch, KVEventsConfig, KVEventsState
@@ -62,7 +63,7 @@ class ZmqEventPublisher:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise ValueError(f"kv events: cannot open {self._opening}: {self._error}")
+            raise StartupError(f"kv events: cannot open {self._opening}: {self._error}")
         logger.info(
             "publishing KV events on %s (replay: %s, topic %r)",
             self.endpoint,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from engine import LoRAError
+from engine.core.errors import StartupError
 from server.logging_setup import configure_logging
 from server.models_registry import check_adapter_names
 from server.settings import (
@@ -180,8 +181,11 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             check_adapter_names(engine, server_config.served_model_name or engine.model_name)
             await engine.start()
         except Exception as e:  # noqa: BLE001 - one clear line, then exit 1
-            what = "a LoRA adapter (--lora-modules)" if isinstance(e, LoRAError) else "the model"
-            logger.error("could not load %s: %s", what, e)
+            if isinstance(e, StartupError):  # the message names the part (kv events, draft, tiers)
+                logger.error("could not start: %s", e)
+            else:
+                what = "a LoRA adapter (--lora-modules)" if isinstance(e, LoRAError) else "the model"
+                logger.error("could not load %s: %s", what, e)
             logger.debug("traceback", exc_info=True)
             exit_code = 1
             server.should_exit = True

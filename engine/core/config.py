@@ -76,6 +76,10 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be a size of at least 0 bytes")
+        if self.kv_offload_disk is not None and self.kv_offload_dir is None:
+            raise ValueError(
+                "kv_offload_disk sizes a disk tier, which needs a directory (kv_offload_dir)"
+            )
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise ValueError(
                 "KV offload tiers keep evicted prefix blocks: they need prefix caching"

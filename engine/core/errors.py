@@ -96,6 +96,11 @@ class LoRANotFoundError(InvalidRequestError):
         self.served = served
 
 
+class StartupError(ValueError):
+    """A part of the engine other than the model itself cannot start (the KV events socket, the
+    speculative draft model, the KV offload tiers); the message names the part."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop died; no further requests can be served."""
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine.core.errors import StartupError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Sequence, SequenceStatus
 from engine.core.scheduler import ScheduledSeq
@@ -57,10 +58,21 @@ def check_same_vocab(target: Any, draft: Any) -> None:
     ours, theirs = target.hf.get_vocab(), draft.hf.get_vocab()
     if ours != theirs:
         only = len(set(theirs.items()) - set(ours.items()))
-        raise ValueError(
+        raise StartupError(
             f"speculative config: the draft model's tokenizer differs from the target's "
             f"({len(theirs)} vs {len(ours)} tokens, {only} ids map differently); a draft model "
             f"must share the target's tokenizer"
+        )
+
+
+def check_embedding_rows(target: Any, draft: Any) -> None:
+    """Every token id the target emits (its vocab) must index the draft's embedding; rows past the
+    target's vocab (a larger padded vocab) are fine: the draft's logits there are never proposed."""
+    if draft.vocab_size < target.vocab_size:
+        raise StartupError(
+            f"speculative config: the draft model's embedding has {draft.vocab_size} rows, fewer "
+            f"than the target's vocabulary of {target.vocab_size} tokens: the target's tokens "
+            f"past {draft.vocab_size - 1} cannot be fed to the draft"
         )
 
 
@@ -294,23 +306,30 @@ def build_drafter(
             )
     else:
         assert config.model is not None
-        path = resolve_model(config.model, model_config.cache_dir)
+        try:
+            path = resolve_model(config.model, model_config.cache_dir)
+        except ValueError as e:
+            raise StartupError(f"speculative draft {e}") from e  # "... model '/x' not found"
         try:
             draft_tokenizer = Tokenizer.from_pretrained(path)
         except Exception as e:
-            raise ValueError(
+            raise StartupError(
                 f"speculative config: cannot load the draft model's tokenizer: {e}"
             ) from e
         check_same_vocab(tokenizer, draft_tokenizer)
-        loaded = load_model(
-            path, model_config.dtype, model_config.device, model_config.quantization
-        )
+        try:
+            loaded = load_model(
+                path, model_config.dtype, model_config.device, model_config.quantization
+            )
+        except ValueError as e:
+            raise StartupError(f"speculative draft model {config.model!r}: {e}") from e
+        check_embedding_rows(target, loaded.model)
         quant = loaded.weight_format.quantization if loaded.weight_format else None
         prepare_model(loaded.model, model_config, quant, loaded.gguf_file)
         loaded.model.limit_context(max_model_len)
         model, dtype = loaded.model, loaded.dtype
         if loaded.max_model_len < max_model_len:
-            raise ValueError(
+            raise StartupError(
                 f"speculative config: the draft model serves {loaded.max_model_len} tokens, "
                 f"fewer than the target's max_model_len {max_model_len}"
             )

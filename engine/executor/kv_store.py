@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.core.config import CacheConfig
+from engine.core.errors import StartupError
 from engine.core.kv_cache_groups import KVCacheSpec
 from engine.core.kv_offload import KVOffloadStats, Tier, TierKey
 from engine.executor.kv_disk_tier import DiskTier
@@ -178,25 +181,77 @@ def open_kv_store(
     dtype: torch.dtype,
     device: torch.device,
 ) -> TieredKVStore | None:
-    """The store the cache config asks for (None: no tiers)."""
+    """The store the cache config asks for (None: no tiers). Sizes that cannot work (a tier smaller
+    than one block, host memory past what the machine has free) and a directory that cannot be used raise StartupError."""
     if not cache.kv_offload_memory and cache.kv_offload_dir is None:
         return None
     stats = KVOffloadStats()
     shapes: dict[int, tuple[int, ...]] = {
         g: (len(group.layers), 2, block_size, *head_shape) for g, group in enumerate(spec.groups)
     }
+    block_bytes = max(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
+    memory = cache.kv_offload_memory or 0
+    if memory:
+        _check_holds_a_block("host-memory", memory, block_bytes)
+        available = available_memory()
+        if available is not None and memory > available:
+            raise StartupError(
+                f"KV offload: the host-memory tier ({_size(memory)}) is larger than the memory "
+                f"available on this machine ({_size(available)})"
+            )
     disk = None
     if cache.kv_offload_dir is not None:
         capacity = (
             cache.kv_offload_disk if cache.kv_offload_disk is not None else DEFAULT_DISK_BYTES
         )
-        disk = DiskTier(Path(cache.kv_offload_dir), capacity, fingerprint, stats, shapes, dtype)
-    store = TieredKVStore(
-        cache.kv_offload_memory or 0, disk, stats, pin_memory=device.type == "cuda"
-    )
+        _check_holds_a_block("disk", capacity, block_bytes)
+        directory = Path(cache.kv_offload_dir)
+        check_directory(directory)
+        disk = DiskTier(directory, capacity, fingerprint, stats, shapes, dtype)
+    store = TieredKVStore(memory, disk, stats, pin_memory=device.type == "cuda")
+    on_disk = disk is not None and disk.enabled
     logger.info(
         "KV offload tiers: host memory %.0f MiB%s",
         store.host.capacity / (1 << 20),
-        f", disk {disk.capacity / (1 << 30):.1f} GiB in {disk.root}" if disk is not None else "",
+        f", disk {disk.capacity / (1 << 30):.1f} GiB in {disk.root}" if on_disk else ", no disk",
     )
     return store
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} bytes"
+
+
+def _check_holds_a_block(tier: str, capacity: int, block_bytes: int) -> None:
+    if capacity < block_bytes:
+        raise StartupError(
+            f"KV offload: the {tier} tier ({capacity} bytes) cannot hold one KV block "
+            f"({block_bytes} bytes, {_size(block_bytes)})"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the machine can still give (Linux's MemAvailable; None where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_directory(directory: Path) -> None:
+    """The disk tier's directory exists or can be made, and takes a file (else StartupError)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if directory.exists() and not directory.is_dir():
+            reason = "not a directory"
+        raise StartupError(f"KV offload: cannot use {directory} as the disk tier: {reason}") from e

@@ -187,3 +187,46 @@ def test_tier_tokens_count_only_for_the_admission_whose_cached_tokens_are_report
     assert fresh.allocate_slots(seq, 1, hit)
     assert seq.group.metrics.num_memory_tier_tokens == 8  # the resumed admission: not reported
     assert store.stats.memory_hit_tokens == 8 + 20  # the totals count every token loaded
+
+
+def _open(tmp_path, **cache_options):
+    import torch
+
+    from engine.core.config import CacheConfig
+    from engine.core.kv_cache_groups import KVCacheGroup, KVCacheSpec
+    from engine.executor.kv_store import open_kv_store
+
+    spec = KVCacheSpec((KVCacheGroup(None, (0, 1)),), 2)
+    cache = CacheConfig(block_size=BS, **cache_options)
+    # one block: 2 layers x K,V x 4 tokens x 2 heads x 8 dims x 4 bytes = 1024 bytes
+    return open_kv_store(cache, b"f" * 16, spec, BS, (2, 8), torch.float32, torch.device("cpu"))
+
+
+def test_tier_sizes_and_directories_that_cannot_work_are_start_up_errors(tmp_path):
+    import pytest
+
+    from engine.core.errors import StartupError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for options, message in (
+        ({"kv_offload_dir": str(blocker)}, "cannot use .*a-file as the disk tier"),
+        ({"kv_offload_dir": str(blocker / "kv")}, "cannot use .*a-file/kv as the disk tier"),
+        (
+            {"kv_offload_memory": 1000},
+            r"host-memory tier \(1000 bytes\) cannot hold one KV block "
+            r"\(1024 bytes",
+        ),
+        (
+            {"kv_offload_dir": str(tmp_path / "d"), "kv_offload_disk": 0},
+            "disk tier .* one KV block",
+        ),
+        ({"kv_offload_memory": 100 << 40}, "larger than the memory available"),
+    ):
+        with pytest.raises(StartupError, match=message):
+            _open(tmp_path, **options)
+    with pytest.raises(ValueError, match="needs a directory"):
+        _open(tmp_path, kv_offload_disk=1 << 30)
+    store = _open(tmp_path, kv_offload_memory=1024, kv_offload_dir=str(tmp_path / "ok"))
+    assert store is not None and store.disk is not None and store.disk.enabled
+    store.disk.close()
