@@ -174,6 +174,21 @@ def test_a_draft_with_another_tokenizer_is_a_clear_start_up_error(target_dir, tm
         LLM(str(target_dir), speculative_config={"model": str(other), "num_speculative_tokens": 3})
 
 
+def test_a_draft_whose_embedding_misses_target_tokens_or_that_is_absent_fails_at_start_up(
+    target_dir, smollm2_dir, tmp_path
+):
+    from engine.core.errors import StartupError
+
+    vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    small = save_tiny_checkpoint(_llama(vocab - 64, 2, 64), tmp_path / "small", smollm2_dir)
+    spec = {"model": str(small), "num_speculative_tokens": 3}
+    with pytest.raises(StartupError, match=f"{vocab - 64} rows, fewer than the target's .*{vocab}"):
+        LLM(str(target_dir), speculative_config=spec)
+    spec = {"model": str(tmp_path / "nonexistent"), "num_speculative_tokens": 3}
+    with pytest.raises(StartupError, match="speculative draft model '.*nonexistent' not found"):
+        LLM(str(target_dir), speculative_config=spec)
+
+
 def test_layer_skip_drafts_are_the_truncated_models_greedy_tokens(target_dir, monkeypatch):
     """The layer-skip draft is the target's first N layers, then its final norm and LM head, over
     the target's KV of those layers: its drafts are what transformers' model cut to those layers

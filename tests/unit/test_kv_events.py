@@ -326,6 +326,7 @@ def test_the_engine_page_and_metrics_show_the_publisher() -> None:
 
 
 def test_a_publisher_that_cannot_open_its_endpoint_names_it() -> None:
+    from engine.core.errors import StartupError
     from engine.kv_event_publisher import ZmqEventPublisher
 
     first = ZmqEventPublisher(
@@ -333,7 +334,7 @@ def test_a_publisher_that_cannot_open_its_endpoint_names_it() -> None:
     )
     try:
         taken = first.endpoint.replace("127.0.0.1", "*")
-        with pytest.raises(ValueError, match="cannot open tcp://"):
+        with pytest.raises(StartupError, match="^kv events: cannot open tcp://"):
             ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=taken), BS, "0")
         bad_replay = KVEventsConfig(
             enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", replay_endpoint="nowhere"
