@@ -184,7 +184,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             if isinstance(e, StartupError):  # the message names the part (kv events, draft, tiers)
                 logger.error("could not start: %s", e)
             else:
-                what = "a LoRA adapter (--lora-modules)" if isinstance(e, LoRAError) else "the model"
+                what = (
+                    "a LoRA adapter (--lora-modules)" if isinstance(e, LoRAError) else "the model"
+                )
                 logger.error("could not load %s: %s", what, e)
             logger.debug("traceback", exc_info=True)
             exit_code = 1

@@ -209,12 +209,10 @@ def open_kv_store(
         check_directory(directory)
         disk = DiskTier(directory, capacity, fingerprint, stats, shapes, dtype)
     store = TieredKVStore(memory, disk, stats, pin_memory=device.type == "cuda")
-    on_disk = disk is not None and disk.enabled
-    logger.info(
-        "KV offload tiers: host memory %.0f MiB%s",
-        store.host.capacity / (1 << 20),
-        f", disk {disk.capacity / (1 << 30):.1f} GiB in {disk.root}" if on_disk else ", no disk",
-    )
+    where = ", no disk"  # the line never claims a disk tier that is off
+    if disk is not None and disk.enabled:
+        where = f", disk {disk.capacity / (1 << 30):.1f} GiB in {disk.root}"
+    logger.info("KV offload tiers: host memory %.0f MiB%s", store.host.capacity / (1 << 20), where)
     return store
 
 
