@@ -44,7 +44,7 @@ class KVOffloadCollector:
             "(the host tier's misses include the disk tier's hits).",
             labels=["tier"],
         )
-        misses.add_metric(["memory"], t.misses + t.disk_hits)
+        misses.add_metric(["memory"], t.misses + t.disk_hits if t.memory_capacity else 0)
         misses.add_metric(["disk"], t.misses)
         yield misses
         moved = CounterMetricFamily(

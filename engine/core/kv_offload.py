@@ -130,6 +130,10 @@ class TierStore(Protocol):
         """Mark the entry most recently used (its block left the pool again, unchanged)."""
         ...
 
+    def accepts(self) -> bool:
+        """Whether a tier takes new entries (False: no host tier and the disk tier is off)."""
+        ...
+
 
 @dataclass
 class KVTransfers:
@@ -162,6 +166,8 @@ class KVTiers:
 
     def on_evict(self, pool: BlockPool, group: int, node: int, block_id: int) -> None:
         """A cached block leaves the pool (before it is overwritten): queue its save."""
+        if not self.store.accepts():
+            return  # nothing would keep the copy
         key = key_of_node(pool, group, node)
         if self.store.contains(key):
             self.store.touch(key)

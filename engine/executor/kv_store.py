@@ -120,7 +120,12 @@ class TieredKVStore:
     def take(self, key: TierKey) -> Entry:
         return self.staged[key]
 
+    def accepts(self) -> bool:
+        return self.host.capacity > 0 or (self.disk is not None and self.disk.enabled)
+
     def put(self, key: TierKey, entry: Entry) -> None:
+        if not self.accepts():
+            return  # the disk tier turned off since the save was queued
         self.stats.saved_blocks += 1
         self.stats.saved_bytes += entry.nbytes
         self.host.put(key, entry)

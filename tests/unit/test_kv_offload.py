@@ -32,6 +32,9 @@ class FakeStore:
     def touch(self, key: TierKey) -> None:
         pass
 
+    def accepts(self) -> bool:
+        return True
+
 
 def tiered(
     num_blocks: int, windows: tuple[int | None, ...] = (None,)
@@ -230,3 +233,29 @@ def test_tier_sizes_and_directories_that_cannot_work_are_start_up_errors(tmp_pat
     store = _open(tmp_path, kv_offload_memory=1024, kv_offload_dir=str(tmp_path / "ok"))
     assert store is not None and store.disk is not None and store.disk.enabled
     store.disk.close()
+
+
+def test_with_no_host_tier_and_the_disk_tier_off_nothing_is_saved_or_counted(tmp_path):
+    import torch
+
+    from engine.executor.kv_store import Entry, TieredKVStore
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    stats = KVOffloadStats()
+    disk = _disk(blocker / "kv", stats)  # turns itself off at once
+    store = TieredKVStore(0, disk, stats)
+    assert not store.accepts()
+    key = PrefixKeys(None, list(range(4)), BS).key(0, 0)
+    store.put(key, Entry(torch.zeros(1, 2, BS, 1, 2)))
+    assert stats.saved_blocks == 0 and stats.saved_bytes == 0
+    tiers = KVTiers(store, BS)
+    kv = KVCacheManager(2, BS)
+    kv.tiers = tiers
+    kv.pool.on_evict = tiers.on_evict
+    a = make_seq(list(range(5)), "a")
+    compute(kv, a)
+    kv.free(a)
+    compute(kv, make_seq(list(range(100, 105)), "b"))  # evicts a's cached block
+    assert tiers.take() is None  # no save queued: nothing would keep it
+    disk.close()

@@ -281,8 +281,16 @@ async def test_kv_offload_tiers_are_exported_only_with_tiers() -> None:
         assert "kvserve_kv_offload" not in (await c.get("/metrics")).text
         tiers = KVOffloadStats(memory_hits=4, disk_hits=2, misses=3, saved_bytes=1000)
         tiers.disk_enabled, tiers.disk_capacity, tiers.disk_bytes = True, 5000, 700
+        tiers.memory_capacity = 2000
         engine.published = EngineSnapshot(task="generate", num_steps=2, time=1.0, kv_offload=tiers)
         samples = _samples((await c.get("/metrics")).text)
+        disk_only = KVOffloadStats(disk_hits=2, misses=3, disk_capacity=5000, disk_enabled=True)
+        engine.published = EngineSnapshot(
+            task="generate", num_steps=3, time=2.0, kv_offload=disk_only
+        )
+        no_host = _samples((await c.get("/metrics")).text)
+    assert no_host[("kvserve_kv_offload_misses_total", (("tier", "memory"),))] == 0  # no host tier
+    assert no_host[("kvserve_kv_offload_misses_total", (("tier", "disk"),))] == 3
     assert samples[("kvserve_kv_offload_hits_total", (("tier", "memory"),))] == 4
     assert samples[("kvserve_kv_offload_hits_total", (("tier", "disk"),))] == 2
     assert samples[("kvserve_kv_offload_misses_total", (("tier", "memory"),))] == 5
