@@ -78,7 +78,7 @@ class CacheConfig:
                 raise ValueError(f"{name} must be a size of at least 0 bytes")
         if self.kv_offload_disk is not None and self.kv_offload_dir is None:
             raise ValueError(
-                "kv_offload_disk sizes a disk tier, which needs a directory (kv_offload_dir)"
+                "--kv-offload-disk sizes a disk tier, which needs --kv-offload-dir (a directory)"
             )
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise ValueError(

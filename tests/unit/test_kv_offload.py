@@ -228,7 +228,7 @@ def test_tier_sizes_and_directories_that_cannot_work_are_start_up_errors(tmp_pat
     ):
         with pytest.raises(StartupError, match=message):
             _open(tmp_path, **options)
-    with pytest.raises(ValueError, match="needs a directory"):
+    with pytest.raises(ValueError, match="needs --kv-offload-dir"):
         _open(tmp_path, kv_offload_disk=1 << 30)
     store = _open(tmp_path, kv_offload_memory=1024, kv_offload_dir=str(tmp_path / "ok"))
     assert store is not None and store.disk is not None and store.disk.enabled
