@@ -210,3 +210,17 @@ def test_forced_digest_collisions_are_misses(
     outs = _run_each(restarted, prompts)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.num_cached_tokens <= BLOCK for o in outs)
+
+
+def test_preempted_requests_report_tier_tokens_within_their_cached_tokens(
+    tiny_llama_dir, prompts, expected
+):
+    llm = _llm(tiny_llama_dir, num_blocks=24, kv_offload_memory=32 << 20)
+    _run_each(llm, prompts)  # the tiers now hold every prompt's prefix
+    long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    outs = llm.generate(prompts, long)  # 3 x 18 blocks in a 24-block pool: preemptions
+    assert any(o.metrics.num_preemptions for o in outs)
+    for o in outs:
+        tier = o.metrics.num_memory_tier_tokens + o.metrics.num_disk_tier_tokens
+        assert tier <= o.num_cached_tokens <= REUSABLE, (o.metrics, o.num_cached_tokens)
+        assert o.outputs[0].token_ids[:8] == expected[prompts.index(o.prompt_token_ids)]
