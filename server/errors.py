@@ -330,15 +330,17 @@ def validation_error(errors: list[dict[str, Any]], content_type: str | None = No
             param=param,
             code="unknown_parameter",
         )
-    where = param
     message = str(first.get("msg", "invalid value"))
     union = _union_error(errors)
+    best = first
     if union is not None:
         best, override = union
-        field, _, _ = _split_union(tuple(best["loc"])) or ((), "", ())
-        param = _loc_to_param(field)
-        where = _loc_to_param(tuple(best["loc"]))
+        param = _loc_to_param(tuple(best["loc"]))  # the full path, into the union's member
         message = override or str(best.get("msg", "invalid value"))
+    index = getattr(best.get("ctx", {}).get("error"), "index", None)
+    if param is not None and isinstance(index, int):  # a PartError: the part, not its list
+        param += f"[{index}]"
+    where = param
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     message = message.replace(" after validation", "")
