@@ -175,16 +175,12 @@ async def test_stream_options_require_stream(
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
-        ({"prompt": [-1]}, "prompt[0]", "prompt[0]: Input should be greater than or equal to 0"),
+        ({"prompt": [-1]}, "prompt", "prompt[0]: Input should be greater than or equal to 0"),
         ({"prompt": []}, "prompt", "prompt: List should have at least 1 item"),
-        ({"prompt": [[]]}, "prompt[0]", "prompt[0]: List should have at least 1 item"),
-        ({"prompt": ["a", 1]}, "prompt[1]", "prompt[1]: Input should be a valid string"),
-        ({"prompt": [1, True]}, "prompt[1]", "prompt[1]: Input should be a valid integer"),
-        (
-            {"prompt": [[1], [-1]]},
-            "prompt[1][0]",
-            "prompt[1][0]: Input should be greater than or equal",
-        ),
+        ({"prompt": [[]]}, "prompt", "prompt[0]: List should have at least 1 item"),
+        ({"prompt": ["a", 1]}, "prompt", "prompt[1]: Input should be a valid string"),
+        ({"prompt": [1, True]}, "prompt", "prompt[1]: Input should be a valid integer"),
+        ({"prompt": [[1], [-1]]}, "prompt", "prompt[1][0]: Input should be greater than or equal"),
         ({"prompt": 5}, "prompt", "prompt: Input should be a string or a list"),
         ({"prompt": "a", "stop": ["x"] * 17}, "stop", "stop: List should have at most 16 items"),
         ({"prompt": "a", "stop": 5}, "stop", "stop: Input should be a string or a list"),
