@@ -7,7 +7,7 @@ kvserve does not implement are typed `None` so that any real value is rejected w
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -122,13 +122,16 @@ class ResponseFormatJsonSchema(StrictModel):
     json_schema: JsonSchemaFormat
 
 
-ResponseFormat = typed_union(
-    {
-        "text": ResponseFormatText,
-        "json_object": ResponseFormatJsonObject,
-        "json_schema": ResponseFormatJsonSchema,
-    }
-)
+if TYPE_CHECKING:
+    ResponseFormat = ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema
+else:  # error paths stay the request's own: response_format.json_schema, not ...json_schema.json_schema
+    ResponseFormat = typed_union(
+        {
+            "text": ResponseFormatText,
+            "json_object": ResponseFormatJsonObject,
+            "json_schema": ResponseFormatJsonSchema,
+        }
+    )
 
 
 class StructuredOutputsRequest(StrictModel):
