@@ -330,15 +330,26 @@ def validation_error(errors: list[dict[str, Any]], content_type: str | None = No
             param=param,
             code="unknown_parameter",
         )
-    where = param
     message = str(first.get("msg", "invalid value"))
     union = _union_error(errors)
+    best = first
     if union is not None:
         best, override = union
-        field, _, _ = _split_union(tuple(best["loc"])) or ((), "", ())
-        param = _loc_to_param(field)
-        where = _loc_to_param(tuple(best["loc"]))
+        loc = tuple(best["loc"])
+        if not any(isinstance(i, str) and (i.startswith("type[") or "union[" in i) for i in loc):
+            # A union of plain values (prompt: text, token ids or lists of them) is one field;
+            # the message says where in it.
+            field, _, _ = _split_union(loc) or ((), "", ())
+            param = _loc_to_param(field)
+        else:  # the objects of a union of models: the full path, as for any object field
+            param = _loc_to_param(loc)
+        where = _loc_to_param(loc)
         message = override or str(best.get("msg", "invalid value"))
+    else:
+        where = param
+    index = getattr(best.get("ctx", {}).get("error"), "index", None)
+    if param is not None and where is not None and isinstance(index, int):
+        param, where = f"{param}[{index}]", f"{where}[{index}]"  # a PartError: the part
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     message = message.replace(" after validation", "")

@@ -18,6 +18,16 @@ class FieldMap:
     message_sources: tuple[str, ...] | None = None
     # A chat tool's `function.<field>` -> the surface's flat tool field (None: chat's own shape).
     tool_fields: Mapping[str, str] | None = None
+    # A tool answer (chat's tool message) that answers no earlier call, in this surface's terms:
+    # the message ({where}: the answer's path, {id}: its call id) and the answer's id field.
+    tool_answer: str = (
+        "{where} is a tool message answering tool_call_id {id!r}, but no earlier assistant "
+        "message has a tool call with that id"
+    )
+    tool_answer_id: str = "tool_call_id"
+    # What a prompt that fits the model, but not with the asked max tokens after it, blames
+    # (None: the prompt, OpenAI's way; Messages blames its max_tokens, Anthropic's way).
+    over_length: str | None = None
 
     def name(self, path: str) -> str:
         """The surface's name for a chat field path (a path outside the map is its own name)."""

@@ -7,7 +7,7 @@ kvserve does not implement are typed `None` so that any real value is rejected w
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -46,8 +46,18 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+class PartError(ValueError):
+    """A content part this server does not take: raised by a `content` validator, its error path
+    names the part (`messages[0].content[1]`), not only the content list."""
+
+    def __init__(self, index: int, kind: str) -> None:
+        super().__init__(f"only text content parts are supported, but this part has type {kind!r}")
+        self.index = index
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # NaN and infinities are no sampling value: "must be a finite number", not a range error.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     @field_validator("*")
     @classmethod
@@ -112,10 +122,16 @@ class ResponseFormatJsonSchema(StrictModel):
     json_schema: JsonSchemaFormat
 
 
-ResponseFormat = Annotated[
-    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
-    Field(discriminator="type"),
-]
+if TYPE_CHECKING:
+    ResponseFormat = ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema
+else:  # error paths stay the request's own: response_format.json_schema, not ...json_schema.json_schema
+    ResponseFormat = typed_union(
+        {
+            "text": ResponseFormatText,
+            "json_object": ResponseFormatJsonObject,
+            "json_schema": ResponseFormatJsonSchema,
+        }
+    )
 
 
 class StructuredOutputsRequest(StrictModel):
@@ -239,9 +255,7 @@ class ChatMessage(StrictModel):
             for i, part in enumerate(value):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if isinstance(kind, str) and kind != "text":
-                    raise ValueError(
-                        f"only text content parts are supported, but part {i} has type {kind!r}"
-                    )
+                    raise PartError(i, kind)
         return value
 
 
@@ -270,8 +284,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    max_tokens: NonNegInt | None = None
-    max_completion_tokens: NonNegInt | None = None
+    max_tokens: int | None = None  # at least 1 (checked below, worded like max_tokens: 0)
+    max_completion_tokens: int | None = None
     tools: Annotated[list[ChatTool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -294,6 +308,14 @@ class ChatCompletionRequest(SamplingFields):
     metadata: None = None
     web_search_options: None = None
     verbosity: None = None
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _at_least_one(cls, value: int | None) -> int | None:
+        """OpenAI's rule for chat (completions alone take 0, with echo): -1 and 0 worded alike."""
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1 for chat completions")
+        return value
 
 
 class ScoreRequest(StrictModel):

@@ -174,7 +174,9 @@ class JsonOutputFormat(StrictModel):
 
 class OutputConfig(StrictModel):
     format: JsonOutputFormat | None = None
-    effort: None = None  # not implemented: any value is a 400
+    # Anthropic's effort levels; passed to the chat template as `reasoning_effort`, like chat's
+    # reasoning_effort and Responses' reasoning.effort.
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class MessagesInput(StrictModel):

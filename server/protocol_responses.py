@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from server.protocol import NonNegInt, OpenModel, ReasoningEffort, StrictModel, typed_union
+from server.protocol import (
+    NonNegInt,
+    OpenModel,
+    PartError,
+    ReasoningEffort,
+    StrictModel,
+    typed_union,
+)
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS = 64
@@ -48,9 +55,7 @@ def _text_parts_only(value: Any) -> Any:
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("input_image", "input_file", "input_audio"):
-                raise ValueError(
-                    f"only text content parts are supported, but part {i} has type {kind!r}"
-                )
+                raise PartError(i, kind)
     return value
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from engine import InvalidRequestError, RequestOutput
 from engine.text import ToolPlan
 from server.cost_sheet import cost_sheet, wants_metrics
-from server.errors import invalid_request
+from server.errors import APIError, context_length_exceeded, invalid_request
 from server.field_map import CHAT_FIELDS, FieldMap
 from server.generation import build_sampling_params, check_prompts, check_stream_options
 from server.logprobs import chat_logprobs
@@ -178,7 +178,18 @@ def plan_turn(
         structured_outputs=constraint,
         reasoning=fmt,
     )
-    check_prompts(engine, [prompt_ids], params, fields)
+    try:
+        check_prompts(engine, [prompt_ids], params, fields)
+    except APIError as e:
+        limit, asked = engine.max_model_len, req.max_tokens
+        if (
+            e.code == "context_length_exceeded"
+            and fields.over_length is not None
+            and asked is not None
+            and len(prompt_ids) < limit < len(prompt_ids) + asked
+        ):
+            raise context_length_exceeded(e.message, fields.over_length) from None
+        raise
     return GenerationPlan(
         engine,
         served.name,

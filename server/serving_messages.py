@@ -25,7 +25,7 @@ from server.protocol_messages import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from server.serving_chat import plan_turn
+from server.serving_chat import effort_kwargs, plan_turn
 from server.sse import sse_event
 from server.state import ServerState
 from server.structured_outputs import json_schema_constraint
@@ -95,7 +95,7 @@ def chat_messages(req: MessagesInput) -> tuple[list[TurnMessage], list[str]]:
                 f"{where}.content: tool_use blocks belong in assistant messages", where
             )
         run: list[TextBlock] = []
-        for block in [*blocks, None]:
+        for j, block in enumerate([*blocks, None]):
             if isinstance(block, TextBlock):
                 run.append(block)
                 continue
@@ -107,7 +107,7 @@ def chat_messages(req: MessagesInput) -> tuple[list[TurnMessage], list[str]]:
                 content = block.content if block.content is not None else ""
                 result = content if isinstance(content, str) else _text(content)
                 messages.append(TurnMessage("tool", result, tool_call_id=block.tool_use_id))
-                sources.append(where)
+                sources.append(f"{where}.content[{j}]")  # the block: errors name it
     if req.messages[-1].role == "assistant":
         last = f"messages[{len(req.messages) - 1}]"
         raise invalid_request(
@@ -120,7 +120,8 @@ def chat_messages(req: MessagesInput) -> tuple[list[TurnMessage], list[str]]:
 
 def messages_turn(req: MessagesInput, messages: list[TurnMessage], fields: FieldMap) -> TurnRequest:
     """The turn these Messages fields ask for (tools, tool_choice and the output format included)."""
-    template: dict[str, Any] = {}
+    effort = req.output_config.effort if req.output_config is not None else None
+    template: dict[str, Any] = effort_kwargs(effort)
     if req.thinking is not None:
         template["enable_thinking"] = req.thinking.type != "disabled"
     sampling = Sampling()
@@ -161,7 +162,16 @@ def messages_turn(req: MessagesInput, messages: list[TurnMessage], fields: Field
 
 def field_map(sources: list[str]) -> FieldMap:
     """Chat's names -> Messages' (`messages[i]` of the chat request came from `sources[i]`)."""
-    return FieldMap("messages", CHAT_FIELD_NAMES, tuple(sources), {"parameters": "input_schema"})
+    return FieldMap(
+        "messages",
+        CHAT_FIELD_NAMES,
+        tuple(sources),
+        {"parameters": "input_schema"},
+        "{where}.tool_use_id: this tool_result block answers {id!r}, but no earlier tool_use "
+        "block has that id",
+        "tool_use_id",
+        over_length="max_tokens",
+    )
 
 
 def _prepare(req: MessagesInput, state: ServerState, request_id: str) -> GenerationPlan:

@@ -147,6 +147,9 @@ class _Context:
             CHAT_FIELD_NAMES,
             (*["instructions"] * len(system), *["previous_response_id"] * len(history), *sources),
             {},  # function tools are flat: tools[i].parameters
+            "{where} is a function_call_output item whose call_id {id!r} matches no earlier "
+            "function_call item",
+            "call_id",
         )
         self.id = f"resp_{uuid.uuid4().hex}"
         turn = responses_turn(req, [*system, *self.conversation], names)

@@ -23,12 +23,8 @@ def check_tool_messages(messages: Sequence[TurnMessage], fields: FieldMap) -> No
             call_ids.add(call.id)
         if m.role == "tool" and m.tool_call_id not in call_ids:
             where = fields.name(f"messages[{i}]")
-            param = fields.name(f"messages[{i}].tool_call_id")
-            raise invalid_request(
-                f"{where} is a tool message answering tool_call_id {m.tool_call_id!r}, but no "
-                "earlier assistant message has a tool call with that id",
-                param,
-            )
+            message = fields.tool_answer.format(where=where, id=m.tool_call_id)
+            raise invalid_request(message, f"{where}.{fields.tool_answer_id}")
 
 
 def tool_plan(

@@ -174,7 +174,7 @@ def test_bad_response_requests_are_400s_naming_the_field(
         json={"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         timeout=10,
     )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]"
     assert "input_image" in r.json()["error"]["message"]
     r = httpx.post(tiny_server.url + "/v1/responses", json={"input": "word " * 300}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

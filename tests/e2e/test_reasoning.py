@@ -176,8 +176,9 @@ def test_enable_thinking_false_per_request(client: openai.OpenAI):
     assert getattr(message, "reasoning_content", None) is None
 
 
-def test_reasoning_effort_reaches_the_chat_template(client: openai.OpenAI):
-    """chat's reasoning_effort and Responses' reasoning.effort are the template's
+def test_reasoning_effort_reaches_the_chat_template(client: openai.OpenAI, server: ServerProcess):
+    """chat's reasoning_effort, Responses' reasoning.effort and Messages' output_config.effort are
+    the template's
     `reasoning_effort` (vLLM's variable), here a system turn of the prompt."""
     plain = _chat(client)
     high = _chat(client, reasoning_effort="high")
@@ -201,6 +202,27 @@ def test_reasoning_effort_reaches_the_chat_template(client: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.create(**ask, reasoning={"effort": "extreme"})  # type: ignore[typeddict-item]
     assert bad.value.body["param"] == "reasoning.effort"  # type: ignore[index]
+    # Messages' output_config.effort: the same template variable, so the same prompt.
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    mbase = claude.messages.create(model=model, max_tokens=60, messages=HELLO)
+    mhigh = claude.messages.create(
+        model=model, max_tokens=60, messages=HELLO, output_config={"effort": "high"}
+    )
+
+    def prompt_tokens(
+        usage: anthropic.types.Usage,
+    ) -> int:  # Anthropic's counts leave cache reads out
+        return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+    assert prompt_tokens(mhigh.usage) - prompt_tokens(mbase.usage) == extra
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(
+            model=model,
+            max_tokens=60,
+            messages=HELLO,
+            output_config={"effort": "extreme"},  # type: ignore[typeddict-item]
+        )
+    assert "output_config.effort" in str(refused.value)
 
 
 def test_a_tool_call_inside_the_reasoning_is_not_a_call(client: openai.OpenAI):

@@ -198,7 +198,7 @@ async def test_non_text_content_part_says_only_text_is_supported(
 ) -> None:
     part = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, part]}]}
-    message = _error(await client.post("/v1/chat/completions", json=body), "messages[0].content")
+    message = _error(await client.post("/v1/chat/completions", json=body), "messages[0].content[1]")
     assert "only text" in message and "image_url" in message, message
 
 
