@@ -105,13 +105,34 @@ def add_lora(
     return y
 
 
+# Rows per low-rank GEMM. Every product runs as a batch of GEMMs of exactly this many rows (the last
+# padded with zeros), so a row's bits depend on neither its neighbours nor how many share its adapter
+# in the step: the block-quantized base kernels are batch-invariant, and so must the deltas be. One
+# GEMM over all of a segment's rows would pick its blocking (and sum order) by the row count.
+LORA_ROWS = 8
+
+
+def low_rank(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ w^T (w [out, in]) in float32, each row computed alike whatever n is."""
+    n = x.shape[0]
+    m = -(-n // LORA_ROWS) * LORA_ROWS
+    x = x.contiguous()
+    if m != n:
+        x = F.pad(x, (0, 0, 0, m - n))
+    wt = w.t()
+    chunks = m // LORA_ROWS
+    out = torch.bmm(
+        x.view(chunks, LORA_ROWS, x.shape[1]), wt.unsqueeze(0).expand(chunks, *wt.shape)
+    )
+    return out.view(m, w.shape[0])[:n]
+
+
 def _add_segment(y: torch.Tensor, x: torch.Tensor, lin: LinearLoRA) -> None:
-    t = F.linear(x if x.dtype == torch.float32 else x.float(), lin.a)  # [rows, total rank]
+    t = low_rank(x if x.dtype == torch.float32 else x.float(), lin.a)  # [rows, total rank]
     whole = len(lin.pieces) == 1
     for p in lin.pieces:
         tp = t if whole else t.narrow(1, p.col_start, p.rank)
         dest = y.narrow(1, p.out_start, p.b.shape[0])
-        if y.dtype == torch.float32:
-            dest.addmm_(tp, p.b.t())
-        else:  # a 16-bit model: the delta in float32, added once rounded
-            dest.add_(F.linear(tp, p.b).to(y.dtype))
+        delta = low_rank(tp, p.b)
+        # float32: added as is; a 16-bit model: the delta in float32, added once rounded
+        dest.add_(delta if y.dtype == torch.float32 else delta.to(y.dtype))

@@ -59,6 +59,11 @@ def test_quantized_weights_keep_their_kernels_and_batch_invariance(smollm2_dir, 
     loras: list[str | None] = ["s0", "s1", None]
     alone = [_greedy(llm, [p], [name])[0] for p, name in zip(prompts, loras, strict=True)]
     assert _greedy(llm, prompts, loras) == alone
+    # Several rows of one adapter in a step (its low-rank products over more rows): still the
+    # tokens each request gets alone.
+    same = ["s0"] * len(prompts) + ["s1"] * len(prompts)
+    each = [_greedy(llm, [p], [name])[0] for p, name in zip(prompts * 2, same, strict=True)]
+    assert _greedy(llm, prompts * 2, same) == each
     float_llm = LLM(
         str(smollm2_dir), dtype="float32", quantization="none", lora_modules=modules,
         enable_prefix_caching=False,

@@ -123,9 +123,24 @@ void head_norm(at::Tensor& qkv, int64_t start, int64_t size, int64_t d, const at
   part.copy_(ops().rms_norm.call(part.reshape({-1, d}), weight, eps).view({qkv.size(0), size}));
 }
 
+// x [n, in] @ w^T in float32 as engine/models/lora_apply.py's low_rank: a batch of GEMMs of exactly
+// kLoRARows rows each (the last padded with zeros), so a row's bits never depend on the row count.
+constexpr int64_t kLoRARows = 8;  // lora_apply.LORA_ROWS
+
+at::Tensor low_rank(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t n = x.size(0), m = (n + kLoRARows - 1) / kLoRARows * kLoRARows;
+  at::Tensor xp = x.contiguous();
+  if (m != n) xp = at::constant_pad_nd(xp, {0, 0, 0, m - n}, 0);
+  const at::Tensor wt = w.t();
+  const int64_t chunks = m / kLoRARows;
+  const at::Tensor out = at::bmm(xp.view({chunks, kLoRARows, xp.size(1)}),
+                                 wt.unsqueeze(0).expand({chunks, wt.size(0), wt.size(1)}));
+  return out.view({m, w.size(0)}).narrow(0, 0, n);
+}
+
 // LoRA adapters' deltas on matmul i's output y (input x), as engine/models/lora_apply.py adds
-// them: per segment of rows, t = linear(x[rows], a), then y[rows, piece] += t[:, piece] @ b^T per
-// piece. segments: per segment [start, end, matmuls], per matmul [index, pieces], per piece
+// them: per segment of rows, t = low_rank(x[rows], a), then y[rows, piece] += low_rank(t[:, piece],
+// b) per piece. segments: per segment [start, end, matmuls], per matmul [index, pieces], per piece
 // [col_start, rank, out_start]; tensors in the same order (a matmul's a, then its pieces' b).
 struct LoRA {
   const std::vector<at::Tensor>& tensors;
@@ -145,17 +160,15 @@ struct LoRA {
           continue;
         }
         const at::Tensor xs = x.narrow(0, start, rows);
-        const at::Tensor t =
-            at::linear(xs.scalar_type() == at::kFloat ? xs : xs.to(at::kFloat), tensors[next++]);
+        const at::Tensor t = low_rank(xs.scalar_type() == at::kFloat ? xs : xs.to(at::kFloat),
+                                      tensors[next++]);
         for (int64_t p = 0; p < pieces; ++p, s += 3) {
           const at::Tensor& b = tensors[next++];
           const at::Tensor tp = pieces == 1 ? t : t.narrow(1, segments[s], segments[s + 1]);
           at::Tensor dest = y.narrow(0, start, rows).narrow(1, segments[s + 2], b.size(0));
-          if (y.scalar_type() == at::kFloat) {
-            dest.addmm_(tp, b.t());
-          } else {  // a 16-bit model: the delta in float32, added once rounded
-            dest.add_(at::linear(tp, b).to(y.scalar_type()));
-          }
+          const at::Tensor delta = low_rank(tp, b);
+          // float32: added as is; a 16-bit model: the delta in float32, added once rounded
+          dest.add_(y.scalar_type() == at::kFloat ? delta : delta.to(y.scalar_type()));
         }
       }
     }
