@@ -95,6 +95,27 @@ def peft_modules(model: Any) -> dict[str, tuple[str, int]]:
     return found
 
 
+FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # checkpoint names of whole fused linears (Phi-3)
+
+
+def module_rows(
+    modules: dict[str, tuple[str, int]], shapes: dict[str, tuple[int, int]]
+) -> dict[str, int]:
+    """Each PEFT module's output rows: from its first row to the next split module's of the same
+    engine linear (q | k | v in qkv), or to the linear's end (the last, or a fused module such as
+    Phi-3's qkv_proj, stored beside the split names that map into the same linear)."""
+    starts: dict[str, list[int]] = {}
+    for module, (linear, offset) in modules.items():
+        if module.rsplit(".", 1)[-1] not in FUSED_MODULES:
+            starts.setdefault(linear, []).append(offset)
+    rows: dict[str, int] = {}
+    for module, (linear, offset) in modules.items():
+        fused = module.rsplit(".", 1)[-1] in FUSED_MODULES
+        later = [] if fused else [o for o in starts[linear] if o > offset]
+        rows[module] = (min(later) if later else shapes[linear][0]) - offset
+    return rows
+
+
 def _bad(spec: AdapterSpec, why: str) -> LoRAError:
     return LoRAError(f"LoRA adapter at {spec.path!r}: {why}", "lora_path")
 
@@ -172,11 +193,11 @@ def _piece(
         raise _bad(
             spec, f"{where}: shapes {tuple(a.shape)}, {tuple(b.shape)} are not rank {spec.rank}"
         )
-    if a.shape[1] != in_features or b.shape[0] > out_rows:
+    if a.shape[1] != in_features or b.shape[0] != out_rows:
         raise _bad(
             spec,
             f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit this model "
-            f"(input {in_features}, output up to {out_rows}): an adapter for another base model?",
+            f"(input {in_features}, output {out_rows}): an adapter for another base model?",
         )
     a32, b32 = a.float(), b.float()
     if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
@@ -194,6 +215,7 @@ def load_adapter(model: Any, spec: AdapterSpec, name: str, lora_id: int) -> LoRA
     tensors = _read_tensors(spec)
     pairs = _pairs(spec, tensors, model.num_layers)
     shapes = linear_shapes(model)
+    rows = module_rows(modules, shapes)
     scaling = spec.scaling
     device = model.norm.weight.device  # the adapter lives beside the model (float32)
     grouped: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor, str]]]] = [
@@ -206,8 +228,7 @@ def load_adapter(model: Any, spec: AdapterSpec, name: str, lora_id: int) -> LoRA
         if mapped is None:
             raise _bad(spec, f"{where} is not a linear this model has LoRA support for")
         linear, offset = mapped
-        out_features, in_features = shapes[linear]
-        a, b = _piece(spec, where, pair, out_features - offset, in_features)
+        a, b = _piece(spec, where, pair, rows[module], shapes[linear][1])
         grouped[layer].setdefault(linear, []).append((offset, a, b, module))
         targets.add(module.rsplit(".", 1)[-1])
     layers: list[dict[str, LinearLoRA]] = []

@@ -80,6 +80,14 @@ BAD = {
         lambda f: _rewrite(f, {_key(f, "q_proj.lora_A"): torch.zeros(8, 96)}),
         "another base model",
     ),
+    "lora_B short": (  # q_proj's output is 64 rows: peft refuses 61 (no silent zero padding)
+        lambda f: _rewrite(f, {_key(f, "q_proj.lora_B"): torch.zeros(61, 8)}),
+        r"output 64\): an adapter for another base model",
+    ),
+    "lora_B long": (
+        lambda f: _rewrite(f, {_key(f, "q_proj.lora_B"): torch.zeros(67, 8)}),
+        r"output 64\): an adapter for another base model",
+    ),
     "half a pair": (lambda f: _rewrite(f, {_key(f, "v_proj.lora_B"): None}), "not its pair"),
 }
 
