@@ -39,11 +39,15 @@ class UnloadLoRAAdapterRequest(StrictModel):
 def _updating(request: Request) -> ServerState:
     state: ServerState = request.app.state.server
     if not state.config.runtime_lora_updating:
+        if state.config.allow_runtime_lora_updating is False:  # turned off by the operator
+            how = "this server was started with it turned off (--no-allow-runtime-lora-updating)"
+        else:
+            how = (
+                "start the server with --api-key (the routes are then behind it) or "
+                "--allow-runtime-lora-updating"
+            )
         raise APIError(
-            "Loading LoRA adapters at run time is off: start the server with --api-key (the routes "
-            "are then behind it) or --allow-runtime-lora-updating.",
-            status=404,
-            code="not_found",
+            f"Loading LoRA adapters at run time is off: {how}.", status=404, code="not_found"
         )
     return state
 

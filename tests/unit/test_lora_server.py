@@ -255,7 +255,11 @@ async def test_runtime_loading_is_on_with_an_api_key_or_the_flag(
         unload = await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=AUTH)
         assert unload.status_code == (200 if allowed else 404)
         if not allowed:
-            assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+            message = r.json()["error"]["message"]
+            if config.get("allow_runtime_lora_updating") is False:  # the operator turned it off
+                assert "--no-allow-runtime-lora-updating" in message and "--api-key" not in message
+            else:
+                assert "--allow-runtime-lora-updating" in message
     assert engine.adapters == {}
 
 
