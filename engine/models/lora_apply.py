@@ -6,13 +6,51 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from engine.models.lora_weights import LinearLoRA, LoRAAdapter
+from engine.core.lora import LoRAInfo
+
+
+@dataclass
+class LoRAPiece:
+    """One PEFT module inside an engine linear (q, k or v of qkv; gate or up of gate_up)."""
+
+    col_start: int  # its first column of x @ a^T
+    rank: int
+    out_start: int  # its first output column of the fused linear
+    b: torch.Tensor  # [out_rows, rank] float32: scaling * lora_B
+
+
+@dataclass
+class LinearLoRA:
+    """An adapter's delta on one fused linear: t = x @ a^T once (the modules' lora_A stacked), then
+    y[:, piece's outputs] += t[:, piece's ranks] @ b^T per module. PEFT's [out, in] layout is kept
+    (a transposed weight is the fast small gemm on CPU)."""
+
+    a: torch.Tensor  # [total rank, in_features] float32
+    pieces: list[LoRAPiece]
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: per layer, per engine linear ("qkv", "o", "gate_up", "down") its delta."""
+
+    info: LoRAInfo
+    lora_id: (
+        int  # unique per load: reloading a name gives a new id (and a new namespace if changed)
+    )
+    layers: list[dict[str, LinearLoRA]]
+
+    @property
+    def num_bytes(self) -> int:
+        total = 0
+        for linears in self.layers:
+            for lin in linears.values():
+                total += 4 * (lin.a.numel() + sum(p.b.numel() for p in lin.pieces))
+        return total
 
 
 class _Scheduled(Protocol):  # what the segments need of a ScheduledSeq (no executor import here)

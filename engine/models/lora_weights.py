@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from engine.core.errors import LoRAError
 from engine.core.lora import ALL_LINEAR, AdapterSpec, LoRAInfo
 from engine.models.layers import GatedMLP
+from engine.models.lora_apply import LinearLoRA, LoRAAdapter, LoRAPiece
 
 # The engine's linears of a decoder layer (the fused parameter each one multiplies by).
 LINEARS = {
@@ -25,45 +25,6 @@ LINEARS = {
 }
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class LoRAPiece:
-    """One PEFT module inside an engine linear (q, k or v of qkv; gate or up of gate_up)."""
-
-    col_start: int  # its first column of x @ a^T
-    rank: int
-    out_start: int  # its first output column of the fused linear
-    b: torch.Tensor  # [out_rows, rank] float32: scaling * lora_B
-
-
-@dataclass
-class LinearLoRA:
-    """An adapter's delta on one fused linear: t = x @ a^T once (the modules' lora_A stacked), then
-    y[:, piece's outputs] += t[:, piece's ranks] @ b^T per module. PEFT's [out, in] layout is kept
-    (a transposed weight is the fast small gemm on CPU)."""
-
-    a: torch.Tensor  # [total rank, in_features] float32
-    pieces: list[LoRAPiece]
-
-
-@dataclass
-class LoRAAdapter:
-    """A loaded adapter: per layer, per engine linear ("qkv", "o", "gate_up", "down") its delta."""
-
-    info: LoRAInfo
-    lora_id: (
-        int  # unique per load: reloading a name gives a new id (and a new namespace if changed)
-    )
-    layers: list[dict[str, LinearLoRA]]
-
-    @property
-    def num_bytes(self) -> int:
-        total = 0
-        for linears in self.layers:
-            for lin in linears.values():
-                total += 4 * (lin.a.numel() + sum(p.b.numel() for p in lin.pieces))
-        return total
 
 
 def linear_shapes(model: Any) -> dict[str, tuple[int, int]]:
