@@ -18,6 +18,7 @@ from engine.core.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    model_id,
 )
 from engine.core.engine_client import EngineClient
 from engine.core.errors import (
@@ -136,6 +137,7 @@ __all__ = [
     "KVEventsState",
     "BLOCK_HASH_SEED",
     "external_block_hashes",
+    "model_id",
     "StructuredOutputs",
     "WrongTaskError",
     "ReasoningFormat",

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, model_id
 from engine.core.engine_core import EngineCore
 from engine.core.errors import (
     EngineDeadError,
@@ -34,7 +34,7 @@ from engine.core.stats import StepStats
 from engine.embeddings.embedding_engine import EmbeddingEngine
 from engine.embeddings.prompts import EmbeddingPrompts
 from engine.faults import EngineDeathFault, fault_injection_enabled
-from engine.llm_engine import LLMEngine, served_model_name
+from engine.llm_engine import LLMEngine
 from engine.models.loader import find_bundled_embedding_model, resolve_model
 from engine.text.tokenizer import Tokenizer
 
@@ -149,13 +149,17 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as the engine produces them; closing the iterator aborts it."""
         self._check_alive()
         if self.task != "generate":
             raise WrongTaskError(self.task, "generate")
         self._check_lora(lora)
-        item = AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic(), lora=lora)
+        item = AddRequest(
+            request_id, prompt_token_ids, params, prompt, time.monotonic(), lora=lora,
+            cache_salt=cache_salt,
+        )  # fmt: skip
         return self._submit(item, RequestOutput)
 
     async def score(
@@ -258,6 +262,13 @@ class AsyncLLMEngine:
         self._check_alive()
         self._check_lora(name)
         await self._between_steps(lambda: self.core.unload_lora(name))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block between two steps (KV events: AllBlocksCleared); False,
+        and nothing dropped, while running requests hold blocks."""
+        self._check_alive()
+        done: bool = await self._between_steps(self.core.reset_prefix_cache)
+        return done
 
     def _check_lora(self, name: str | None) -> None:
         """Fail at once for an adapter that is not served (the core checks again when adding)."""
@@ -362,6 +373,7 @@ class AsyncLLMEngine:
                     item.prompt,
                     arrival_time=item.arrival_time,
                     lora=item.lora,
+                    cache_salt=item.cache_salt,
                 )
         except InvalidRequestError as e:
             queue.put_nowait(e)
@@ -517,10 +529,9 @@ def create_engine_core(config: EngineConfig) -> EngineCore:
     mc = config.model
     if mc.model is None and mc.task == "embed":
         model_dir = find_bundled_embedding_model()
-        name = "all-MiniLM-L6-v2"
     else:
         model_dir = resolve_model(mc.model, mc.cache_dir)
-        name = served_model_name(mc.model, model_dir)
+    name = model_id(config)
     task = mc.task if mc.task != "auto" else detect_task(model_dir)
     if task == "embed":
         return EmbeddingEngine(config, model_dir, name)

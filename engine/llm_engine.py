@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from engine.core.block_hashes import DEFAULT_SEED
-from engine.core.config import EngineConfig, Task
+from engine.core.cache_namespace import cache_namespace, check_cache_salt
+from engine.core.config import EngineConfig, Task, served_model_name
 from engine.core.errors import ContextLengthError, InvalidRequestError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_offload import KVTiers
@@ -73,7 +74,7 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.model_dir = model_dir or resolve_model(mc.model, mc.cache_dir)
-        self.model_name = model_name or served_model_name(mc.model, self.model_dir)
+        self.model_name = model_name or served_model_name(mc.model)
         torch.manual_seed(mc.seed)
         loaded = load_model(self.model_dir, mc.dtype, mc.device, mc.quantization)
         self.model = loaded.model
@@ -236,9 +237,11 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """`arrival_time` (time.monotonic()) is when the caller received the request, if earlier;
-        `lora` names the LoRA adapter it runs on (None: the base model)."""
+        `lora` names the LoRA adapter it runs on (None: the base model); `cache_salt` (vLLM's
+        field) roots its prefix-cache chain apart, shared only with requests of the same salt."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
@@ -256,6 +259,9 @@ class LLMEngine:
             user_params=params,
         )
         self.adapters.select(group, lora)
+        if cache_salt is not None:
+            check_cache_salt(cache_salt)
+            group.cache_namespace = cache_namespace(group.cache_namespace, cache_salt)
         if arrival_time is not None:
             group.metrics.arrival_time = arrival_time
         if params.prompt_logprobs is not None:
@@ -545,10 +551,3 @@ def sample_seed(seed: int, index: int) -> int:
     return mixed ^ (mixed >> 31)
 
 
-def served_model_name(model: str | None, model_dir: Path) -> str:
-    """The name clients use: the bundled model's, a hub id, or the folder / file stem."""
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    if "/" in model and not Path(model).expanduser().exists():
-        return model  # a hub id
-    return Path(model).expanduser().name.removesuffix(".gguf")

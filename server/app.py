@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from engine import EngineClient
 from server.engine_page import router as engine_page_router
 from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
+from server.cache_routes import router as cache_router
 from server.lora_routes import router as lora_router
 from server.metrics import MetricsMiddleware, ServerMetrics
 from server.metrics import router as metrics_router
@@ -260,6 +261,7 @@ def build_app(config: ServerConfig, engine: EngineClient | None = None) -> FastA
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(lora_router)
+    app.include_router(cache_router)
     app.include_router(metrics_router)
     app.include_router(engine_page_router)
     # Added innermost first: requests pass Metrics -> RequestId -> CORS -> Guard -> UnhandledError -> routes.

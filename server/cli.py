@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from engine import LoRAError
+from engine import LoRAError, model_id
 from engine.core.errors import StartupError
 from server.logging_setup import configure_logging
 from server.models_registry import check_adapter_names
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         values = resolve(cli_values)
         engine_config, server_config = build_configs(values)
         ray_config = build_ray_config(values)
-        check_lora_modules(engine_config.lora)
+        base = server_config.served_model_name or model_id(engine_config)
+        check_lora_modules(engine_config.lora, base)
     except ValueError as e:
         parser.exit(2, f"kvserve serve: error: {e}\n")
     configure_logging(server_config.log_level)

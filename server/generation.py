@@ -43,6 +43,27 @@ def check_stream_options(req: SamplingFields) -> None:
         )
 
 
+def check_prompt_logprobs(req: SamplingFields) -> None:
+    """vLLM's rule: prompt logprobs come with the whole response, never in a stream."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise invalid_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: as many as the model takes)."""
+    if keep is None:
+        return ids
+    if keep == 0:
+        raise invalid_request(
+            "truncate_prompt_tokens must be -1 (the model's length) or at least 1",
+            "truncate_prompt_tokens",
+        )
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:]
+
+
 def build_sampling_params(
     req: Sampling,
     *,
@@ -254,9 +275,10 @@ def start_streams(
     params: SamplingParams,
     request: Request | None = None,
     lora: str | None = None,
+    cache_salt: str | None = None,
 ) -> list[AsyncGenerator[RequestOutput, None]]:
     """One engine request per prompt, ids `<request_id>-<prompt index>`, on the LoRA adapter `lora`
-    (None: the base model)."""
+    (None: the base model), its prefix-cache blocks salted with `cache_salt`."""
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "request %s: engine request(s) %s-0..%d, %d prompt tokens, max_tokens=%s, n=%d, lora=%s",
@@ -272,7 +294,9 @@ def start_streams(
     try:
         for i, (text, ids) in enumerate(prompts):
             streams.append(
-                engine.generate(f"{request_id}-{i}", ids, params, prompt=text, lora=lora)
+                engine.generate(
+                    f"{request_id}-{i}", ids, params, prompt=text, lora=lora, cache_salt=cache_salt
+                )
             )
     except BaseException:
         for stream in streams:

@@ -1,4 +1,6 @@
-"""Engine TokenLogprobs -> OpenAI's two logprob formats: legacy completions and chat (with bytes)."""
+"""Engine TokenLogprobs -> OpenAI's two logprob formats, legacy completions and chat (with bytes), and
+vLLM's `prompt_logprobs`; tokens shown as "token_id:<id>" when a request asks (vLLM's
+return_tokens_as_token_ids)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,15 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _FLOOR
 
 
+def token_id_strings(ids: Sequence[int]) -> list[str]:
+    """vLLM's return_tokens_as_token_ids spelling of tokens."""
+    return [f"token_id:{t}" for t in ids]
+
+
+def _strings(tokenizer: Tokenizer, ids: list[int], as_ids: bool) -> list[str]:
+    return token_id_strings(ids) if as_ids else tokenizer.token_strings(ids)
+
+
 def _ids_needing_strings(entries: Sequence[TokenLogprob | None], limit: int) -> list[int]:
     ids: set[int] = set()
     for entry in entries:
@@ -38,11 +49,16 @@ class CompletionLogprobsBuilder:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, num_top: int, skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        num_top: int,
+        skip_special_tokens: bool = True,
+        as_ids: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.num_top = num_top
         self.skip_special_tokens = skip_special_tokens
+        self.as_ids = as_ids
         self._base = 0  # characters before the generated text (an echoed prompt)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._chars = 0  # complete characters of the generated tokens so far
@@ -79,7 +95,7 @@ class CompletionLogprobsBuilder:
     ) -> dict[str, list[Any]]:
         entries = list(entries) if entries is not None else [None] * len(token_ids)
         needed = sorted(set(token_ids) | set(_ids_needing_strings(entries, self.num_top)))
-        strings = dict(zip(needed, self.tokenizer.token_strings(needed), strict=True))
+        strings = dict(zip(needed, _strings(self.tokenizer, needed, self.as_ids), strict=True))
         out: dict[str, list[Any]] = {
             "text_offset": offsets[: len(entries)],
             "token_logprobs": [],
@@ -153,12 +169,16 @@ def _prompt_offsets(tokenizer: Tokenizer, token_ids: Sequence[int], text: str) -
 
 
 def chat_logprobs(
-    tokenizer: Tokenizer, entries: Sequence[TokenLogprob], num_top: int
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprob], num_top: int, as_ids: bool = False
 ) -> list[dict[str, Any]]:
-    """Chat format: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}] per sampled token."""
+    """Chat format: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}] per sampled
+    token (`as_ids`: each token "token_id:<id>", its bytes those of that string, as vLLM does)."""
     needed = _ids_needing_strings(entries, num_top)
-    strings = dict(zip(needed, tokenizer.token_strings(needed), strict=True))
-    raw = dict(zip(needed, tokenizer.token_bytes(needed), strict=True))
+    strings = dict(zip(needed, _strings(tokenizer, needed, as_ids), strict=True))
+    if as_ids:
+        raw = {t: list(strings[t].encode()) for t in needed}
+    else:
+        raw = dict(zip(needed, tokenizer.token_bytes(needed), strict=True))
     content = []
     for entry in entries:
         content.append(
@@ -173,3 +193,36 @@ def chat_logprobs(
             }
         )
     return content
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None] | None,
+    num_top: int,
+    as_ids: bool = False,
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first: nothing precedes it) or
+    {token id: {logprob, rank, decoded_token}} for the prompt's token and the top `num_top`."""
+    entries = list(entries) if entries is not None else [None] * len(token_ids)
+    needed = sorted(set(token_ids) | set(_ids_needing_strings(entries, num_top)))
+    strings = dict(zip(needed, _strings(tokenizer, needed, as_ids), strict=True))
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        # The prompt's own token first, then the top ones (vLLM's order).
+        position = {
+            str(token_id): {
+                "logprob": finite(entry.logprob),
+                "rank": entry.rank,
+                "decoded_token": strings[token_id],
+            }
+        }
+        for rank, (t, lp) in enumerate(entry.top[:num_top], start=1):
+            position.setdefault(
+                str(t), {"logprob": finite(lp), "rank": rank, "decoded_token": strings[t]}
+            )
+        out.append(position)
+    return out

@@ -39,6 +39,7 @@ class GenerationPlan:
     parallel_tool_calls: bool | None = None
     thinking: bool = False  # a reasoning parser is on: outputs report their reasoning apart
     lora: str | None = None  # the LoRA adapter the request's `model` selected (None: the base)
+    cache_salt: str | None = None  # prefix-cache blocks shared only with the same salt
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -60,7 +61,7 @@ class GenerationPlan:
         """Start the engine requests; the outputs stream aborts them when closed or when `raw`
         disconnects."""
         streams = start_streams(
-            self.engine, self.request_id, self.prompts, self.params, raw, self.lora
+            self.engine, self.request_id, self.prompts, self.params, raw, self.lora, self.cache_salt
         )
         return merge_outputs(streams, raw)
 

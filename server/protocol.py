@@ -179,6 +179,68 @@ class SamplingFields(StrictModel):
     structured_outputs: StructuredOutputsRequest | None = None
     # kvserve: add the per-request cost sheet (`metrics`); null defers to the X-KVServe-Metrics header.
     return_metrics: bool | None = None
+    # vLLM: prefix-cache blocks are shared only with requests of the same salt (a tenant's own).
+    cache_salt: str | None = None
+    # vLLM: top-N logprobs of every prompt token (the first has none), in vLLM's shape.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM: logprob tokens as "token_id:<id>" (for clients that cannot map strings back to ids).
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM: keep only the last N prompt tokens (-1: as many as the model takes).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM's guided decoding fields (its older spelling of structured_outputs).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # vLLM fields whose neutral value is accepted and any other refused by name (see below).
+    priority: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    spaces_between_special_tokens: bool | None = None
+    # vLLM fields kvserve cannot honour: any value is a 400 naming them.
+    allowed_token_ids: None = None
+    bad_words: None = None
+    guided_decoding_backend: None = None
+    logits_processors: None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("must be a non-empty string if provided")
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _no_priority(cls, value: int | None) -> int | None:
+        if value not in (None, 0):
+            raise ValueError(
+                "priority scheduling is not available on this server: requests are served first "
+                "come, first served (give 0 or leave it out)"
+            )
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("beam search is not supported by this server")
+        return value
+
+    @field_validator("length_penalty")
+    @classmethod
+    def _no_length_penalty(cls, value: float | None) -> float | None:
+        if value is not None and value != 1.0:
+            raise ValueError("length_penalty applies to beam search, which this server lacks")
+        return value
+
+    @field_validator("spaces_between_special_tokens")
+    @classmethod
+    def _spaces_between_special_tokens(cls, value: bool | None) -> bool | None:
+        if value is False:
+            raise ValueError("only true is supported (special tokens are decoded as written)")
+        return value
 
 
 class CompletionRequest(SamplingFields):
@@ -193,6 +255,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     max_tokens: NonNegInt | None = DEFAULT_COMPLETION_MAX_TOKENS  # null: the default too
     suffix: None = None  # not implemented: any value is a 400
+    add_special_tokens: bool | None = True  # vLLM: the tokenizer's BOS (and such) on text prompts
 
 
 class TextPart(StrictModel):

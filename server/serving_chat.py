@@ -18,8 +18,14 @@ from engine.text import ToolPlan
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import APIError, context_length_exceeded, invalid_request
 from server.field_map import CHAT_FIELDS, FieldMap
-from server.generation import build_sampling_params, check_prompts, check_stream_options
-from server.logprobs import chat_logprobs
+from server.generation import (
+    build_sampling_params,
+    check_prompt_logprobs,
+    check_prompts,
+    check_stream_options,
+    truncate_prompt,
+)
+from server.logprobs import chat_logprobs, prompt_logprobs
 from server.plan import GenerationPlan
 from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.settings import TEMPLATE_OWN_VARIABLES
@@ -90,6 +96,7 @@ def apply_template(
 def chat_turn(req: ChatCompletionRequest) -> TurnRequest:
     """A chat request as the turn it asks for (its own shape checks done here)."""
     check_stream_options(req)
+    check_prompt_logprobs(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = (
@@ -120,6 +127,9 @@ def chat_turn(req: ChatCompletionRequest) -> TurnRequest:
         parallel_tool_calls=req.parallel_tool_calls,
         add_generation_prompt=req.add_generation_prompt is not False,
         template_kwargs=effort_kwargs(req.reasoning_effort) | (req.chat_template_kwargs or {}),
+        cache_salt=req.cache_salt,
+        prompt_logprobs=req.prompt_logprobs,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
 
 
@@ -164,6 +174,7 @@ def plan_turn(
         template_kwargs(req.template_kwargs, state),
         fields,
     )
+    prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, engine.max_model_len)
     reasoning = state.reasoning_parser(tokenizer.chat_template)
     fmt = reasoning.format_for(prompt_text) if reasoning is not None else None
     num_top = req.top_logprobs or 0
@@ -173,7 +184,7 @@ def plan_turn(
         best_of=None,
         max_tokens=req.max_tokens,
         logprobs=num_top if req.logprobs else None,
-        prompt_logprobs=None,
+        prompt_logprobs=req.prompt_logprobs,
         output_kind="delta" if req.stream else "final",
         structured_outputs=constraint,
         reasoning=fmt,
@@ -202,6 +213,7 @@ def plan_turn(
         req.parallel_tool_calls,
         reasoning is not None,
         lora=served.lora,
+        cache_salt=req.cache_salt,
     )
 
 
@@ -242,7 +254,12 @@ def _completion(
         logprobs = None
         if req.logprobs:
             logprobs = {
-                "content": chat_logprobs(tokenizer, out.logprobs or [], plan.num_top),
+                "content": chat_logprobs(
+                    tokenizer,
+                    out.logprobs or [],
+                    plan.num_top,
+                    bool(req.return_tokens_as_token_ids),
+                ),
                 "refusal": None,
             }
         message: dict[str, Any] = {"role": "assistant", "content": turn.content, "refusal": None}
@@ -259,7 +276,7 @@ def _completion(
                 "stop_reason": turn.stop_reason,
             }
         )
-    return {
+    body = {
         "id": plan.request_id,
         "object": "chat.completion",
         "created": created,
@@ -273,6 +290,15 @@ def _completion(
         ),
         "system_fingerprint": None,
     }
+    if req.prompt_logprobs is not None:  # vLLM's place: the response, not a choice
+        body["prompt_logprobs"] = prompt_logprobs(
+            tokenizer,
+            plan.prompt_ids,
+            final.prompt_logprobs,
+            req.prompt_logprobs,
+            bool(req.return_tokens_as_token_ids),
+        )
+    return body
 
 
 def _chat_delta(delta: TurnDelta) -> dict[str, Any]:
@@ -322,7 +348,12 @@ class _ChatStream(ChunkStream):
             return None
         pending, self.pending_logprobs[index] = self.pending_logprobs.get(index, []), []
         return {
-            "content": chat_logprobs(self.tokenizer, pending, self.plan.num_top),
+            "content": chat_logprobs(
+                self.tokenizer,
+                pending,
+                self.plan.num_top,
+                bool(self.req.return_tokens_as_token_ids),
+            ),
             "refusal": None,
         }
 

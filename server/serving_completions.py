@@ -14,8 +14,14 @@ from engine import CompletionOutput, RequestOutput
 from server.cost_sheet import cost_sheet, wants_metrics
 from server.errors import invalid_request
 from server.field_map import COMPLETION_FIELDS
-from server.generation import build_sampling_params, check_prompts, check_stream_options
-from server.logprobs import CompletionLogprobsBuilder
+from server.generation import (
+    build_sampling_params,
+    check_prompt_logprobs,
+    check_prompts,
+    check_stream_options,
+    truncate_prompt,
+)
+from server.logprobs import CompletionLogprobsBuilder, prompt_logprobs
 from server.plan import GenerationPlan, Prompt
 from server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from server.state import ServerState
@@ -29,13 +35,23 @@ if TYPE_CHECKING:
 
 def _prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[Prompt]:
     p: Any = req.prompt
+    special = req.add_special_tokens is not False
     if isinstance(p, str):
-        return [(p, tokenizer.encode(p))]
+        return [(p, tokenizer.encode(p, add_special_tokens=special))]
     if all(isinstance(x, str) for x in p):
-        return [(text, tokenizer.encode(text)) for text in p]
+        return [(text, tokenizer.encode(text, add_special_tokens=special)) for text in p]
     if all(isinstance(x, int) for x in p):
         return [(None, list(p))]
     return [(None, list(ids)) for ids in p]
+
+
+def _truncated(prompts: list[Prompt], keep: int | None, max_model_len: int) -> list[Prompt]:
+    """Prompts cut to their last `keep` tokens; a cut text prompt is echoed from its tokens."""
+    out: list[Prompt] = []
+    for text, ids in prompts:
+        kept = truncate_prompt(ids, keep, max_model_len)
+        out.append((text if len(kept) == len(ids) else None, kept))
+    return out
 
 
 def prepare_completion(req: CompletionRequest, state: ServerState) -> GenerationPlan:
@@ -43,29 +59,40 @@ def prepare_completion(req: CompletionRequest, state: ServerState) -> Generation
     engine = state.require_engine()
     served = state.resolve_model(req.model)
     check_stream_options(req)
+    check_prompt_logprobs(req)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    prompts = _prompts(req, engine.tokenizer)
+    prompts = _truncated(
+        _prompts(req, engine.tokenizer), req.truncate_prompt_tokens, engine.max_model_len
+    )
     max_prompts = engine.max_queued_requests
     if len(prompts) > max_prompts:
         raise invalid_request(
             f"Too many prompts ({len(prompts)}); this server takes at most {max_prompts} per request.",
             "prompt",
         )
-    want_prompt_logprobs = bool(req.echo) and req.logprobs is not None
+    echoed = req.logprobs if req.echo and req.logprobs is not None else None
+    wanted = [n for n in (echoed, req.prompt_logprobs) if n is not None]
     params = build_sampling_params(
         Sampling.of(req),
         n=req.n or 1,
         best_of=req.best_of,
         max_tokens=max_tokens,
         logprobs=req.logprobs,
-        prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
+        prompt_logprobs=max(wanted) if wanted else None,
         output_kind="delta" if req.stream else "final",
         structured_outputs=request_constraint(req, COMPLETION_FIELDS),
     )
     check_prompts(engine, [ids for _, ids in prompts], params, COMPLETION_FIELDS)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     return GenerationPlan(
-        engine, served.name, request_id, prompts, params, COMPLETION_FIELDS, lora=served.lora
+        engine,
+        served.name,
+        request_id,
+        prompts,
+        params,
+        COMPLETION_FIELDS,
+        lora=served.lora,
+        cache_salt=req.cache_salt,
     )
 
 
@@ -96,7 +123,10 @@ def _logprobs_builder(
     req: CompletionRequest, tokenizer: Tokenizer, num_top: int
 ) -> CompletionLogprobsBuilder:
     return CompletionLogprobsBuilder(
-        tokenizer, num_top, skip_special_tokens=req.skip_special_tokens is not False
+        tokenizer,
+        num_top,
+        skip_special_tokens=req.skip_special_tokens is not False,
+        as_ids=bool(req.return_tokens_as_token_ids),
     )
 
 
@@ -126,6 +156,15 @@ def _full_response(
     n = plan.params.n
     for prompt_index, (prompt, final) in enumerate(zip(plan.prompts, finals, strict=True)):
         prompt_text = _prompt_text(prompt, tokenizer) if req.echo else ""
+        vllm_prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            vllm_prompt_logprobs = prompt_logprobs(
+                tokenizer,
+                prompt[1],
+                final.prompt_logprobs,
+                req.prompt_logprobs,
+                bool(req.return_tokens_as_token_ids),
+            )
         for out in sorted(final.outputs, key=lambda o: o.index):
             turn = plan.final_turn(out)
             completion_tokens += turn.output_tokens
@@ -136,15 +175,16 @@ def _full_response(
                     logprobs = _echo_logprobs(builder, prompt, prompt_text, final, out)
                 else:
                     logprobs = builder.build(out.token_ids, out.logprobs)
-            choices.append(
-                {
-                    "index": prompt_index * n + out.index,
-                    "text": prompt_text + out.text,
-                    "logprobs": logprobs,
-                    "finish_reason": turn.end.value,
-                    "stop_reason": turn.stop_reason,
-                }
-            )
+            choice = {
+                "index": prompt_index * n + out.index,
+                "text": prompt_text + out.text,
+                "logprobs": logprobs,
+                "finish_reason": turn.end.value,
+                "stop_reason": turn.stop_reason,
+            }
+            if vllm_prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     cached = sum(f.num_cached_tokens for f in finals)
     return {

@@ -23,6 +23,7 @@ from engine import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    model_id,
 )
 from engine.core.lora import parse_lora_modules, read_adapter_spec
 from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS
@@ -42,6 +43,9 @@ _TARGETS: dict[str, type] = {
 }
 # vLLM's switch for the runtime LoRA routes, read when KVSERVE_ALLOW_RUNTIME_LORA_UPDATING is unset.
 VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# vLLM's switch for its development routes (POST /reset_prefix_cache), read when
+# KVSERVE_SERVER_DEV_MODE is unset.
+VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
 def parse_bool(text: str) -> bool:
@@ -470,6 +474,14 @@ OPTIONS: tuple[Option, ...] = (
         is_bool=True,
     ),
     Option(
+        "server-dev-mode",
+        "server.server_dev_mode",
+        parse_bool,
+        "serve vLLM's development route POST /reset_prefix_cache without --api-key (with a key it "
+        "is always on, behind the key; vLLM's VLLM_SERVER_DEV_MODE is read too)",
+        is_bool=True,
+    ),
+    Option(
         "replicas",
         "ray.replicas",
         _int,
@@ -653,6 +665,10 @@ def resolve(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
     if runtime_lora.env not in environ and environ.get(VLLM_RUNTIME_LORA_ENV):
         source = f"environment variable {VLLM_RUNTIME_LORA_ENV}"
         values[runtime_lora.dest] = _convert(runtime_lora, environ[VLLM_RUNTIME_LORA_ENV], source)
+    dev_mode = OPTIONS_BY_DEST["server_dev_mode"]
+    if dev_mode.env not in environ and environ.get(VLLM_DEV_MODE_ENV):
+        source = f"environment variable {VLLM_DEV_MODE_ENV}"
+        values[dev_mode.dest] = _convert(dev_mode, environ[VLLM_DEV_MODE_ENV], source)
     cli = dict(cli)
     if "model_option" in cli:
         flag = cli.pop("model_option")
@@ -684,10 +700,16 @@ def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig
     return engine_config, ServerConfig(**groups["server"])
 
 
-def check_lora_modules(config: LoRAConfig) -> None:
+def check_lora_modules(config: LoRAConfig, base: str | None = None) -> None:
     """Read each --lora-modules folder's adapter_config.json before the model loads, so a wrong path
-    or rank is a start-up error at once (the engine checks the tensors against the model)."""
+    or rank is a start-up error at once (the engine checks the tensors against the model); an
+    adapter named as the base model's id `base` could never be selected."""
     for name, path in config.modules:
+        if name == base:
+            raise ValueError(
+                f"--lora-modules {name}: the adapter name is the base model's id; give the "
+                "adapter its own name"
+            )
         try:
             read_adapter_spec(path, config.max_lora_rank)
         except ValueError as e:

@@ -36,6 +36,8 @@ class ServerConfig:
     enable_lora: bool = False  # vLLM's --enable-lora, accepted: adapters are always available
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (None: on exactly when api_key is set).
     allow_runtime_lora_updating: bool | None = None
+    # vLLM's VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache without an API key.
+    server_dev_mode: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,6 +63,11 @@ class ServerConfig:
         if self.allow_runtime_lora_updating is not None:
             return self.allow_runtime_lora_updating
         return self.api_key is not None
+
+    @property
+    def dev_routes(self) -> bool:
+        """Whether POST /reset_prefix_cache is served: in dev mode, or behind an API key."""
+        return self.server_dev_mode or self.api_key is not None
 
 
 class ServerState:

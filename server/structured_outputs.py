@@ -62,12 +62,38 @@ def request_constraint(req: SamplingFields, fields: FieldMap) -> StructuredOutpu
     rf, so = req.response_format, req.structured_outputs
     from_format = _from_response_format(rf, fields)
     from_so = _from_structured_outputs(so) if so is not None else None
-    if from_format is not None and from_so is not None:
-        raise invalid_request(
-            "response_format and structured_outputs conflict: give only one of them",
-            "structured_outputs",
+    guided = _guided_request(req)
+    from_guided = _from_structured_outputs(guided, "guided_") if guided is not None else None
+    given = [
+        name
+        for name, c in (
+            ("response_format", from_format),
+            ("structured_outputs", from_so),
+            (from_guided.source if from_guided is not None else "", from_guided),
         )
-    return from_format or from_so
+        if c is not None
+    ]
+    if len(given) > 1:
+        raise invalid_request(f"{' and '.join(given)} conflict: give only one of them", given[-1])
+    return from_format or from_so or from_guided
+
+
+def _guided_request(req: SamplingFields) -> StructuredOutputsRequest | None:
+    """vLLM's guided_* fields as the structured_outputs request they spell (None: none given)."""
+    fields = (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
+    if all(f is None for f in fields):
+        if req.guided_whitespace_pattern is not None:
+            raise invalid_request(
+                "guided_whitespace_pattern needs guided_json", "guided_whitespace_pattern"
+            )
+        return None
+    return StructuredOutputsRequest(
+        json=req.guided_json,
+        regex=req.guided_regex,
+        choice=req.guided_choice,
+        grammar=req.guided_grammar,
+        whitespace_pattern=req.guided_whitespace_pattern,
+    )
 
 
 JSON_OBJECT = StructuredOutputs(json_object=True, source="response_format")
@@ -93,7 +119,11 @@ def _from_response_format(rf: Any, fields: FieldMap) -> StructuredOutputs | None
     return None  # text, or absent
 
 
-def _from_structured_outputs(so: StructuredOutputsRequest) -> StructuredOutputs | None:
+def _from_structured_outputs(
+    so: StructuredOutputsRequest, prefix: str = "structured_outputs."
+) -> StructuredOutputs | None:
+    """`prefix` spells a constraint's field: structured_outputs.json, or vLLM's guided_json."""
+    whole = "structured_outputs" if prefix.endswith(".") else prefix + "json"
     given = [
         name
         for name, value in (
@@ -108,19 +138,17 @@ def _from_structured_outputs(so: StructuredOutputsRequest) -> StructuredOutputs 
     if not given:
         if so.whitespace_pattern is not None:
             raise invalid_request(
-                "whitespace_pattern needs a json or json_object constraint", "structured_outputs"
+                "whitespace_pattern needs a json or json_object constraint", whole
             )
         raise invalid_request(
             "structured_outputs takes one constraint: json, json_object, regex, choice or grammar",
-            "structured_outputs",
+            whole,
         )
     if len(given) > 1:
-        raise invalid_request(
-            f"structured_outputs takes one constraint, got {' and '.join(given)}",
-            "structured_outputs",
-        )
+        names = " and ".join(prefix + g for g in given)
+        raise invalid_request(f"give only one constraint, got {names}", whole)
     kind = given[0]
-    param = f"structured_outputs.{kind}"
+    param = prefix + kind
     schema = None
     if so.json_schema is not None:
         value = so.json_schema
@@ -133,7 +161,7 @@ def _from_structured_outputs(so: StructuredOutputsRequest) -> StructuredOutputs 
     if so.whitespace_pattern is not None and kind not in ("json", "json_object"):
         raise invalid_request(
             "whitespace_pattern applies only to json and json_object constraints",
-            "structured_outputs.whitespace_pattern",
+            prefix + "whitespace_pattern",
         )
     if so.choice is not None and not all(so.choice):
         raise invalid_request("choice entries must be non-empty strings", param)

@@ -117,6 +117,9 @@ class TurnRequest:
     add_generation_prompt: bool = True
     # The request's chat template variables (over the server's --chat-template-kwargs).
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with the same salt
+    prompt_logprobs: int | None = None  # vLLM's: top-N logprobs of each prompt token
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens
 
 
 def turn_message(m: ChatMessage) -> TurnMessage:

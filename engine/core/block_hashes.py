@@ -6,9 +6,9 @@ from `NONE_HASH = sha256(canonical CBOR of the seed string)` for a chain's first
 the PYTHONHASHSEED value, as in vLLM (kvserve uses "0" when it is unset, where vLLM picks a random
 one). Events carry the digest's low 64 bits as an unsigned int (vLLM's default
 `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`). Extra keys are None for the plain model and
-`(cache_namespace,)` on every block of a namespaced chain (a LoRA adapter, a cache salt), as vLLM
-puts the adapter's name in its extra keys. The pool's own trie keys stay exact: these hashes only
-name blocks outside the engine."""
+the LoRA namespace on every block of an adapter's chain, as vLLM puts the adapter's name in its extra
+keys, and a cache salt after it on a chain's first block only, as vLLM does (the chain carries it on).
+The pool's own trie keys stay exact: these hashes only name blocks outside the engine."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import hashlib
 from collections.abc import Sequence
 
 import cbor2
+
+from engine.core.cache_namespace import split_namespace
 
 DEFAULT_SEED = "0"
 
@@ -32,8 +34,12 @@ def none_hash(seed: str = DEFAULT_SEED) -> bytes:
     return sha256_cbor(seed)
 
 
-def extra_keys(namespace: str | None) -> ExtraKeys:
-    return None if namespace is None else (namespace,)
+def extra_keys(namespace: str | None, first: bool = False) -> ExtraKeys:
+    """The extra keys hashed into a block of a chain in `namespace` (`first`: the chain's first
+    block, which alone carries a cache salt)."""
+    lora, salt = split_namespace(namespace)
+    keys = tuple(k for k in (lora, salt if first else None) if k is not None)
+    return keys or None
 
 
 def block_digest(parent: bytes, token_ids: Sequence[int], extra: ExtraKeys = None) -> bytes:
@@ -54,9 +60,9 @@ def external_block_hashes(
 ) -> list[int]:
     """The external hashes of the full blocks of `token_ids` (a router's view of a prompt)."""
     parent = none_hash(seed)
-    extra = extra_keys(namespace)
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = extra_keys(namespace, first=start == 0)
         parent = block_digest(parent, token_ids[start : start + block_size], extra)
         hashes.append(external_hash(parent))
     return hashes

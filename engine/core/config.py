@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -180,3 +181,24 @@ class EngineConfig:
             lora=top.pop("lora") if "lora" in top and not lora else LoRAConfig(**lora),
             **top,
         )
+
+
+BUNDLED_MODEL_ID = "SmolLM2-135M-Instruct"
+BUNDLED_EMBEDDING_MODEL_ID = "all-MiniLM-L6-v2"
+
+
+def served_model_name(model: str | None) -> str:
+    """The name clients use: the bundled model's, a hub id, or the folder / file stem."""
+    if model is None:
+        return BUNDLED_MODEL_ID
+    if "/" in model and not Path(model).expanduser().exists():
+        return model  # a hub id
+    return Path(model).expanduser().name.removesuffix(".gguf")
+
+
+def model_id(config: EngineConfig) -> str:
+    """The id the engine serves its model under, known before the model loads."""
+    mc = config.model
+    if mc.model is None and mc.task == "embed":
+        return BUNDLED_EMBEDDING_MODEL_ID
+    return served_model_name(mc.model)

@@ -62,9 +62,11 @@ class EngineClient(Protocol):
         params: SamplingParams,
         prompt: str | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as the engine produces them; closing the iterator aborts it.
-        `lora` names the LoRA adapter to run on (LoRANotFoundError when it is not served)."""
+        `lora` names the LoRA adapter to run on (LoRANotFoundError when it is not served);
+        `cache_salt` (vLLM's field) keeps its prefix-cache blocks to requests of the same salt."""
         ...
 
     async def embed(
@@ -98,6 +100,11 @@ class EngineClient(Protocol):
     async def unload_lora(self, name: str) -> None:
         """Stop serving `name` (LoRANotFoundError if absent): new requests naming it fail, running
         ones finish on the weights they started with."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (vLLM's reset_prefix_cache); False, and nothing dropped,
+        while running requests hold blocks."""
         ...
 
     # -- health and state --------------------------------------------------------------------------

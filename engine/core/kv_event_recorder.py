@@ -16,6 +16,7 @@ from engine.core.block_hashes import (
     none_hash,
 )
 from engine.core.block_pool import ROOT_NODE, PrefixTrie
+from engine.core.cache_namespace import split_namespace
 from engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
@@ -50,7 +51,7 @@ class KVEventRecorder:
         tokens = list(self.trie.keys[node][1])
         at_root = parent == ROOT_NODE or parent in self._roots()
         parent_hash = None if at_root else self._digest(parent)[2]
-        extra = extra_keys(namespace)
+        extra = extra_keys(namespace, first=at_root)
         last = self.events[-1] if self.events else None
         if (
             isinstance(last, BlockStored)
@@ -70,7 +71,7 @@ class KVEventRecorder:
                 parent_hash,
                 tokens,
                 self.block_size,
-                lora_name=self.lora_names.get(namespace) if namespace is not None else None,
+                lora_name=self._lora_name(namespace),
                 extra_keys=None if extra is None else [extra],
                 group_idx=self._group_idx(group),
                 kv_cache_spec_kind=self._kind(group),
@@ -114,6 +115,10 @@ class KVEventRecorder:
             return None
         return "full_attention" if self.windows[group] is None else "sliding_window"
 
+    def _lora_name(self, namespace: str | None) -> str | None:
+        lora = split_namespace(namespace)[0]
+        return self.lora_names.get(lora) if lora is not None else None
+
     def _roots(self) -> dict[int, str]:
         if len(self._root_namespaces) != len(self.trie.roots):
             self._root_namespaces = {node: ns for ns, node in self.trie.roots.items()}
@@ -134,8 +139,11 @@ class KVEventRecorder:
             digest, namespace, _ = self._digests[node]
         else:
             digest, namespace = self._none_hash, self._roots().get(node)
-        extra = extra_keys(namespace)
         for child in reversed(path):
+            first = (
+                self.trie.parents[child] == ROOT_NODE or self.trie.parents[child] in self._roots()
+            )
+            extra = extra_keys(namespace, first)
             digest = block_digest(digest, self.trie.keys[child][1], extra)
             self._digests[child] = (digest, namespace, external_hash(digest))
         return self._digests[start]

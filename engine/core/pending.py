@@ -19,6 +19,7 @@ class AddRequest:
     choices: list[list[int]] | None = None
     num_top_logprobs: int = 0
     lora: str | None = None  # the LoRA adapter's name (None: the base model)
+    cache_salt: str | None = None  # shares prefix-cache blocks only with requests of this salt
 
     @property
     def num_tokens(self) -> int:

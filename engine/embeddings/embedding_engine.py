@@ -134,6 +134,10 @@ class EmbeddingEngine:
     def unload_lora(self, name: str) -> None:
         self.adapters.unload(name)
 
+    def reset_prefix_cache(self) -> bool:
+        """An encoder keeps no prefix cache: there is nothing to drop."""
+        return True
+
     def publish(self, detail: bool = False) -> EngineSnapshot:
         """Build the state now and publish it: the one writer of `snapshot`."""
         self.snapshot = self.build_snapshot(detail)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine.core.cache_namespace import stored_namespace
 from engine.core.kv_offload import KVOffloadStats, TierKey
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ SUFFIX = ".kvb"
 
 
 def encode_entry(fingerprint: bytes, key: TierKey, payload: bytes) -> bytes:
-    namespace = b"" if key.namespace is None else key.namespace.encode()
-    ns_len = _NO_NAMESPACE if key.namespace is None else len(namespace)
+    stored = stored_namespace(key.namespace)  # a cache salt only as its digest
+    namespace = b"" if stored is None else stored.encode()
+    ns_len = _NO_NAMESPACE if stored is None else len(namespace)
     header = _HEADER.pack(MAGIC, fingerprint, key.group, ns_len, len(key.tokens), len(payload))
     body = b"".join((header, namespace, key.tokens, payload))
     return body + hashlib.blake2b(body, digest_size=_CHECKSUM).digest()
@@ -60,7 +62,7 @@ def decode_entry(data: bytes, fingerprint: bytes, key: TierKey) -> bytes | None 
     payload = body[at + tok_len :]
     if magic != MAGIC or len(payload) != payload_len:
         return False
-    if file_fp != fingerprint or group != key.group or namespace != key.namespace:
+    if file_fp != fingerprint or group != key.group or namespace != stored_namespace(key.namespace):
         return None
     return payload if tokens == key.tokens else None
 

@@ -105,6 +105,7 @@ class FakeClientBase:
         self.health_state = EngineHealth("ready")
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.published: EngineSnapshot | None = None  # what snapshot() returns once set
+        self.num_resets = 0  # reset_prefix_cache calls
 
     @property
     def vocab_size(self) -> int:
@@ -158,6 +159,11 @@ class FakeClientBase:
 
     async def unload_lora(self, name: str) -> None:
         raise LoRANotFoundError(name, ())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Refused while a request runs, like the real engine's."""
+        self.num_resets += 1
+        return not self.active
 
     async def start(self) -> None:
         pass
@@ -221,6 +227,7 @@ class FakeEngine(FakeClientBase):
         params: SamplingParams,
         prompt: str | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         self.validate(prompt_token_ids, params)
         if self.queue_full:

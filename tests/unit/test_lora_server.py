@@ -69,6 +69,7 @@ class LoRAFakeEngine(FakeEngine):
         params: SamplingParams,
         prompt: str | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         self._check(lora)
         async for out in super().generate(request_id, prompt_token_ids, params, prompt):
