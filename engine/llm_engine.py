@@ -549,5 +549,3 @@ def sample_seed(seed: int, index: int) -> int:
         return seed
     mixed = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 64)
     return mixed ^ (mixed >> 31)
-
-

@@ -12,9 +12,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from engine import EngineClient
+from server.cache_routes import router as cache_router
 from server.engine_page import router as engine_page_router
 from server.errors import APIError, install_error_handlers, invalid_request, service_unavailable
-from server.cache_routes import router as cache_router
 from server.lora_routes import router as lora_router
 from server.metrics import MetricsMiddleware, ServerMetrics
 from server.metrics import router as metrics_router

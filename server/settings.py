@@ -23,7 +23,6 @@ from engine import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    model_id,
 )
 from engine.core.lora import parse_lora_modules, read_adapter_spec
 from engine.text import REASONING_PARSER_NAMES, TOOL_PARSERS

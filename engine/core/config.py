@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from engine.core.kv_events import KVEventsConfig
