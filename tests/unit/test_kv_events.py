@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from engine.core.block_hashes import external_block_hashes
+from engine.core.cache_namespace import cache_namespace, split_namespace, stored_namespace
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_event_recorder import KVEventRecorder
 from engine.core.kv_events import (
@@ -96,6 +97,42 @@ def test_namespaces_hash_apart_and_carry_their_extra_keys() -> None:
     assert lora.block_hashes == external_block_hashes(tokens, BS, namespace="adapter-sha")
     assert set(lora.block_hashes).isdisjoint(plain.block_hashes)
     CacheView().apply(as_events([plain, lora]))  # recomputable from the published extra keys
+
+
+def test_a_cache_salt_roots_its_chain_apart_and_hashes_into_the_first_block_only() -> None:
+    kv, recorder = manager(16)
+    recorder.lora_names = {"lora:abc": "sql"}
+    tokens = list(range(1, 9))
+    compute(kv, seq(tokens, "plain"))
+    salted_a = cache_namespace(None, "tenant-a")
+    compute(kv, seq(tokens, "a", namespace=salted_a))
+    compute(kv, seq(tokens, "b", namespace=cache_namespace(None, "tenant-b")))
+    both = cache_namespace("lora:abc", "tenant-a")
+    compute(kv, seq(tokens, "ab", namespace=both))
+    plain, a, b, ab = recorder.take()
+    assert a.extra_keys == [("tenant-a",), None], "vLLM: the salt keys the first block only"
+    assert ab.extra_keys == [("lora:abc", "tenant-a"), ("lora:abc",)]
+    assert ab.lora_name == "sql", "the adapter is named through a salted namespace too"
+    assert a.block_hashes == external_block_hashes(tokens, BS, namespace=salted_a)
+    assert ab.block_hashes == external_block_hashes(tokens, BS, namespace=both)
+    assert len({h for e in (plain, a, b, ab) for h in e.block_hashes}) == 8
+    CacheView().apply(as_events([plain, a, b, ab]))
+    hit = kv.find_cached_prefix(
+        seq(tokens + [9], "a2", namespace=cache_namespace(None, "tenant-a"))
+    )
+    miss = kv.find_cached_prefix(seq(tokens + [9], "c", namespace=cache_namespace(None, "other")))
+    assert hit is not None and hit.num_blocks == 2
+    assert miss is None or miss.num_blocks == 0
+
+
+def test_salted_namespaces_split_back_and_keep_the_salt_off_disk() -> None:
+    for lora in (None, "lora:abc"):
+        for salt in (None, "s", "x|salt:y", "salt:z"):
+            assert split_namespace(cache_namespace(lora, salt)) == (lora, salt)
+    stored = stored_namespace(cache_namespace("lora:abc", "secret"))
+    assert stored is not None and "secret" not in stored and stored.startswith("lora:abc|salt:")
+    assert stored == stored_namespace(cache_namespace("lora:abc", "secret"))
+    assert stored_namespace("lora:abc") == "lora:abc" and stored_namespace(None) is None
 
 
 def test_wire_arrays_follow_vllms_positions() -> None:

@@ -1,0 +1,164 @@
+"""vLLM's request extras over the fake engine (no model): each maps onto the engine's params and
+fields, or is a 400 naming the field; POST /reset_prefix_cache's switch; an adapter named like the
+base model refused before any model loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine import LoRAConfig
+from server.cli import main
+from server.settings import build_configs, check_lora_modules, resolve
+from tests.unit.server_fakes import FakeEngine, app_client
+
+
+class SaltRecordingEngine(FakeEngine):
+    """Records the cache salt each engine request was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.salts: list[str | None] = []
+
+    def generate(self, *args: Any, cache_salt: str | None = None, **kwargs: Any):  # type: ignore[override]
+        self.salts.append(cache_salt)
+        return super().generate(*args, **kwargs)
+
+
+async def test_cache_salt_reaches_the_engine_from_completions_and_chat() -> None:
+    engine = SaltRecordingEngine()
+    async with app_client(engine) as c:
+        body: dict[str, Any] = {"prompt": "abc", "max_tokens": 2, "cache_salt": "t1"}
+        assert (await c.post("/v1/completions", json=body)).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}], "cache_salt": "t2"}
+        assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
+        assert (await c.post("/v1/completions", json={"prompt": "abc"})).status_code == 200
+        bad = await c.post("/v1/completions", json={"prompt": "abc", "cache_salt": ""})
+    assert engine.salts == ["t1", "t2", None]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+async def test_guided_fields_become_the_constraint() -> None:
+    engine = FakeEngine()
+    async with app_client(engine) as c:
+        for body, kind in (
+            ({"guided_choice": ["a", "b"]}, "choice"),
+            ({"guided_regex": "[0-9]+"}, "regex"),
+            ({"guided_json": {"type": "object"}}, "json"),
+            ({"guided_json": '{"type": "object"}', "guided_whitespace_pattern": " ?"}, "json"),
+            ({"guided_grammar": 'root ::= "x"'}, "grammar"),
+        ):
+            r = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            constraint = engine.requests[-1][2].structured_outputs
+            assert constraint is not None and constraint.kind == kind
+            assert constraint.source == "guided_" + kind
+        two = await c.post(
+            "/v1/completions", json={"prompt": "abc", "guided_regex": "a", "guided_choice": ["b"]}
+        )
+        schema = await c.post("/v1/completions", json={"prompt": "abc", "guided_json": "{oops"})
+        lone = await c.post(
+            "/v1/completions", json={"prompt": "a", "guided_whitespace_pattern": " "}
+        )
+    assert two.status_code == 400 and two.json()["error"]["param"] == "guided_json"
+    assert schema.status_code == 400 and schema.json()["error"]["param"] == "guided_json"
+    assert lone.status_code == 400
+
+
+async def test_prompt_logprobs_truncation_and_special_tokens_reach_the_params() -> None:
+    engine = FakeEngine()
+    async with app_client(engine) as c:
+        r = await c.post(
+            "/v1/completions",
+            json={
+                "prompt": "abcdef",
+                "max_tokens": 1,
+                "prompt_logprobs": 3,
+                "truncate_prompt_tokens": 4,
+            },
+        )
+        assert r.status_code == 200, r.text
+        _, ids, params = engine.requests[-1]
+        assert ids == list(b"cdef") and params.prompt_logprobs == 3
+        assert r.json()["usage"]["prompt_tokens"] == 4
+        assert "prompt_logprobs" in r.json()["choices"][0]
+        streamed = await c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+                "prompt_logprobs": 1,
+            },
+        )
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("allowed_token_ids", [1]),
+        ("bad_words", ["x"]),
+        ("priority", 1),
+        ("use_beam_search", True),
+        ("length_penalty", 0.5),
+        ("spaces_between_special_tokens", False),
+        ("guided_decoding_backend", "outlines"),
+        ("logits_processors", ["x"]),
+        ("prompt_logprobs", 21),
+    ],
+)
+async def test_fields_kvserve_cannot_honour_are_400s_naming_them(field: str, value: Any) -> None:
+    async with app_client(FakeEngine()) as c:
+        for path, body in (
+            ("/v1/completions", {"prompt": "abc"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ):
+            r = await c.post(path, json={**body, field: value})
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["param"] == field
+
+
+async def test_reset_prefix_cache_needs_a_key_or_dev_mode() -> None:
+    engine = FakeEngine()
+    async with app_client(engine) as c:
+        off = await c.post("/reset_prefix_cache")
+    assert off.status_code == 404 and "--server-dev-mode" in off.json()["error"]["message"]
+    async with app_client(engine, server_dev_mode=True) as c:
+        assert (await c.post("/reset_prefix_cache")).status_code == 200
+        engine.active.add("busy")
+        busy = await c.post("/reset_prefix_cache")
+        engine.active.clear()
+        bad = await c.post("/reset_prefix_cache?reset_running_requests=true")
+        junk = await c.post("/reset_prefix_cache?reset_external=maybe")
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "requests_running"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reset_running_requests"
+    assert junk.status_code == 400
+    async with app_client(engine, api_key="k") as c:
+        assert (await c.post("/reset_prefix_cache")).status_code == 401
+        ok = await c.post("/reset_prefix_cache", headers={"Authorization": "Bearer k"})
+    assert ok.status_code == 200 and engine.num_resets == 3
+
+
+def test_dev_mode_reads_vllms_variable() -> None:
+    assert resolve({}, environ={"VLLM_SERVER_DEV_MODE": "1"})["server_dev_mode"] is True
+    assert resolve({}, environ={})["server_dev_mode"] is False
+    values = resolve({}, environ={"VLLM_SERVER_DEV_MODE": "1", "KVSERVE_SERVER_DEV_MODE": "0"})
+    assert build_configs(values)[1].server_dev_mode is False
+
+
+def test_an_adapter_named_like_the_base_model_fails_before_the_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    with pytest.raises(ValueError, match="the base model's id"):
+        check_lora_modules(LoRAConfig(modules=(("smol", str(tmp_path)),)), "smol")
+    model = tmp_path / "mymodel"  # an empty folder, never read: the names are checked first
+    model.mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", str(model), "--lora-modules", f"mymodel={tmp_path}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "base model's id" in err[0]
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", str(model), "--served-model-name", "m", "--lora-modules", f"m={tmp_path}"])
+    assert exit_.value.code == 2 and "base model's id" in capsys.readouterr().err
