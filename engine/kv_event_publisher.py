@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections import deque
+from typing import Protocol
 
 import msgpack
 import zmq
@@ -19,6 +20,7 @@ from engine.core.errors import StartupError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_event_recorder import KVEventRecorder
 from engine.core.kv_events import KVEventBatch, KVEventsConfig, KVEventsState
+from engine.core.kv_offload import TierEvent
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +199,10 @@ class ZmqEventPublisher:
         self.num_replays += 1
 
 
+class TierEventSource(Protocol):
+    def take_events(self) -> list[TierEvent]: ...
+
+
 class KVEventStream:
     """The engine's KV events: a recorder listening to the pool and the publisher it feeds once
     per step (`flush`, on the step thread; the sending happens on the publisher's thread)."""
@@ -204,6 +210,7 @@ class KVEventStream:
     def __init__(self, recorder: KVEventRecorder, publisher: ZmqEventPublisher) -> None:
         self.recorder = recorder
         self.publisher = publisher
+        self.tiers: TierEventSource | None = None  # the KV offload store, when there is one
 
     @classmethod
     def start(cls, config: KVEventsConfig, kv: KVCacheManager, seed: str) -> KVEventStream:
@@ -218,6 +225,8 @@ class KVEventStream:
         return stream
 
     def flush(self) -> None:
+        if self.tiers is not None:
+            self.recorder.tier_events(self.tiers.take_events())
         events = self.recorder.take()
         if events:
             self.publisher.publish(KVEventBatch(time.time(), events))

@@ -175,6 +175,9 @@ class LLMEngine:
             self.kv.tiers = KVTiers(store, bs)
             self.kv.pool.on_evict = self.kv.tiers.on_evict
             self.runner.attach_kv_store(store)
+            if self.kv_events is not None:  # tier blocks publish events with their medium
+                store.record_events()
+                self.kv_events.tiers = store
 
     def _num_kv_blocks(self, block_size: int) -> int:
         cc = self.config.cache

@@ -8,6 +8,8 @@ pruned in bulk, never looked up again (node ids are never reused)."""
 
 from __future__ import annotations
 
+from array import array
+
 from engine.core.block_hashes import (
     DEFAULT_SEED,
     block_digest,
@@ -17,7 +19,17 @@ from engine.core.block_hashes import (
 )
 from engine.core.block_pool import ROOT_NODE, PrefixTrie
 from engine.core.cache_namespace import split_namespace
-from engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.core.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from engine.core.kv_offload import PrefixKeys, Tier, TierEvent, TierKey
+
+TIER_MEDIUMS: dict[Tier, str] = {"memory": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 
 
 class KVEventRecorder:
@@ -43,6 +55,8 @@ class KVEventRecorder:
         # A LoRA adapter's namespace -> its served name (BlockStored.lora_name); the engine's
         # adapter registry keeps it (engine/executor/lora_adapters.py).
         self.lora_names: dict[str, str] = {}
+        # (tier, entry name) -> the digest of a block a tier holds, as its BlockStored named it
+        self._tier_digests: dict[tuple[Tier, str], bytes] = {}
 
     # -- the pool's hooks ---------------------------------------------------------------------------
     def block_stored(self, group: int, node: int) -> None:
@@ -92,6 +106,63 @@ class KVEventRecorder:
 
     def cleared(self) -> None:
         self._add(AllBlocksCleared())
+
+    # -- the offload tiers (engine.core.kv_offload), once per step ---------------------------------
+    def tier_events(self, events: list[TierEvent]) -> None:
+        """Blocks that entered or left a tier: BlockStored / BlockRemoved with the tier's medium
+        ("CPU", "STORAGE", as vLLM's offloading connector names them), under the same hashes the
+        pool's events give the same blocks. A removal of a block never announced (a disk entry
+        from an earlier run) is left out."""
+        for event in events:
+            medium = TIER_MEDIUMS[event.tier]
+            if event.key is None:
+                digest = self._tier_digests.pop((event.tier, event.name), None)
+                if digest is not None:
+                    self._add(
+                        BlockRemoved([external_hash(digest)], medium, self._tier_group(event))
+                    )
+                continue
+            self._tier_stored(event.tier, event.key, medium)
+
+    def _tier_group(self, event: TierEvent) -> int | None:
+        group = int(event.name.rsplit("-g", 1)[1]) if "-g" in event.name else 0
+        return self._group_idx(group)
+
+    def _tier_stored(self, tier: Tier, key: TierKey, medium: str) -> None:
+        bs = self.block_size
+        tokens = list(array("i", key.tokens))
+        num_blocks = len(tokens) // bs
+        parent = self._none_hash
+        start = 0
+        if num_blocks > 1:  # the block before, when a tier named it already: one hash, not n
+            keys = PrefixKeys(key.namespace, tokens, bs)
+            known = self._tier_digests.get((tier, keys.key(num_blocks - 2, key.group).name))
+            if known is not None:
+                parent, start = known, num_blocks - 1
+        parent_digest: bytes | None = None  # the digest of the block before the last
+        for i in range(start, num_blocks):
+            parent_digest = parent if i > 0 else None
+            extra = extra_keys(key.namespace, first=i == 0)
+            parent = block_digest(parent, tokens[i * bs : (i + 1) * bs], extra)
+        self._tier_digests[(tier, key.name)] = parent
+        last = tokens[(num_blocks - 1) * bs :]
+        extra = extra_keys(key.namespace, first=num_blocks == 1)
+        self._add(
+            BlockStored(
+                [external_hash(parent)],
+                None if parent_digest is None else external_hash(parent_digest),
+                last,
+                bs,
+                extra_keys=None if extra is None else [extra],
+                medium=medium,
+                group_idx=self._group_idx(key.group),
+                kv_cache_spec_kind=self._kind(key.group),
+                kv_cache_spec_sliding_window=self.windows[key.group]
+                if len(self.windows) > 1
+                else None,
+                lora_name=self._lora_name(key.namespace),
+            )
+        )
 
     # -- reading ------------------------------------------------------------------------------------
     def take(self) -> list[KVCacheEvent]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the engine's own KV pool, whatever the device
+MEDIUM_CPU = "CPU"  # vLLM's offloading connector: the host-memory tier
+MEDIUM_STORAGE = "STORAGE"  # vLLM's offloading connector: a storage tier (kvserve's disk tier)
 PUBLISHERS = ("zmq", "null")
 
 

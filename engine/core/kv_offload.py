@@ -87,6 +87,15 @@ def key_of_node(pool: BlockPool, group: int, node: int) -> TierKey:
     return TierKey(h.digest(), group, namespace, data)
 
 
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """An entry entered (`key` set) or left (`key` None) a tier; `name` is its TierKey.name."""
+
+    tier: Tier
+    name: str
+    key: TierKey | None = None
+
+
 @dataclass
 class KVOffloadStats:
     """Counters since start-up (blocks and bytes) and the tiers' fill now."""

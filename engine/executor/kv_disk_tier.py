@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from engine.core.cache_namespace import stored_namespace
-from engine.core.kv_offload import KVOffloadStats, TierKey
+from engine.core.kv_offload import KVOffloadStats, TierEvent, TierKey
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class DiskTier:
         self.index: OrderedDict[str, int] = OrderedDict()  # entry name -> file bytes, LRU first
         self.writing: dict[str, tuple[TierKey, Any]] = {}  # queued, not yet on disk
         self.used = 0
+        self.events: list[TierEvent] | None = None  # entries in and out (None: not recorded)
         self.lock = threading.Lock()
         self.queue: queue.Queue[tuple[TierKey, Any] | None] = queue.Queue()
         try:
@@ -124,8 +125,22 @@ class DiskTier:
         while self.index and self.used + incoming > self.capacity:
             name, size = self.index.popitem(last=False)
             self.used -= size
+            self._removed(name)
             with contextlib.suppress(OSError):
                 (self.root / (name + SUFFIX)).unlink()
+
+    def _removed(self, name: str) -> None:
+        """Note an entry's leaving (the lock held)."""
+        if self.events is not None:
+            self.events.append(TierEvent("disk", name))
+
+    def take_events(self) -> list[TierEvent]:
+        """Entries written and removed since the last call (from any thread)."""
+        with self.lock:
+            if not self.events:
+                return []
+            events, self.events = self.events, []
+            return events
 
     def _update_fill(self) -> None:
         self.stats.disk_bytes = self.used
@@ -137,6 +152,8 @@ class DiskTier:
             if not self.enabled:
                 return
             self.enabled = False
+            for name in self.index:
+                self._removed(name)
             self.index.clear()
             self.writing.clear()
             self.used = 0
@@ -193,6 +210,7 @@ class DiskTier:
             size = self.index.pop(name, None)
             if size is not None:
                 self.used -= size
+                self._removed(name)
                 self._update_fill()
 
     # -- writes (the background thread) ----------------------------------------------------------
@@ -241,6 +259,8 @@ class DiskTier:
                 return
             self.index[key.name] = len(data)
             self.used += len(data)
+            if self.events is not None:
+                self.events.append(TierEvent("disk", key.name, key))
             self.stats.disk_written_bytes += len(data)
             self._update_fill()
 

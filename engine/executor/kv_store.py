@@ -21,7 +21,7 @@ import torch
 from engine.core.config import CacheConfig
 from engine.core.errors import StartupError
 from engine.core.kv_cache_groups import KVCacheSpec
-from engine.core.kv_offload import KVOffloadStats, Tier, TierKey
+from engine.core.kv_offload import KVOffloadStats, Tier, TierEvent, TierKey
 from engine.executor.kv_disk_tier import DiskTier
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,14 @@ class Entry:
 class HostTier:
     """Entries in host memory, least recently used out past `capacity` bytes."""
 
-    def __init__(self, capacity: int, stats: KVOffloadStats) -> None:
+    def __init__(
+        self, capacity: int, stats: KVOffloadStats, events: list[TierEvent] | None = None
+    ) -> None:
         self.capacity = capacity
         self.stats = stats
         self.entries: OrderedDict[TierKey, Entry] = OrderedDict()
         self.used = 0
+        self.events = events  # entries in and out, for KV events (None: not recorded)
         stats.memory_capacity = capacity
 
     def get(self, key: TierKey) -> Entry | None:
@@ -66,10 +69,14 @@ class HostTier:
         if entry.nbytes > self.capacity or key in self.entries:
             return
         while self.used + entry.nbytes > self.capacity:
-            _, old = self.entries.popitem(last=False)
+            old_key, old = self.entries.popitem(last=False)
             self.used -= old.nbytes
+            if self.events is not None:
+                self.events.append(TierEvent("memory", old_key.name))
         self.entries[key] = entry
         self.used += entry.nbytes
+        if self.events is not None:
+            self.events.append(TierEvent("memory", key.name, key))
         self.stats.memory_bytes = self.used
         self.stats.memory_entries = len(self.entries)
 
@@ -83,6 +90,7 @@ class TieredKVStore:
         pin_memory: bool = False,
     ) -> None:
         self.stats = stats
+        self.host_events: list[TierEvent] | None = None  # set by record_events()
         self.host = HostTier(memory_bytes, stats)
         self.disk = disk
         self.pin_memory = pin_memory
@@ -134,6 +142,22 @@ class TieredKVStore:
 
     def end_step(self) -> None:
         self.staged.clear()
+
+    # -- KV events ------------------------------------------------------------------------------
+    def record_events(self) -> None:
+        """From now on, note every entry that enters or leaves a tier (for take_events)."""
+        self.host_events = self.host.events = []
+        if self.disk is not None:
+            self.disk.events = []
+
+    def take_events(self) -> list[TierEvent]:
+        """The tiers' entries in and out since the last call (the host tier's, then the disk's)."""
+        events: list[TierEvent] = []
+        if self.host_events is not None:
+            events, self.host_events[:] = list(self.host_events), []
+        if self.disk is not None:
+            events += self.disk.take_events()
+        return events
 
     def flush(self) -> None:
         if self.disk is not None:

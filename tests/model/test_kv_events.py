@@ -113,3 +113,50 @@ def _wait_for(sub: Subscriber, publisher) -> int:
         ):
             return publisher.num_batches
     raise AssertionError("the publisher did not drain")
+
+
+def test_tier_blocks_publish_their_medium(tiny_llama_dir, tmp_path) -> None:
+    """Blocks saved to the host and disk tiers are BlockStored with medium "CPU" / "STORAGE"
+    (vLLM's offloading connector's names) under the hashes the pool's events gave them; a block a
+    tier drops is BlockRemoved with its medium."""
+    import random
+
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+    }
+    llm = LLM(
+        str(tiny_llama_dir), dtype="float32", quantization="none", block_size=BLOCK,
+        num_blocks=14, kv_offload_memory=1 << 20, kv_offload_dir=str(tmp_path),
+        kv_events_config=config,
+    )  # fmt: skip
+    try:
+        rng = random.Random(1)
+        runs = [[rng.randrange(100, 30000) for _ in range(80)] for _ in range(6)]
+        for tokens in runs:  # each prompt evicts the one before it into the tiers
+            llm.generate([tokens], GREEDY)
+        llm.engine.kv_store.flush()  # the disk writes are done
+        llm.engine.kv_events.flush()
+        publisher = llm.engine.kv_events.publisher
+        sub = Subscriber(publisher.endpoint, publisher.replay_endpoint)
+        try:
+            history = sub.replay(0)
+        finally:
+            sub.close()
+        digests = {low64(d) for tokens in runs for d in prompt_digests(tokens, BLOCK)}
+        stored: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+        for seq in sorted(history):
+            for e in decode(history[seq])[1]:
+                if e.kind == "BlockStored":
+                    stored[e.fields[6]].update(e.block_hashes)
+                    assert len(e.fields[3]) == BLOCK * len(e.block_hashes)
+                elif e.kind == "BlockRemoved" and e.fields[2] != "GPU":
+                    assert set(e.block_hashes) <= stored[e.fields[2]], "removes what it stored"
+        stats = llm.engine.kv_store.stats
+        assert stored["CPU"] and stored["STORAGE"], stored
+        assert stored["CPU"] <= digests and stored["STORAGE"] <= digests
+        assert stored["CPU"] <= stored["GPU"], "a tier block keeps the hash the pool gave it"
+        assert len(stored["STORAGE"]) == stats.disk_entries
+    finally:
+        llm.engine.close()
