@@ -84,6 +84,7 @@ class EmbeddingEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         lora: str | None = None,
+        cache_salt: str | None = None,  # an encoder caches no prefix: nothing to salt
     ) -> None:
         if request_id in self.live:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -66,6 +66,7 @@ class FakeCore:
         prompt: Any,
         arrival_time: Any = None,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if request_id in self.fail_add:
             raise RuntimeError("boom while adding")
