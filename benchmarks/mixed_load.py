@@ -16,7 +16,6 @@ import json
 import logging
 import random
 import shlex
-import statistics
 import sys
 import time
 from contextlib import ExitStack
@@ -292,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             argv_ = [sys.executable, "-m", "server", "serve", model, "--port", str(port)]
             argv_ += [*shlex.split(args.server_args), *shlex.split(extra)]
             server = stack.enter_context(
-                ServerProcess(f"mixed-{name}", argv_, port, Path(args.log_dir), {"HF_HUB_OFFLINE": "1"})
+                ServerProcess(
+                    f"mixed-{name}", argv_, port, Path(args.log_dir), {"HF_HUB_OFFLINE": "1"}
+                )
             )
             servers[name] = server
         for server in servers.values():

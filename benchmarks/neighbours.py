@@ -21,10 +21,9 @@ import shlex
 import statistics
 import subprocess
 import sys
-from contextlib import ExitStack, contextmanager
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 from benchmarks.bench_utils import ServerProcess, cpu_summary, free_port
 from server.bench import BenchConfig, run_benchmark
@@ -122,9 +121,7 @@ def start_servers(stack: ExitStack, args: argparse.Namespace) -> dict[str, Serve
         gguf = args.gguf or str(find_bundled_model())
         argv = [args.llama_server, "-m", gguf, "--port", str(port), "-t", str(args.threads)]
         argv += ["-tb", str(args.threads), "-np", "8", "-c", str(8 * 512), "--host", "127.0.0.1"]
-        servers["llama.cpp"] = stack.enter_context(
-            ServerProcess("nb-llama", argv, port, log_dir)
-        )
+        servers["llama.cpp"] = stack.enter_context(ServerProcess("nb-llama", argv, port, log_dir))
     for server in servers.values():
         server.wait_healthy(timeout=600)
     return servers
@@ -162,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         servers = start_servers(stack, args)
         names = list(servers)
         for name in names:  # warm-up: first-use work out of the figures
-            measure(servers[name].base_url, argparse.Namespace(**{**vars(args), "c8_requests": 8}), None)
+            measure(
+                servers[name].base_url, argparse.Namespace(**{**vars(args), "c8_requests": 8}), None
+            )
             cells[name] = {"quiet": [], "busy": []}
         for r in range(args.rounds):
             conditions = ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet")

@@ -8,7 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 
-def config_mapping(value: str | Mapping[str, Any] | None, what: str, example: str) -> Mapping[str, Any] | None:
+def config_mapping(
+    value: str | Mapping[str, Any] | None, what: str, example: str
+) -> Mapping[str, Any] | None:
     """The option's fields, or None when it is off. `what` names the option in errors ("kv events
     config"); `example` is a JSON object shown when the value is not one."""
     if value is None:

@@ -56,7 +56,9 @@ def test_auto_probes_when_the_flags_are_listed(monkeypatch: pytest.MonkeyPatch) 
 def test_switch_on_probes_without_flags_and_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(amx_probe, "run_child", lambda code, request_permission=True: ("traps", "x"))
+    monkeypatch.setattr(
+        amx_probe, "run_child", lambda code, request_permission=True: ("traps", "x")
+    )
     with caplog.at_level(logging.WARNING, logger=amx_probe.__name__):
         status = probe_amx("1", flags=frozenset())
     assert status.state == "traps" and not status.usable and status.switch == "1"
