@@ -60,8 +60,24 @@ def busy_neighbours(n: int) -> Iterator[None]:
             p.wait()
 
 
-def measure(base_url: str, args: argparse.Namespace, model: str | None) -> dict[str, float]:
-    """c=1 median ITL (ms) and c=8 output tokens/s against one server."""
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of `pid` and its children so far (NaN when unknown)."""
+    import psutil
+
+    if pid is None:
+        return float("nan")
+    try:
+        proc = psutil.Process(pid)
+        return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+    except psutil.Error:
+        return float("nan")
+
+
+def measure(
+    base_url: str, args: argparse.Namespace, model: str | None, pid: int | None = None
+) -> dict[str, float]:
+    """c=1 median ITL (ms), c=8 output tokens/s and the server's CPU ms per output token at c=8
+    (spin-waiting threads show there: CPU burnt for no token, robust to a loaded machine)."""
     common = {
         "base_url": base_url,
         "model": model,
@@ -74,12 +90,16 @@ def measure(base_url: str, args: argparse.Namespace, model: str | None) -> dict[
     one = run_benchmark(
         BenchConfig(**common, num_requests=args.c1_requests, concurrency=1, seed=1)  # type: ignore[arg-type]
     )
+    cpu0 = cpu_seconds(pid)
     many = run_benchmark(
         BenchConfig(**common, num_requests=args.c8_requests, concurrency=8, seed=2)  # type: ignore[arg-type]
     )
+    cpu = cpu_seconds(pid) - cpu0
+    tokens = max(1, int(many["total_output_tokens"]))
     return {
         "itl_c1_ms": float(one["itl_ms"]["median"]),
         "tok_s_c8": float(many["output_throughput"]),
+        "cpu_ms_per_token_c8": 1e3 * cpu / tokens,
         "failed": float(one["failed"] + many["failed"]),
     }
 
@@ -113,7 +133,7 @@ def start_servers(stack: ExitStack, args: argparse.Namespace) -> dict[str, Serve
     for name, env, extra in args.variant or [("kvserve", {}, [])]:
         port = free_port()
         argv = [sys.executable, "-m", "server", "serve", model, "--port", str(port)]
-        argv += ["--num-threads", str(args.threads), *shlex.split(args.server_args), *extra]
+        argv += ["--threads", str(args.threads), *shlex.split(args.server_args), *extra]
         env = {"HF_HUB_OFFLINE": "1", **env}
         servers[name] = stack.enter_context(ServerProcess(f"nb-{name}", argv, port, log_dir, env))
     if args.llama_server:
@@ -130,17 +150,19 @@ def start_servers(stack: ExitStack, args: argparse.Namespace) -> dict[str, Serve
 def table(cells: dict[str, dict[str, list[dict[str, float]]]], busy: int) -> str:
     lines = [
         f"| server | ITL c=1 quiet | ITL c=1, {busy} busy | ratio | tok/s c=8 quiet | "
-        f"tok/s c=8, {busy} busy | ratio |",
-        "|---|---|---|---|---|---|---|",
+        f"tok/s c=8, {busy} busy | ratio | CPU ms/token c=8 quiet | busy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, by in cells.items():
         q_itl = statistics.median(c["itl_c1_ms"] for c in by["quiet"])
         b_itl = statistics.median(c["itl_c1_ms"] for c in by["busy"])
         q_tok = statistics.median(c["tok_s_c8"] for c in by["quiet"])
         b_tok = statistics.median(c["tok_s_c8"] for c in by["busy"])
+        q_cpu = statistics.median(c["cpu_ms_per_token_c8"] for c in by["quiet"])
+        b_cpu = statistics.median(c["cpu_ms_per_token_c8"] for c in by["busy"])
         lines.append(
             f"| {name} | {q_itl:.1f} ms | {b_itl:.1f} ms | {b_itl / q_itl:.2f}x | {q_tok:.1f} | "
-            f"{b_tok:.1f} | {b_tok / q_tok:.2f}x |"
+            f"{b_tok:.1f} | {b_tok / q_tok:.2f}x | {q_cpu:.1f} | {b_cpu:.1f} |"
         )
     return "\n".join(lines)
 
@@ -169,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                 with busy_neighbours(args.busy if condition == "busy" else 0):
                     order = names[r % len(names) :] + names[: r % len(names)]
                     for name in order:
-                        m = measure(servers[name].base_url, args, None)
+                        server = servers[name]
+                        pid = server.proc.pid if server.proc is not None else None
+                        m = measure(server.base_url, args, None, pid)
                         cells[name][condition].append(m)
                         logger.info("round %d %s %s: %s", r + 1, condition, name, m)
     print(table(cells, args.busy))
