@@ -13,10 +13,11 @@ Trailing optional fields are left out when unset, as msgspec's omit_defaults doe
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from engine.core.json_config import config_mapping
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the engine's own KV pool, whatever the device
 MEDIUM_CPU = "CPU"  # vLLM's offloading connector: the host-memory tier
@@ -61,30 +62,23 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | KVEventsConfig | None) -> KVEventsConfig | None:
         """From vLLM's JSON text or a dict (None, '' or 'null': no events)."""
-        if value is None or isinstance(value, KVEventsConfig):
+        if isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip() or value.strip().lower() in ("null", "none"):
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv events config is not valid JSON: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, Mapping):
-            raise ValueError(
-                'kv events config must be a JSON object such as {"enable_kv_cache_events": true, '
-                '"publisher": "zmq", "endpoint": "tcp://*:5557"}'
-            )
+        data = config_mapping(
+            value,
+            "kv events config",
+            '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}',
+        )
+        if data is None:
+            return None
         known = [f.name for f in fields(cls)]
-        unknown = [k for k in value if k not in known]
+        unknown = [k for k in data if k not in known]
         if unknown:
             raise ValueError(
                 f"kv events config: unknown key(s) {', '.join(map(repr, unknown))}; "
                 f"kvserve accepts {', '.join(known)}"
             )
-        return cls(**dict(value))
+        return cls(**dict(data))
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,11 @@ frozen SpeculativeConfig, with clear errors for bad values, unknown keys and uns
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from engine.core.json_config import config_mapping
 
 SUPPORTED_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
 DRAFT_METHODS = ("draft_model", "layer_skip")  # proposals by a model (greedy), in its own KV
@@ -136,23 +137,14 @@ class SpeculativeConfig:
         cls, value: str | Mapping[str, Any] | SpeculativeConfig | None
     ) -> SpeculativeConfig | None:
         """From vLLM's JSON text or a dict (None, '' or 'null': speculation off)."""
-        if value is None or isinstance(value, SpeculativeConfig):
+        if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip() or value.strip().lower() in ("null", "none"):
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative config is not valid JSON: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, Mapping):
-            raise ValueError(
-                "speculative config must be a JSON object such as "
-                '{"method": "ngram", "num_speculative_tokens": 3}'
-            )
-        return cls._from_mapping(value)
+        data = config_mapping(
+            value, "speculative config", '{"method": "ngram", "num_speculative_tokens": 3}'
+        )
+        if data is None:
+            return None
+        return cls._from_mapping(data)
 
     @classmethod
     def _from_mapping(cls, data: Mapping[str, Any]) -> SpeculativeConfig:

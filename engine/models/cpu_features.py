@@ -1,7 +1,7 @@
 """What the CPU offers the weight formats: torch's vector capability, the relevant /proc/cpuinfo
 flags (AVX2, FMA, F16C, AVX-512, VNNI, native bf16, AMX), and which path of kvserve's block kernels
 (engine/kernels/csrc/block_matmul.cpp) runs on it and why (each ISA path is probed in a child
-process before it is trusted; block_paths.cpp)."""
+process before it is trusted; block_paths.cpp), and whether AMX-INT8 runs (engine.kernels.amx_probe)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine.kernels.amx_probe import amx_status
 
 # The flags that decide a format; the rest of /proc/cpuinfo is noise for this purpose.
 RELEVANT_FLAGS = (
@@ -29,6 +31,9 @@ class CpuFeatures:
     kernel_path: str | None = None
     kernel_reason: str = ""
     kernel_paths_running: frozenset[str] | None = None  # the paths whose probe passed
+    # AMX-INT8 as its child-process probe found it (engine.kernels.amx_probe), "runs (...)",
+    # "traps (...)", ...; None for a CPU described from flags only.
+    amx: str | None = None
 
     @property
     def native_bf16(self) -> bool:
@@ -50,9 +55,10 @@ class CpuFeatures:
             kernels = f"{self.kernel_path} ({self.kernel_reason})"
         else:
             kernels = "AVX2" if self.block_kernels else "portable (slow)"
+        amx = f"; AMX-INT8: {self.amx}" if self.amx is not None else ""
         return (
             f"{self.model_name}: torch capability {self.capability}, flags: {flags}; "
-            f"native bf16: {'yes' if self.native_bf16 else 'no'}; block kernels: {kernels}"
+            f"native bf16: {'yes' if self.native_bf16 else 'no'}; block kernels: {kernels}{amx}"
         )
 
 
@@ -108,4 +114,5 @@ def detect_cpu() -> CpuFeatures:
         kernel_path=path,
         kernel_reason=reason,
         kernel_paths_running=running,
+        amx=amx_status().describe(),
     )
