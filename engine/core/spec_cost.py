@@ -57,13 +57,17 @@ class MeasuredSpecCost:
     def __init__(self, drafts: bool) -> None:
         self.drafts = drafts
         self._plain: dict[int, _Median] = {}  # batch size -> seconds of a decode-only step
-        self._row = _Median()  # a verified draft row, in decode rows
+        self._row = _Median()  # a verified draft row, in decode rows (over all draft lengths)
+        self._rows: dict[int, _Median] = {}  # draft length -> its verification, in decode rows
         self._forward = _Median()  # a draft forward, in plain steps
 
     # -- SpecCost ----------------------------------------------------------------------------------
     def verify_cost(self, batch_size: int, num_drafts: int) -> float:
-        rows = self._row.get(DRAFT_ROW_COST)
-        return num_drafts * rows / (STEP_OVERHEAD_ROWS + max(1, batch_size))
+        # Measured per draft length where it was (the cost of a row grows with the rows: kernels
+        # change shape), else linear in the rows from the median row.
+        measured = self._rows.get(num_drafts)
+        rows = measured.get(0.0) if measured is not None else num_drafts * self.row_cost
+        return rows / (STEP_OVERHEAD_ROWS + max(1, batch_size))
 
     def draft_cost(self, batch_size: int, num_forwards: int) -> float:
         if not self.drafts:
@@ -94,7 +98,9 @@ class MeasuredSpecCost:
             self._forward.add(draft_seconds / num_forwards / plain)
         if num_drafts:
             extra = max(0.0, seconds - draft_seconds - plain) / plain  # in plain steps
-            self._row.add(min(4.0, extra / num_drafts * (STEP_OVERHEAD_ROWS + batch_size)))
+            rows = min(4.0 * num_drafts, extra * (STEP_OVERHEAD_ROWS + batch_size))
+            self._row.add(rows / num_drafts)
+            self._rows.setdefault(num_drafts, _Median()).add(rows)
 
     def plain_seconds(self, batch_size: int) -> float | None:
         """A plain decode step of `batch_size` (measured, or scaled from the nearest measured

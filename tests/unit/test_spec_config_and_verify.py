@@ -287,8 +287,14 @@ def test_the_cost_model_learns_from_step_durations():
     cost.observe(1, 4, 0.014)  # 0.4 plain steps for 4 rows: 0.4 rows each at batch 1
     assert cost.verify_cost(1, 4) == pytest.approx(0.4)
     assert cost.verify_cost(5, 4) == pytest.approx(0.2)
+    assert cost.verify_cost(1, 2) == pytest.approx(0.2)  # not measured: linear in the rows
     cost.observe(1, 2, 0.020, draft_seconds=0.008, num_forwards=2)  # forwards: 0.4 steps each
     assert cost.draft_cost(1, 3) == pytest.approx(1.2)
+    assert cost.verify_cost(1, 2) == pytest.approx(0.2)  # measured: 0.2 steps for 2 rows
+    cost.observe(1, 2, 0.013)
+    cost.observe(1, 2, 0.013)
+    assert cost.verify_cost(1, 2) == pytest.approx(0.3)  # the median of 0.2, 0.3, 0.3
+    assert cost.row_cost == pytest.approx(0.5)  # per row over all lengths: 0.4, 0.4, 0.6, 0.6
     assert MeasuredSpecCost(drafts=False).draft_cost(1, 3) == 0.0  # n-gram: no draft model
 
 
