@@ -236,7 +236,9 @@ def main() -> None:
                         ratios = [a / b for a, b in zip(t.round_itl, plain.round_itl, strict=True)]
                         row["itl_ratio"] = statistics.median(ratios)
                     else:
-                        ratios = [a / b for a, b in zip(t.throughput, plain.throughput, strict=True)]
+                        ratios = [
+                            a / b for a, b in zip(t.throughput, plain.throughput, strict=True)
+                        ]
                         row["throughput_ratio"] = statistics.median(ratios)
                     row["round_ratios"] = ratios
                     spread = f" [{min(ratios):.2f}-{max(ratios):.2f}]"

@@ -49,6 +49,21 @@ class _Median:
         return statistics.median(self.samples) if self.samples else default
 
 
+def prior_verify_cost(batch_size: int, num_drafts: int) -> float:
+    """The row model with its prior constants: whether the batch is too large for any draft."""
+    return num_drafts * DRAFT_ROW_COST / (STEP_OVERHEAD_ROWS + max(1, batch_size))
+
+
+class PriorSpecCost:
+    """SpecCost of the row model's constants alone, never measured (the load switch)."""
+
+    def verify_cost(self, batch_size: int, num_drafts: int) -> float:
+        return prior_verify_cost(batch_size, num_drafts)
+
+    def draft_cost(self, batch_size: int, num_forwards: int) -> float:
+        return 0.0
+
+
 class MeasuredSpecCost:
     """SpecCost from the model above, its constants replaced by medians of what the engine
     measured: plain decode steps per batch size, the extra time of verification steps per draft
@@ -58,16 +73,13 @@ class MeasuredSpecCost:
         self.drafts = drafts
         self._plain: dict[int, _Median] = {}  # batch size -> seconds of a decode-only step
         self._row = _Median()  # a verified draft row, in decode rows (over all draft lengths)
-        self._rows: dict[int, _Median] = {}  # draft length -> its verification, in decode rows
         self._forward = _Median()  # a draft forward, in plain steps
 
     # -- SpecCost ----------------------------------------------------------------------------------
     def verify_cost(self, batch_size: int, num_drafts: int) -> float:
-        # Measured per draft length where it was (the cost of a row grows with the rows: kernels
-        # change shape), else linear in the rows from the median row.
-        measured = self._rows.get(num_drafts)
-        rows = measured.get(0.0) if measured is not None else num_drafts * self.row_cost
-        return rows / (STEP_OVERHEAD_ROWS + max(1, batch_size))
+        # Linear in the rows, from the median row over every draft length verified: one-draft
+        # probes keep it current when longer drafts are not tried (per-length medians went stale).
+        return num_drafts * self.row_cost / (STEP_OVERHEAD_ROWS + max(1, batch_size))
 
     def draft_cost(self, batch_size: int, num_forwards: int) -> float:
         if not self.drafts:
@@ -100,7 +112,6 @@ class MeasuredSpecCost:
             extra = max(0.0, seconds - draft_seconds - plain) / plain  # in plain steps
             rows = min(4.0 * num_drafts, extra * (STEP_OVERHEAD_ROWS + batch_size))
             self._row.add(rows / num_drafts)
-            self._rows.setdefault(num_drafts, _Median()).add(rows)
 
     def plain_seconds(self, batch_size: int) -> float | None:
         """A plain decode step of `batch_size` (measured, or scaled from the nearest measured

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from engine.core.ngram_proposer import NgramIndex
 from engine.core.request import Sequence
 from engine.core.spec_config import DRAFT_METHODS, SpeculativeConfig
-from engine.core.spec_cost import MeasuredSpecCost, SpecCost
+from engine.core.spec_cost import MeasuredSpecCost, PriorSpecCost, SpecCost
 from engine.core.suffix_proposer import SequenceSuffix, SuffixCache
 
 DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance estimates
@@ -119,6 +119,7 @@ class Speculator:
         # What proposals cost; the measured model learns from observe_step unless one is given.
         self.measured = MeasuredSpecCost(drafter is not None) if cost is None else None
         self.cost: SpecCost = self.measured if self.measured is not None else cost  # type: ignore[assignment]
+        self.load_model = PriorSpecCost()
         self._pending: dict[str, list[int]] = {}  # the drafter's proposals for this step
         self._draft_seconds, self._draft_forwards = 0.0, 0  # the drafter's work this step
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
@@ -214,9 +215,11 @@ class Speculator:
         state = self._state(seq)
         if seq.num_tokens < state.resume_at:
             return 0
-        certain, certain_gain = best_length([1.0] * room, room, batch_size, self.cost)
-        if certain_gain < MIN_GAIN:
-            return 0  # not even certain drafts pay at this batch size: no probes, estimates kept
+        # The load switch, on the row model's constants (a noisy measurement must not turn
+        # speculation off for good: probes measure again): when not even certain drafts would
+        # pay at this batch size, no drafts and no probes; the estimates are kept.
+        if best_length([1.0] * room, room, batch_size, self.load_model)[1] < MIN_GAIN:
+            return 0
         prior = self.shared.rates([PRIOR] * self.size, 1.0)
         rates = state.acceptance.rates(prior, SHARED_WEIGHT)
         length, gain = best_length(rates, room, batch_size, self.cost)

@@ -274,6 +274,16 @@ def test_under_load_only_near_certain_drafts_are_proposed():
     assert spec.propose(seq, 10, batch_size=2) == [3, 4, 5, 6]  # the estimates were kept
 
 
+def test_a_measured_cost_too_high_to_pay_still_gets_probes():
+    # a measurement spoilt by a busy machine says no draft pays, even certain ones: the sequence
+    # pauses and probes, so that the next verifications measure the cost again
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=_Cost(5.0))
+    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+    assert spec.propose(seq, 10) == []
+    seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
+    assert spec.propose(seq, 10) == [3]
+
+
 def test_the_cost_model_learns_from_step_durations():
     cost = MeasuredSpecCost(drafts=True)
     assert cost.verify_cost(1, 4) == 4 * DRAFT_ROW_COST / (STEP_OVERHEAD_ROWS + 1)  # the prior
@@ -287,14 +297,12 @@ def test_the_cost_model_learns_from_step_durations():
     cost.observe(1, 4, 0.014)  # 0.4 plain steps for 4 rows: 0.4 rows each at batch 1
     assert cost.verify_cost(1, 4) == pytest.approx(0.4)
     assert cost.verify_cost(5, 4) == pytest.approx(0.2)
-    assert cost.verify_cost(1, 2) == pytest.approx(0.2)  # not measured: linear in the rows
     cost.observe(1, 2, 0.020, draft_seconds=0.008, num_forwards=2)  # forwards: 0.4 steps each
     assert cost.draft_cost(1, 3) == pytest.approx(1.2)
-    assert cost.verify_cost(1, 2) == pytest.approx(0.2)  # measured: 0.2 steps for 2 rows
     cost.observe(1, 2, 0.013)
-    cost.observe(1, 2, 0.013)
-    assert cost.verify_cost(1, 2) == pytest.approx(0.3)  # the median of 0.2, 0.3, 0.3
-    assert cost.row_cost == pytest.approx(0.5)  # per row over all lengths: 0.4, 0.4, 0.6, 0.6
+    cost.observe(1, 2, 0.013)  # 0.6 rows each: the median row of 0.4, 0.4, 0.6, 0.6
+    assert cost.row_cost == pytest.approx(0.5)
+    assert cost.verify_cost(1, 4) == pytest.approx(0.5)
     assert MeasuredSpecCost(drafts=False).draft_cost(1, 3) == 0.0  # n-gram: no draft model
 
 
@@ -325,7 +333,11 @@ class _NoStopStrings:
 def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
     kv = KVCacheManager(16, 4)
     config = SpeculativeConfig("ngram", 4, 1, 3)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, Speculator(config, 100, cost=_Cost(row=0.01)))
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=32),
+        kv,
+        Speculator(config, 100, cost=_Cost(row=0.01)),
+    )
     group = _group([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
     seq = group.seqs[0]
     seq.detokenizer = _NoStopStrings()  # type: ignore[assignment]  # the stop rules read it
@@ -352,7 +364,11 @@ def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
 
 def test_a_full_pool_drops_drafts_rather_than_preempting():
     kv = KVCacheManager(3, 4)
-    sched = Scheduler(SchedulerConfig(), kv, Speculator(SpeculativeConfig("ngram", 4, 1, 3), 100, cost=_Cost(0.01)))
+    sched = Scheduler(
+        SchedulerConfig(),
+        kv,
+        Speculator(SpeculativeConfig("ngram", 4, 1, 3), 100, cost=_Cost(0.01)),
+    )
     group = _group([1, 2, 3, 1, 2, 3, 1, 2, 3, 1])
     sched.add_group(group)
     sched.update_from_output(sched.schedule(), RunnerOutput())
