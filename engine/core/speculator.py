@@ -117,8 +117,9 @@ class Speculator:
         self.drafter = drafter  # draft_model / layer_skip
         assert (drafter is not None) == (config.method in DRAFT_METHODS)
         # What proposals cost; the measured model learns from observe_step unless one is given.
-        self.measured = MeasuredSpecCost(drafter is not None) if cost is None else None
-        self.cost: SpecCost = self.measured if self.measured is not None else cost  # type: ignore[assignment]
+        measured = MeasuredSpecCost(drafter is not None)
+        self.measured = measured if cost is None else None
+        self.cost: SpecCost = measured if cost is None else cost
         self.load_model = PriorSpecCost()
         self._pending: dict[str, list[int]] = {}  # the drafter's proposals for this step
         self._draft_seconds, self._draft_forwards = 0.0, 0  # the drafter's work this step
