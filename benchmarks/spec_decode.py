@@ -4,9 +4,10 @@ each round): plain, ngram, suffix, layer_skip (the target's first layers) and dr
 a checkpoint of the target's first layers, written to a temporary folder: the draft-model path with
 its own weights, KV and prefill; --draft-model names another), on input-grounded prompts (rewrite,
 quote, code edit: the answer copies the prompt) and random-word prompts (little to copy). Prints,
-per workload and concurrency, the median inter-token latency and the median throughput of the
-rounds, their ratios to plain decoding, the acceptance rate and mean accepted length, and the CPU
-line.
+per workload and concurrency, the median inter-token latency (concurrency 1) or the median
+throughput of the rounds (higher concurrency), the median over rounds of its ratio to plain decoding
+in the same round (ITL: below 1 is faster; throughput: above 1 is faster) with the rounds' range,
+the acceptance rate and mean accepted length, and the CPU line.
 
     python -m benchmarks.spec_decode [--rounds 3] [--max-tokens 128] [--concurrency 1 32]
         [--variants plain ngram suffix layer_skip draft_model] [--draft-layers 8] [--threads 1]
@@ -69,6 +70,7 @@ def random_word_prompts(num: int, seed: int) -> list[str]:
 class Tally:
     itl: list[float] = field(default_factory=list)  # per request: decode seconds / token gaps
     throughput: list[float] = field(default_factory=list)  # per round: output tokens / second
+    round_itl: list[float] = field(default_factory=list)  # per round: the median of its requests
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
@@ -206,8 +208,11 @@ def main() -> None:
                 for name in order:
                     llm.engine.scheduler.speculator = speculators[name]
                     if concurrency == 1:
+                        first = len(tallies[name].itl)
                         for prompt in prompts:
                             run_round(llm, [prompt], params, tallies[name])
+                        itls = tallies[name].itl[first:]
+                        tallies[name].round_itl.append(statistics.median(itls))
                     else:
                         batch = [prompts[i % len(prompts)] for i in range(concurrency)]
                         run_round(llm, batch, params, tallies[name])
@@ -223,16 +228,36 @@ def main() -> None:
                     "mean_accepted_length": 1 + t.accepted / t.drafts if t.drafts else 1.0,
                     "drafts": t.drafts,
                 }  # fmt: skip
+                spread = ""
                 if plain is not None:
-                    row["itl_ratio"] = row["itl_ms"] / (1e3 * statistics.median(plain.itl))
-                    row["throughput_ratio"] = row["tok_s"] / statistics.median(plain.throughput)
+                    # Paired per round (the variants of a round ran back to back): the median of
+                    # the rounds' ratios, and their range, are what the machine's load moves least.
+                    if concurrency == 1:
+                        ratios = [a / b for a, b in zip(t.round_itl, plain.round_itl, strict=True)]
+                        row["itl_ratio"] = statistics.median(ratios)
+                    else:
+                        ratios = [
+                            a / b for a, b in zip(t.throughput, plain.throughput, strict=True)
+                        ]
+                        row["throughput_ratio"] = statistics.median(ratios)
+                    row["round_ratios"] = ratios
+                    spread = f" [{min(ratios):.2f}-{max(ratios):.2f}]"
                 results.append(row)
+                measure = (
+                    f"ITL {row['itl_ms']:7.2f} ms, x{row.get('itl_ratio', 1):.2f} of plain{spread}"
+                    if concurrency == 1
+                    else f"{row['tok_s']:7.1f} tok/s, x{row.get('throughput_ratio', 1):.2f} of "
+                    f"plain{spread}"
+                )
                 print(
-                    f"  {name:11s} ITL {row['itl_ms']:7.2f} ms (x{row.get('itl_ratio', 1):.2f})  "
-                    f"{row['tok_s']:7.1f} tok/s (x{row.get('throughput_ratio', 1):.2f})  "
-                    f"acceptance {100 * row['acceptance_rate']:3.0f}%  "
+                    f"  {name:11s} {measure}  acceptance {100 * row['acceptance_rate']:3.0f}%  "
                     f"mean accepted length {row['mean_accepted_length']:.2f} ({t.drafts} drafts)"
                 )
+    for name, spec in speculators.items():  # what each variant's cost model measured
+        if spec is not None and spec.measured is not None:
+            m = spec.measured
+            forward = f", a draft forward {m.forward_cost:.2f} of a plain step" if m.drafts else ""
+            print(f"  {name}: a verified draft row costs {m.row_cost:.2f} decode rows{forward}")
     tmp.cleanup()
     if args.json:
         print(json.dumps(results, indent=2))

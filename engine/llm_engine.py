@@ -402,6 +402,7 @@ class LLMEngine:
 
         stats = update.stats  # the scheduler's own report of the step; its duration is timed here
         stats.duration = time.monotonic() - t0
+        self.scheduler.observe_step(sched, stats.duration)  # speculation's cost model learns too
         if self.scheduler.step_budget is not None:  # the step-time budget learns from each step
             load = StepLoad.of((s.num_new_tokens, s.start_pos) for s in sched.scheduled)
             self.scheduler.step_budget.observe(load, stats.duration)

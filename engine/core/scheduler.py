@@ -212,6 +212,18 @@ class Scheduler:
             transfers,
         )
 
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine timed the step of `out`: the speculator's cost model learns from it."""
+        if self.speculator is None:
+            return
+        rows = prefill = 0
+        for s in out.scheduled:
+            if s.is_decode or s.draft_token_ids:
+                rows += 1
+            else:
+                prefill += 1
+        self.speculator.observe_step(rows, out.num_draft_tokens, prefill > 0, seconds)
+
     def _step_time_budget(self) -> int:
         """This step's token budget under the step-time budget: the decodes plus the prefill its
         cost model fits in the target step time (engine.core.step_budget), the chunk starting

@@ -1,30 +1,28 @@
 """Which sequences speculate and with which draft tokens (no torch): the scheduler asks for drafts per
 decoding sequence and reports how many the verification accepted. Steps aside under load
-(`disable_by_batch_size`) and per sequence by its acceptance: the draft length is cut to the
-positions likely enough to be accepted to pay for their verification, and a sequence whose drafts do
-not pay at all pauses, then retries later (pauses doubling)."""
+(`disable_by_batch_size`) and per sequence by what its proposals earn: each sequence keeps decayed
+per-position acceptance estimates (over the speculator's own across recent sequences), and its
+draft length is the one whose expected accepted tokens pay best for what it costs (verified rows
+and draft forwards, engine.core.spec_cost); when none pays, the sequence decodes plainly for a
+while, then probes with one draft (pauses doubling; new sequences start from the last pause)."""
 
 from __future__ import annotations
 
-import math
+import time
 import weakref
 from typing import Any, Protocol
 
 from engine.core.ngram_proposer import NgramIndex
 from engine.core.request import Sequence
 from engine.core.spec_config import DRAFT_METHODS, SpeculativeConfig
+from engine.core.spec_cost import MeasuredSpecCost, PriorSpecCost, SpecCost
 from engine.core.suffix_proposer import SequenceSuffix, SuffixCache
 
-DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance estimate
-# A step costs about (STEP_OVERHEAD_ROWS + decode rows + DRAFT_ROW_COST x draft rows) x the time
-# of one row: on CPU at batch 1 an extra row adds about 0.25-0.3 of a decode step, and a verified
-# draft row costs more than a decode row (benchmarks/spec_decode.py at concurrency 32: drafts with
-# 81% acceptance cost a third of the throughput). An accepted draft saves its sequence one row and
-# its share of a step's fixed cost; a rejected one wastes its row. So draft position j pays while
-# the chance of reaching and accepting it exceeds DRAFT_ROW_COST / (1 + STEP_OVERHEAD_ROWS / batch):
-# about 0.31 for one sequence, 0.9 for 8, and never from 12 on (not even a probe).
-STEP_OVERHEAD_ROWS = 3.0
-DRAFT_ROW_COST = 1.25
+DECAY = 0.7  # weight kept by a sequence's older verifications in its acceptance estimates
+SHARED_DECAY = 0.95  # the same for the speculator's estimates over all sequences
+SHARED_WEIGHT = 2.0  # verifications' worth of the shared estimate in a sequence's own
+PRIOR = 0.8  # the acceptance assumed before anything was verified (optimistic: it is measured)
+MIN_GAIN = 1.03  # speculate when the expected tokens per unit of time beat plain decoding by this
 FIRST_PAUSE = 8  # decode tokens of the first pause when no draft pays off; each pause doubles
 MAX_PAUSE = 256
 
@@ -34,32 +32,63 @@ def grammar_cut(matcher: Any, drafts: list[int]) -> list[int]:
     return drafts[: matcher.validate_tokens(drafts)]
 
 
-class _SeqState:
-    __slots__ = ("index", "accepted", "rejected", "pause", "resume_at", "probe")
+class Acceptance:
+    """Decayed counts, per draft position j, of verifications that reached j (every draft before
+    it accepted) and of those that accepted it: their ratio estimates the chance that draft j is
+    accepted once j - 1 was, so runs that copy the prompt (a miss at the first position, then
+    long runs) are told apart from scattered misses."""
 
-    def __init__(self, index: NgramIndex | SequenceSuffix | None) -> None:
+    __slots__ = ("reached", "accepted")
+
+    def __init__(self, size: int) -> None:
+        self.reached = [0.0] * size
+        self.accepted = [0.0] * size
+
+    def record(self, num_proposed: int, num_accepted: int, decay: float) -> None:
+        reached, accepted = self.reached, self.accepted
+        for j in range(len(reached)):
+            reached[j] *= decay
+            accepted[j] *= decay
+        for j in range(min(num_proposed, num_accepted + 1, len(reached))):
+            reached[j] += 1.0
+            accepted[j] += j < num_accepted
+
+    def rates(self, prior: list[float], weight: float) -> list[float]:
+        """Per position: the chance of acceptance, `prior` counting as `weight` verifications."""
+        return [
+            (a + weight * p) / (r + weight)
+            for a, r, p in zip(self.accepted, self.reached, prior, strict=True)
+        ]
+
+
+def best_length(
+    rates: list[float], limit: int, batch_size: int, cost: SpecCost
+) -> tuple[int, float]:
+    """The draft length (at most `limit`) that maximises the expected tokens per unit of time
+    against plain decoding, and that ratio: a step of `batch_size` sequences emits batch_size
+    tokens plus this sequence's expected accepted drafts (sum over j of the chance of accepting
+    drafts 1..j), and takes 1 + the cost of the drafts' rows and forwards (in plain steps)."""
+    best, best_gain = 0, 1.0
+    reach, expected = 1.0, 0.0
+    for length in range(1, min(limit, len(rates)) + 1):
+        reach *= rates[length - 1]
+        expected += reach
+        price = cost.verify_cost(batch_size, length) + cost.draft_cost(batch_size, length)
+        gain = (1.0 + expected / batch_size) / (1.0 + price)
+        if gain > best_gain:
+            best, best_gain = length, gain
+    return best, best_gain
+
+
+class _SeqState:
+    __slots__ = ("index", "acceptance", "pause", "resume_at", "probe")
+
+    def __init__(self, index: NgramIndex | SequenceSuffix | None, size: int, pause: int) -> None:
         self.index = index
-        # Decayed counts of accepted drafts and of rejections (a verification stopping early):
-        # accepted / (accepted + rejected) estimates the chance a draft token is accepted.
-        self.accepted, self.rejected = 2.0, 0.5  # optimistic start (0.8)
-        self.pause = FIRST_PAUSE
+        self.acceptance = Acceptance(size)
+        self.pause = pause
         self.resume_at = 0  # no proposals before the sequence has this many tokens
         self.probe = False  # after a pause: one draft at least, to measure acceptance again
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
-
-    def draft_length(self, limit: int, threshold: float) -> int:
-        """Drafts worth verifying: position j pays while acceptance ** j > threshold."""
-        alpha = self.acceptance
-        if alpha >= 1.0:
-            return limit
-        length = 0 if alpha <= threshold else int(math.log(threshold) / math.log(alpha))
-        if self.probe:
-            self.probe = False
-            length = max(length, 1)
-        return min(limit, length)
 
 
 class Drafter(Protocol):
@@ -77,14 +106,27 @@ class Drafter(Protocol):
 
 class Speculator:
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, drafter: Drafter | None = None
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        drafter: Drafter | None = None,
+        cost: SpecCost | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = drafter  # draft_model / layer_skip
         assert (drafter is not None) == (config.method in DRAFT_METHODS)
+        # What proposals cost; the measured model learns from observe_step unless one is given.
+        measured = MeasuredSpecCost(drafter is not None)
+        self.measured = measured if cost is None else None
+        self.cost: SpecCost = measured if cost is None else cost
+        self.load_model = PriorSpecCost()
         self._pending: dict[str, list[int]] = {}  # the drafter's proposals for this step
+        self._draft_seconds, self._draft_forwards = 0.0, 0  # the drafter's work this step
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
+        self.size = config.num_speculative_tokens
+        self.shared = Acceptance(self.size)  # over all sequences: the prior of new ones
+        self.pause = FIRST_PAUSE  # the pause a new sequence starts with when drafts do not pay
         self.suffix_cache: SuffixCache | None = None
         if config.method == "suffix":
             self.suffix_cache = SuffixCache(
@@ -102,6 +144,7 @@ class Speculator:
         """A drafter proposes for every decoding sequence at once, before the step is scheduled
         (propose then hands each its drafts, cut to the budget left)."""
         self._pending = {}
+        self._draft_seconds, self._draft_forwards = 0.0, 0
         if self.drafter is None:
             return
         wants = []
@@ -111,7 +154,20 @@ class Speculator:
                 if length:
                     wants.append((seq, length))
         if wants:
+            start = time.perf_counter()
             self._pending = self.drafter.propose(wants)
+            self._draft_seconds = time.perf_counter() - start
+            self._draft_forwards = max(n for _, n in wants)
+
+    def observe_step(
+        self, batch_size: int, num_drafts: int, has_prefill: bool, seconds: float
+    ) -> None:
+        """The engine's step of `batch_size` decoding (or verified) sequences took `seconds`: the
+        measured cost model learns from steps without prefill chunks."""
+        if self.measured is not None and not has_prefill:
+            self.measured.observe(
+                batch_size, num_drafts, seconds, self._draft_seconds, self._draft_forwards
+            )
 
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:
@@ -160,23 +216,32 @@ class Speculator:
         state = self._state(seq)
         if seq.num_tokens < state.resume_at:
             return 0
-        threshold = DRAFT_ROW_COST / (1.0 + STEP_OVERHEAD_ROWS / max(1, batch_size))
-        if threshold >= 1.0:
-            return 0  # no draft pays at this batch size: no probes either, the estimate is kept
-        length = state.draft_length(room, threshold)
-        if length == 0:  # not paying off: decode plainly for a while, then probe again
+        # The load switch, on the row model's constants (a noisy measurement must not turn
+        # speculation off for good: probes measure again): when not even certain drafts would
+        # pay at this batch size, no drafts and no probes; the estimates are kept.
+        if best_length([1.0] * room, room, batch_size, self.load_model)[1] < MIN_GAIN:
+            return 0
+        prior = self.shared.rates([PRIOR] * self.size, 1.0)
+        rates = state.acceptance.rates(prior, SHARED_WEIGHT)
+        length, gain = best_length(rates, room, batch_size, self.cost)
+        if state.probe:
+            state.probe = False
+            return max(length, 1) if gain < MIN_GAIN else length
+        if gain < MIN_GAIN:  # not paying off: decode plainly for a while, then probe again
             state.resume_at = seq.num_tokens + state.pause
+            self.pause = max(self.pause, state.pause)  # where new sequences start
             state.pause = min(2 * state.pause, MAX_PAUSE)
-            state.probe = True  # the estimate is kept: probes that succeed raise it again
+            state.probe = True  # the estimates are kept: probes that succeed raise them again
+            return 0
         return length
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` drafts accepted the first `num_accepted`."""
         state = self._state(seq)
-        state.accepted = DECAY * state.accepted + num_accepted
-        state.rejected = DECAY * state.rejected + (num_accepted < num_proposed)
+        state.acceptance.record(num_proposed, num_accepted, DECAY)
+        self.shared.record(num_proposed, num_accepted, SHARED_DECAY)
         if num_accepted:
-            state.pause = FIRST_PAUSE
+            state.pause = self.pause = FIRST_PAUSE
 
     def _state(self, seq: Sequence) -> _SeqState:
         state = self._states.get(seq)
@@ -187,5 +252,5 @@ class Speculator:
                 index = SequenceSuffix(c.suffix_decoding_max_tree_depth, seq.num_prompt_tokens)
             elif c.method == "ngram":
                 index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-            state = self._states[seq] = _SeqState(index)
+            state = self._states[seq] = _SeqState(index, self.size, self.pause)
         return state

@@ -19,7 +19,8 @@ from engine.core.runner_output import RunnerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.spec_config import SpeculativeConfig
-from engine.core.speculator import Speculator
+from engine.core.spec_cost import DRAFT_ROW_COST, STEP_OVERHEAD_ROWS, MeasuredSpecCost
+from engine.core.speculator import FIRST_PAUSE, Acceptance, Speculator, best_length
 from engine.executor.sampler import Sampler, SamplingRow
 from engine.executor.spec_verify import num_accepted, verification_rows
 from server.settings import add_serve_arguments, build_configs, resolve
@@ -152,14 +153,34 @@ class _Grammar:
         return True
 
 
-def test_speculator_limits_and_back_off():
+class _Cost:
+    """A fake cost model: each verified draft row costs `row` plain steps (or `row[batch_size]`),
+    from `overloaded_from` running sequences on two steps; each draft forward `forward` steps."""
+
+    def __init__(
+        self, row: float | dict[int, float] = 0.25, forward: float = 0.0, overloaded_from: int = 12
+    ) -> None:
+        self.row, self.forward, self.overloaded_from = row, forward, overloaded_from
+
+    def verify_cost(self, batch_size: int, num_drafts: int) -> float:
+        if batch_size >= self.overloaded_from:
+            return 2.0 * num_drafts
+        row = self.row[batch_size] if isinstance(self.row, dict) else self.row
+        return num_drafts * row
+
+    def draft_cost(self, batch_size: int, num_forwards: int) -> float:
+        return num_forwards * self.forward
+
+
+def test_speculator_limits():
     config = SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=3)
-    spec = Speculator(config, max_model_len=100)
+    spec = Speculator(config, max_model_len=100, cost=_Cost(row=0.01))
     seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=3).seqs[0]
     assert spec.propose(seq, budget=10) == [3, 4]  # max_tokens 3: two drafts + the bonus token
     assert spec.propose(seq, budget=1) == [3]
     assert spec.enabled_for_batch(2) and not spec.enabled_for_batch(3)
     seq.group.max_output_tokens = 50
+    assert spec.propose(seq, 10) == [3, 4, 5, 6]  # cheap rows, optimistic start: the full draft
     seq.matcher = _Grammar(valid=1)  # structured outputs: cut where the grammar rejects
     assert spec.propose(seq, 10) == [3]
     assert seq.matcher.checked == [[3, 4, 5, 6]] and seq.matcher.consumed == 0  # checked only
@@ -167,22 +188,139 @@ def test_speculator_limits_and_back_off():
     assert spec.propose(seq, 10) == []
     seq.matcher = _Grammar(valid=3, stopped=True)  # a complete constraint: nothing to propose
     assert spec.propose(seq, 10) == []
-    seq.matcher = None
-    seq.token_ids += [3, 4, 5, 6, 1, 2]  # each growth keeps the suffix 1 2, then 3 4 5 6
-    assert spec.propose(seq, 10) == [3, 4, 5, 6]  # optimistic start: the full draft
-    spec.record(seq, 4, 0)
-    assert spec.propose(seq, 10) == [3]  # acceptance about 0.5: position 1 still pays
-    spec.record(seq, 1, 0)
-    assert spec.propose(seq, 10) == [3]  # about 0.34
-    spec.record(seq, 1, 0)
-    assert spec.propose(seq, 10) == []  # no position pays: a pause starts
+
+
+def test_draft_length_pays_best_for_its_cost():
+    cost = _Cost(row=0.25)
+    # scattered misses (each draft 0.5): one draft pays best (1.5 / 1.25 beats 1.75 / 1.5)
+    assert best_length([0.5] * 4, 4, 1, cost)[0] == 1
+    # a miss at the first position, long runs after it (copying): the whole draft pays
+    assert best_length([0.5, 0.95, 0.95, 0.95], 4, 1, cost)[0] == 4
+    assert best_length([0.5, 0.95, 0.95, 0.95], 2, 1, cost)[0] == 2  # at most the limit
+    assert best_length([0.2] * 4, 4, 1, cost) == (0, 1.0)  # nothing pays
+    # the same acceptance from a draft model whose forward costs half a step: nothing pays
+    assert best_length([0.5] * 4, 4, 1, _Cost(row=0.25, forward=0.5))[0] == 0
+    # under load a draft row costs two steps: not even certain drafts pay
+    assert best_length([1.0] * 4, 4, 16, cost)[0] == 0
+
+
+def test_acceptance_is_estimated_per_position():
+    acc = Acceptance(4)
+    for _ in range(3):
+        acc.record(4, 0, 1.0)  # missed at the first draft
+        acc.record(4, 4, 1.0)  # accepted whole
+    assert acc.reached == [6, 3, 3, 3] and acc.accepted == [3, 3, 3, 3]
+    assert acc.rates([0.5] * 4, 0.0) == [0.5, 1.0, 1.0, 1.0]
+    assert acc.rates([0.0] * 4, 6.0) == [0.25, 1 / 3, 1 / 3, 1 / 3]  # a prior of 6 verifications
+    acc.record(2, 1, 0.5)  # older verifications count half
+    assert acc.reached == [4, 2.5, 1.5, 1.5] and acc.accepted == [2.5, 1.5, 1.5, 1.5]
+
+
+def test_back_off_pauses_probes_and_comes_back():
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=_Cost(0.25))
+    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+    assert spec.propose(seq, 10) == [3, 4, 5]  # prior 0.8 everywhere: 3 drafts pay best
+    for _ in range(3):
+        spec.record(seq, 3, 0)
+    assert spec.propose(seq, 10) == []  # no length pays: a pause starts
     seq.token_ids += [3, 4, 5, 6, 1, 2]
     assert spec.propose(seq, 10) == []  # paused for FIRST_PAUSE tokens
     seq.token_ids += [3, 4, 5, 6, 1, 2]
     assert spec.propose(seq, 10) == [3]  # a one-draft probe after the pause
-    for _ in range(6):
+    spec.record(seq, 1, 0)
+    assert spec.propose(seq, 10) == []  # the probe failed: a pause twice as long
+    assert seq.num_tokens + 2 * FIRST_PAUSE == spec._state(seq).resume_at
+    # a new sequence starts from the longest pause while drafts do not pay
+    other = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+    assert spec.propose(other, 10) == []
+    assert spec._state(other).resume_at == other.num_tokens + 2 * FIRST_PAUSE
+    seq.token_ids += [3, 4, 5, 6, 1, 2] * 3
+    assert spec.propose(seq, 10) == [3]  # the next probe
+    for _ in range(8):
         spec.record(seq, 2, 2)
-    assert len(spec.propose(seq, 10)) == 4  # accepted again: the full draft is back
+    assert spec.propose(seq, 10) == [3, 4, 5, 6]  # accepted again: the full draft is back
+    assert spec.pause == FIRST_PAUSE  # accepted drafts: new sequences no longer wait
+
+
+def test_a_draft_models_forwards_count_against_its_drafts():
+    config = SpeculativeConfig("ngram", 4, 1, 2)
+    proposed = []
+    for forward in (0.0, 0.6):  # n-gram lookups cost nothing; a draft model's forwards do
+        spec = Speculator(config, 1000, cost=_Cost(row=0.1, forward=forward))
+        seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+        for _ in range(4):
+            spec.record(seq, 1, 0)
+            spec.record(seq, 1, 1)  # half the drafts accepted
+        proposed.append(spec.propose(seq, 10))
+    assert proposed[0] == [3, 4, 5, 6] and proposed[1] == []  # later positions: the prior 0.8
+
+
+def test_under_load_only_near_certain_drafts_are_proposed():
+    cost = _Cost(row={1: 0.25, 2: 0.2, 8: 0.09}, overloaded_from=32)
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=cost)
+    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=200).seqs[0]
+    assert spec.propose(seq, 10, batch_size=8) == []  # 0.8 acceptance is not enough at 8
+    seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
+    assert spec.propose(seq, 10, batch_size=8) == [3]  # a one-draft probe after the pause
+    for _ in range(8):
+        spec.record(seq, 1, 1)
+        spec.record(seq, 4, 4)
+    assert spec.propose(seq, 10, batch_size=8) == [3, 4, 5, 6]  # always accepted: full drafts
+    assert spec.propose(seq, 10, batch_size=1) == [3, 4, 5, 6]
+    # at 32 a verified row costs more than it saves, however likely: no drafts, no probes
+    for _ in range(3):
+        assert spec.propose(seq, 10, batch_size=32) == []
+        seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
+    assert spec.propose(seq, 10, batch_size=2) == [3, 4, 5, 6]  # the estimates were kept
+
+
+def test_a_measured_cost_too_high_to_pay_still_gets_probes():
+    # a measurement spoilt by a busy machine says no draft pays, even certain ones: the sequence
+    # pauses and probes, so that the next verifications measure the cost again
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=_Cost(5.0))
+    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+    assert spec.propose(seq, 10) == []
+    seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
+    assert spec.propose(seq, 10) == [3]
+
+
+def test_the_cost_model_learns_from_step_durations():
+    cost = MeasuredSpecCost(drafts=True)
+    assert cost.verify_cost(1, 4) == 4 * DRAFT_ROW_COST / (STEP_OVERHEAD_ROWS + 1)  # the prior
+    cost.observe(1, 4, 0.014)  # no plain step measured yet: nothing to compare with
+    assert cost.row_cost == DRAFT_ROW_COST
+    for _ in range(3):
+        cost.observe(1, 0, 0.010)  # plain decode steps
+    cost.observe(1, 0, 0.100)  # one slowed by another process: the median ignores it
+    assert cost.plain_seconds(1) == pytest.approx(0.010)
+    assert cost.plain_seconds(5) == pytest.approx(0.020)  # scaled by the row model
+    cost.observe(1, 4, 0.014)  # 0.4 plain steps for 4 rows: 0.4 rows each at batch 1
+    assert cost.verify_cost(1, 4) == pytest.approx(0.4)
+    assert cost.verify_cost(5, 4) == pytest.approx(0.2)
+    cost.observe(1, 2, 0.020, draft_seconds=0.008, num_forwards=2)  # forwards: 0.4 steps each
+    assert cost.draft_cost(1, 3) == pytest.approx(1.2)
+    cost.observe(1, 2, 0.013)
+    cost.observe(1, 2, 0.013)  # 0.6 rows each: the median row of 0.4, 0.4, 0.6, 0.6
+    assert cost.row_cost == pytest.approx(0.5)
+    assert cost.verify_cost(1, 4) == pytest.approx(0.5)
+    assert MeasuredSpecCost(drafts=False).draft_cost(1, 3) == 0.0  # n-gram: no draft model
+
+
+def test_the_scheduler_reports_step_durations_to_the_cost_model():
+    kv = KVCacheManager(16, 4)
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 3), 100)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, spec)
+    group = _group([1, 2, 3, 4, 5, 6, 7, 8])
+    group.seqs[0].detokenizer = _NoStopStrings()  # type: ignore[assignment]
+    sched.add_group(group)
+    out = sched.schedule()
+    sched.observe_step(out, 0.5)  # a prefill step: not a decode step's duration
+    sched.update_from_output(out, RunnerOutput())
+    assert spec.measured is not None and spec.measured.plain_seconds(1) is None
+    group.seqs[0].append_token(9)
+    out = sched.schedule()  # 9 never seen before: no drafts, a plain decode
+    sched.observe_step(out, 0.01)
+    assert spec.measured.plain_seconds(1) == 0.01
 
 
 class _NoStopStrings:
@@ -195,7 +333,11 @@ class _NoStopStrings:
 def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
     kv = KVCacheManager(16, 4)
     config = SpeculativeConfig("ngram", 4, 1, 3)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), kv, Speculator(config, 100))
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=32),
+        kv,
+        Speculator(config, 100, cost=_Cost(row=0.01)),
+    )
     group = _group([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
     seq = group.seqs[0]
     seq.detokenizer = _NoStopStrings()  # type: ignore[assignment]  # the stop rules read it
@@ -222,7 +364,11 @@ def test_scheduler_budgets_drafts_and_rolls_back_rejected_kv():
 
 def test_a_full_pool_drops_drafts_rather_than_preempting():
     kv = KVCacheManager(3, 4)
-    sched = Scheduler(SchedulerConfig(), kv, Speculator(SpeculativeConfig("ngram", 4, 1, 3), 100))
+    sched = Scheduler(
+        SchedulerConfig(),
+        kv,
+        Speculator(SpeculativeConfig("ngram", 4, 1, 3), 100, cost=_Cost(0.01)),
+    )
     group = _group([1, 2, 3, 1, 2, 3, 1, 2, 3, 1])
     sched.add_group(group)
     sched.update_from_output(sched.schedule(), RunnerOutput())
@@ -301,20 +447,3 @@ def test_stats_log_line_reports_acceptance(caplog):
     line = caplog.messages[-1]
     assert "drafts=2 draft_tokens=8 accepted_tokens=6" in line
     assert "acceptance_rate=75.0%" in line and "mean_acceptance_length=4.00" in line
-
-
-def test_under_load_only_near_certain_drafts_are_proposed():
-    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000)
-    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=200).seqs[0]
-    assert spec.propose(seq, 10, batch_size=8) == []  # 0.8 acceptance is not enough at 8
-    seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
-    assert spec.propose(seq, 10, batch_size=8) == [3]  # a one-draft probe after the pause
-    for _ in range(8):
-        spec.record(seq, 1, 1)
-    assert spec.propose(seq, 10, batch_size=8) == [3, 4, 5, 6]  # always accepted: full drafts
-    assert spec.propose(seq, 10, batch_size=1) == [3, 4, 5, 6]
-    # at 32 a verified row costs more than it saves, however likely: no drafts, no probes
-    for _ in range(3):
-        assert spec.propose(seq, 10, batch_size=32) == []
-        seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
-    assert spec.propose(seq, 10, batch_size=2) == [3, 4, 5, 6]  # the estimate was kept

@@ -119,10 +119,20 @@ def test_eviction_takes_every_path_back():
     assert trie.root.count == 0 and not trie.root.children
 
 
+class _CheapRows:
+    """A cost model under which every draft the proposer finds pays."""
+
+    def verify_cost(self, batch_size: int, num_drafts: int) -> float:
+        return 0.01 * num_drafts
+
+    def draft_cost(self, batch_size: int, num_forwards: int) -> float:
+        return 0.0
+
+
 def test_speculator_uses_the_suffix_proposer():
     config = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 6})
     assert config is not None
-    spec = Speculator(config, max_model_len=1000)
+    spec = Speculator(config, max_model_len=1000, cost=_CheapRows())
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 1, 5, 6, 7]
     group = RequestGroup("r", None, list(prompt), SamplingParams(max_tokens=50), 50)
     seq = Sequence("r/0", group, 0, list(prompt), len(prompt))
