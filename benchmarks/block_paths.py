@@ -9,7 +9,7 @@ q8 = Q8_0 blocks everywhere; q4 = Q4_1 blocks for the layers (Q4_0 files run as 
 head in Q8_0, as --quantization int4 serves it. Paths whose probe fails here are skipped. A path
 faster than the automatic choice on this CPU is a bug in the choice: it is flagged.
 
-    PYTHONPATH=. python -m benchmarks.block_paths --types Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K
+    PYTHONPATH=. python -m benchmarks.block_paths --types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K
 
 times the GGUF block types against each other instead (interleaved, on the path --paths names
 first that runs, default the automatic one), on one Llama-shaped layer whose input widths are
@@ -82,6 +82,7 @@ def _type_weight(kind: str, w: torch.Tensor, rng: Any) -> Any:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
+    from engine.models.block_q5 import Q5_BLOCK_BYTES, from_gguf_q5blocks
     from engine.models.block_quant import from_gguf_blocks, quantize_q4_1, quantize_q8_0
     from engine.models.kquant import KQUANT_BLOCK_BYTES, from_gguf_kblocks, synthetic_kblocks
 
@@ -91,6 +92,9 @@ def _type_weight(kind: str, w: torch.Tensor, rng: Any) -> Any:
     if kind == "Q4_0":
         raw = quantize(w.numpy().astype(np.float32), GGMLQuantizationType.Q4_0)
         return from_gguf_blocks("Q4_0", raw, (n, k)).to_weight()
+    if kind in Q5_BLOCK_BYTES:  # Q5_0, Q5_1 as the gguf package quantizes them
+        raw = quantize(w.numpy().astype(np.float32), GGMLQuantizationType[kind])
+        return from_gguf_q5blocks(kind, raw, (n, k)).to_weight()
     return (quantize_q8_0(w) if kind == "Q8_0" else quantize_q4_1(w)).to_weight()
 
 

@@ -323,7 +323,8 @@ OPTIONS: tuple[Option, ...] = (
         parse_optional_str,
         "weight format: auto = a .gguf model's own blocks (gguf), else int8, on x86 CPUs with "
         "AVX2 (float weights elsewhere); int8 = Q8_0 blocks; int4 = Q4_1 blocks (Q8_0 head); "
-        "gguf = the blocks the .gguf file stores, exactly (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K; others "
+        "gguf = the blocks the .gguf file stores, exactly (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; "
+        "others "
         "as Q8_0); all "
         "with int8 activations per row and block of 32 (batch-invariant); none = float weights",
         choices=("auto", "none", "int8", "int4", "gguf"),

@@ -29,6 +29,7 @@ _SOURCES = tuple(
         "block_matmul_avx2.cpp",
         "block_matmul_vnni.cpp",
         "block_kquants.cpp",
+        "block_q5.cpp",
         "block_paths.cpp",
         "decode_layer.cpp",
     )

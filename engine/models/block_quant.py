@@ -50,15 +50,15 @@ class BlockValues:
             w = w + self.m[..., None]
         return w.view(n, k)
 
-    def rows(self, index: torch.Tensor) -> BlockValues:
-        return BlockValues(self.kind, self.q[index], self.d[index], self.m[index])
+    def rows(self, index: torch.Tensor) -> BlockValues:  # of this class (Q5 values stay Q5)
+        return type(self)(self.kind, self.q[index], self.d[index], self.m[index])
 
     @staticmethod
     def cat(parts: list[BlockValues]) -> BlockValues:
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse weights stored as different formats: {sorted(kinds)}")
-        return BlockValues(
+        return type(parts[0])(
             kinds.pop(),
             torch.cat([p.q for p in parts]),
             torch.cat([p.d for p in parts]),

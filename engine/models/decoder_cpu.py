@@ -10,6 +10,7 @@ from engine.kernels import cpu_kernels
 from engine.kernels.attention import attend_cached, write_kv
 from engine.kernels.metadata import AttentionMetadata
 from engine.models.block_parts import BlockParts
+from engine.models.block_q5 import BlockQ5Weight
 from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.decoder_layer import Attention, DecoderLayer, run_mlp
 from engine.models.kquant import BlockKWeight
@@ -137,4 +138,7 @@ def _block_kind(weight: object, tensors: list[torch.Tensor]) -> tuple[int, int] 
     if isinstance(weight, BlockKWeight):
         tensors += [weight.qs, weight.sc, weight.dm]
         return 3, weight.out_features
+    if isinstance(weight, BlockQ5Weight):
+        tensors += [weight.qs, weight.d, weight.m]
+        return 5, weight.out_features
     return None

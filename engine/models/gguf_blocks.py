@@ -1,5 +1,5 @@
-"""A GGUF file's quantized tensors (Q4_0, Q4_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K) as
-kvserve's block weights, exactly as stored: llama.cpp's tensor
+"""A GGUF file's quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the K-quants Q4_K, Q5_K,
+Q6_K) as kvserve's block weights, exactly as stored: llama.cpp's tensor
 names (per `general.architecture`) mapped to the model's fused matmul weights, its rotary row order
 for q/k undone where its converter applies one (the llama arch only), and every mapped weight checked
 against the float weights the model loaded (the same file, dequantized)."""
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.models.block_parts import PartsValues
+from engine.models.block_q5 import Q5_BLOCK_BYTES, from_gguf_q5blocks
 from engine.models.block_quant import GGUF_BLOCK_BYTES, BlockValues, from_gguf_blocks
 from engine.models.kquant import KQUANT_BLOCK_BYTES, SUPER, KValues, from_gguf_kblocks
 
@@ -88,13 +89,15 @@ StoredValues = BlockValues | KValues | PartsValues
 def _stored(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockValues | KValues:
     if kind in KQUANT_BLOCK_BYTES:
         return from_gguf_kblocks(kind, raw, shape)
+    if kind in Q5_BLOCK_BYTES:
+        return from_gguf_q5blocks(kind, raw, shape)
     return from_gguf_blocks(kind, raw, shape)
 
 
 def _tensor_bytes(kind: str, values: int) -> int:
     if kind in KQUANT_BLOCK_BYTES:
         return values // SUPER * KQUANT_BLOCK_BYTES[kind]
-    return values // 32 * GGUF_BLOCK_BYTES[kind]
+    return values // 32 * {**GGUF_BLOCK_BYTES, **Q5_BLOCK_BYTES}[kind]
 
 
 def read_block_weights(path: Path, model: Any) -> dict[str, StoredValues]:
@@ -150,10 +153,7 @@ def _fuse(ordered: list[BlockValues | KValues]) -> StoredValues:
             runs[-1].append(values)
         else:
             runs.append([values])
-    fused: list[BlockValues | KValues] = [
-        KValues.cat(run) if isinstance(run[0], KValues) else BlockValues.cat(run)  # type: ignore[arg-type]
-        for run in runs
-    ]
+    fused: list[BlockValues | KValues] = [type(run[0]).cat(run) for run in runs]  # type: ignore[arg-type]
     return fused[0] if len(fused) == 1 else PartsValues(list(fused))
 
 
@@ -175,7 +175,9 @@ def _our_name(gguf_name: str, model: Any, arch: GGUFArch) -> tuple[str | None, i
 
 
 # The ggml type ids of the formats run as stored.
-_GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_GGUF_TYPES = {
+    2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -146,11 +146,46 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8))
 
 
+def interleave(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Values q [N, K] (N a multiple of 8; below 2^bits) as the kernels' planes [N/8, K/32, bits,
+    32]: vectors 0..3 as Q4_1's nibbles (column c's k = 4j + i low, 4j + 16 + i high in byte 4c +
+    i), then the higher bits: 5 bits one vector, bit 2j + half; 6 bits two, vector 4 + j // 2, bits
+    4 (j % 2) + 2 half. Shared by the K-quants and Q5_0 / Q5_1."""
+    g, kb = q.shape[0] // GROUP, q.shape[1] // BLOCK
+    q = q.view(g, GROUP, kb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [g, b, half, j, c, i]
+    low, high = q & 0x0F, q >> 4
+    planes = [low[:, :, 0] | (low[:, :, 1] << 4)]  # [g, b, j, c, i]
+    if bits == 5:  # bit 2j + half
+        shift = (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1, 1)
+        bit = (high[:, :, 0] | (high[:, :, 1] << 1)) << shift
+        planes.append(bit.sum(dim=2, keepdim=True, dtype=torch.uint8))
+    elif bits == 6:  # vector j // 2, bits 4 (j % 2) + 2 half
+        two = (high[:, :, 0] | (high[:, :, 1] << 2)).view(g, kb, 2, 2, GROUP, 4)
+        planes.append(two[:, :, :, 0] | (two[:, :, :, 1] << 4))
+    return torch.cat(planes, dim=2).contiguous().view(g, kb, bits, 32)
+
+
+def deinterleave(qs: torch.Tensor) -> torch.Tensor:  # [N/8, K/32, bits, 32] -> [N, K] uint8
+    """The values `interleave` packed, back in row order."""
+    g, kb, bits = qs.shape[0], qs.shape[1], qs.shape[2]
+    planes = qs.view(g, kb, bits, GROUP, 4)  # [g, b, plane, c, i]
+    nib = planes[:, :, :4]
+    low = torch.stack([nib & 0x0F, nib >> 4], dim=2)  # [g, b, half, j, c, i]
+    if bits == 5:
+        shift = (2 * torch.arange(4)).view(1, 4, 1, 1) + torch.arange(2).view(2, 1, 1, 1)
+        high = (planes[:, :, 4:5].unsqueeze(2) >> shift) & 1
+    elif bits == 6:
+        h = planes[:, :, 4:6].repeat_interleave(2, dim=2)  # vector j // 2, per j
+        shift = (4 * (torch.arange(4) % 2)).view(1, 4, 1, 1) + 2 * torch.arange(2).view(2, 1, 1, 1)
+        high = (h.unsqueeze(2) >> shift) & 3
+    else:
+        high = torch.zeros_like(low)
+    return (low | (high << 4)).permute(0, 4, 1, 2, 3, 5).reshape(g * GROUP, -1)
+
+
 class BlockKWeight(_BlockWeight):
-    """K-quant blocks interleaved for kq_linear: qs [N/8, K/32, bits, 32] uint8 (vectors 0..3 as
-    Q4_1's nibbles: column c's k = 4j + i low, 4j + 16 + i high in byte 4c + i; then the higher
-    bits: Q5_K one vector, bit 2j + half; Q6_K two, vector 4 + j // 2, bits 4 (j % 2) + 2 half),
-    sc [N/8, K/32, 2, 8] uint8, dm [N/8, K/256, 2, 8] fp16 (d, dmin)."""
+    """K-quant blocks interleaved for kq_linear: qs [N/8, K/32, bits, 32] uint8 (`interleave`'s
+    planes), sc [N/8, K/32, 2, 8] uint8, dm [N/8, K/256, 2, 8] fp16 (d, dmin)."""
 
     qs: torch.Tensor
     sc: torch.Tensor
@@ -165,18 +200,7 @@ class BlockKWeight(_BlockWeight):
         self.kind = values.kind
         self.bits = BITS[values.kind]
         g, kb = self.groups, self.blocks
-        q = _pad_rows(values.q, g * GROUP).view(g, GROUP, kb, 2, 4, 4)  # [g, c, b, half, j, i]
-        q = q.permute(0, 2, 3, 4, 1, 5)  # [g, b, half, j, c, i]
-        low, high = q & 0x0F, q >> 4
-        planes = [low[:, :, 0] | (low[:, :, 1] << 4)]  # [g, b, j, c, i]
-        if self.bits == 5:  # bit 2j + half
-            shift = (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1, 1)
-            bit = (high[:, :, 0] | (high[:, :, 1] << 1)) << shift
-            planes.append(bit.sum(dim=2, keepdim=True, dtype=torch.uint8))
-        elif self.bits == 6:  # vector j // 2, bits 4 (j % 2) + 2 half
-            two = (high[:, :, 0] | (high[:, :, 1] << 2)).view(g, kb, 2, 2, GROUP, 4)
-            planes.append(two[:, :, :, 0] | (two[:, :, :, 1] << 4))
-        self.register_buffer("qs", torch.cat(planes, dim=2).contiguous().view(g, kb, -1, 32))
+        self.register_buffer("qs", interleave(_pad_rows(values.q, g * GROUP), self.bits))
         sc = _pad_rows(values.sc, g * GROUP).view(g, GROUP, kb, 2)
         self.register_buffer("sc", sc.permute(0, 2, 3, 1).contiguous())
         dm = torch.stack([values.d, values.dmin], dim=-1).to(torch.float16)  # [N, K/256, 2]
@@ -194,21 +218,7 @@ class BlockKWeight(_BlockWeight):
 
     def values(self) -> KValues:
         g, kb, n = self.groups, self.blocks, self.out_features
-        planes = self.qs.view(g, kb, self.bits, GROUP, 4)  # [g, b, plane, c, i]
-        nib = planes[:, :, :4]
-        low = torch.stack([nib & 0x0F, nib >> 4], dim=2)  # [g, b, half, j, c, i]
-        if self.bits == 5:
-            shift = (2 * torch.arange(4)).view(1, 4, 1, 1) + torch.arange(2).view(2, 1, 1, 1)
-            high = (planes[:, :, 4:5].unsqueeze(2) >> shift) & 1
-        elif self.bits == 6:
-            h = planes[:, :, 4:6].repeat_interleave(2, dim=2)  # vector j // 2, per j
-            shift = (4 * (torch.arange(4) % 2)).view(1, 4, 1, 1) + 2 * torch.arange(2).view(
-                2, 1, 1, 1
-            )
-            high = (h.unsqueeze(2) >> shift) & 3
-        else:
-            high = torch.zeros_like(low)
-        q = (low | (high << 4)).permute(0, 4, 1, 2, 3, 5).reshape(g * GROUP, -1)
+        q = deinterleave(self.qs)
         sc = self.sc.permute(0, 3, 1, 2).reshape(g * GROUP, kb, 2)
         dm = self.dm.float().permute(0, 3, 1, 2).reshape(g * GROUP, kb // 8, 2)
         return KValues(self.kind, q[:n], dm[:n, :, 0], dm[:n, :, 1], sc[:n])

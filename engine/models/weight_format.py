@@ -105,7 +105,7 @@ def _auto_quantization(dtype: str, cpu: CpuFeatures, gguf_source: bool) -> tuple
         return None, "auto: this CPU lacks AVX2/FMA/F16C for the block kernels: float weights"
     if gguf_source:
         return "gguf", (
-            "auto: the GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks, served exactly as "
+            "auto: the GGUF file's own Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks, served exactly as "
             f"stored (others as Q8_0), on the {_kernels(cpu)} block kernels with int8 activations per row and block of "
             "32: batch-invariant "
             "(--quantization none serves its dequantized float32 weights)"

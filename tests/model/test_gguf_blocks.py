@@ -1,5 +1,5 @@
 """llama.cpp-style GGUF files served as stored: a tiny random Llama written with the `gguf` package's
-GGUFWriter (Q8_0 and Q4_0 tensors, q/k rows in llama.cpp's rotary order, a float tensor, a fused
+GGUFWriter (tests/model/gguf_files.py: Q8_0 and Q4_0 tensors, q/k rows in llama.cpp's rotary order, a float tensor, a fused
 weight whose parts use different block types, an untied head), loaded with --quantization gguf.
 Its block weights must be the file's bytes (read independently with gguf.GGUFReader), bitwise the
 float weights transformers dequantized; the rest is packed from the floats."""
@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import quantize as gguf_quantize
+from gguf import GGUFReader
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
@@ -20,13 +19,13 @@ from engine.models.block_parts import BlockParts
 from engine.models.block_quant import BlockQ8Weight, BlockValues, from_gguf_blocks
 from engine.models.gguf_blocks import read_gguf_index
 from engine.models.loader import find_bundled_model
+from tests.model.gguf_files import FUSED, TinyLlama, hf_row_order, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
 )
 
-HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
-HEAD_DIM = HIDDEN // HEADS
+HIDDEN, INTER, HEADS, KV_HEADS = 64, 128, 4, 2
 # Each layer's tensors and the type they are stored as ("F32" = a float tensor).
 LAYER_TYPES = [
     {  # every matmul in a block type kvserve runs as stored
@@ -39,75 +38,8 @@ LAYER_TYPES = [
     },
 ]  # fmt: skip
 FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> kvserve's block format
-HEAD_TYPE = "Q8_0"  # output.weight (untied); token_embd.weight is Q4_0
-# Our fused weight -> its llama.cpp parts, in fused row order.
-FUSED = {
-    "self_attn.qkv_weight": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_weight": ("attn_output",),
-    "mlp.gate_up_weight": ("ffn_gate", "ffn_up"),
-    "mlp.down_weight": ("ffn_down",),
-}
-
-
-def _to_llama_cpp_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter reorders q/k rows so rotary pairs are adjacent (HF pairs the halves)."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
-
-
-def _write_tiny_gguf(path: Path) -> None:
-    bundled = GGUFReader(find_bundled_model())
-    writer = GGUFWriter(path, "llama")
-    for key, field in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
-    vocab = len(bundled.fields["tokenizer.ggml.tokens"].data)
-    writer.add_vocab_size(vocab)
-    writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_block_count(LAYERS)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    rng = np.random.default_rng(0)
-
-    def add(name: str, w: np.ndarray, kind: str) -> None:
-        w = w.astype(np.float32)
-        if kind == "F32":
-            writer.add_tensor(name, w)
-        else:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(name, gguf_quantize(w, qtype), raw_dtype=qtype)
-
-    def matrix(rows: int, cols: int, scale: float = 0.1) -> np.ndarray:
-        return rng.standard_normal((rows, cols)) * scale
-
-    add("token_embd.weight", matrix(vocab, HIDDEN, 0.05), "Q4_0")
-    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
-    add("output.weight", matrix(vocab, HIDDEN, 0.05), HEAD_TYPE)
-    shapes = {
-        "attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-        "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER),
-    }  # fmt: skip
-    for i, types in enumerate(LAYER_TYPES):
-        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
-        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN), "F32")
-        for part, shape in shapes.items():
-            w = matrix(*shape)
-            if part in ("attn_q", "attn_k"):
-                w = _to_llama_cpp_rows(w, HEADS if part == "attn_q" else KV_HEADS)
-            add(f"blk.{i}.{part}.weight", w, types[part])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+# token_embd.weight Q4_0; output.weight (untied) Q8_0
+SPEC = TinyLlama(HIDDEN, INTER, HEADS, KV_HEADS, LAYER_TYPES, ("Q4_0", 0.05), ("Q8_0", 0.05))
 
 
 def _stored_values(reader: GGUFReader, name: str) -> BlockValues:
@@ -116,16 +48,15 @@ def _stored_values(reader: GGUFReader, name: str) -> BlockValues:
     k, n = (int(d) for d in tensor.shape)
     values = from_gguf_blocks(tensor.tensor_type.name, np.asarray(tensor.data), (n, k))
     for part, heads in (("attn_q", HEADS), ("attn_k", KV_HEADS)):
-        if f".{part}." in name:  # GGUF row r holds HF row hf_of[r]
-            hf_of = _to_llama_cpp_rows(np.arange(n), heads)
-            values = values.rows(torch.from_numpy(np.argsort(hf_of)))
+        if f".{part}." in name:
+            values = values.rows(hf_row_order(n, heads))
     return values
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
-    _write_tiny_gguf(path)
+    write_tiny_llama(path, SPEC)
     return path
 
 

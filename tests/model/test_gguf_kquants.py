@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
@@ -23,9 +23,9 @@ from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
 from engine.models.block_parts import BlockParts
 from engine.models.cpu_features import BLOCK_KERNEL_PATHS, block_kernel_probe
-from engine.models.kquant import KQUANT_BLOCK_BYTES, BlockKWeight, from_gguf_kblocks
+from engine.models.kquant import BlockKWeight, from_gguf_kblocks
 from engine.models.kquant import synthetic_kblocks as random_kblocks
-from engine.models.loader import find_bundled_model
+from tests.model.gguf_files import FUSED, TinyLlama, gguf_rows, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
@@ -85,8 +85,7 @@ def test_kernels_match_floats_and_agree_on_every_path(kind: str) -> None:
 
 # ---------------------------------------------------------------- a Q4_K_M-like file end to end
 
-HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 512, 3, 4, 2
-HEAD_DIM = HIDDEN // HEADS
+HIDDEN, INTER, HEADS, KV_HEADS = 256, 512, 4, 2
 LAYER_TYPES = [
     {  # as llama.cpp's Q4_K_M: Q6_K for attn_v and ffn_down in some layers
         "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
@@ -101,88 +100,20 @@ LAYER_TYPES = [
         "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K",
     },
 ]  # fmt: skip
-FUSED = {
-    "self_attn.qkv_weight": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_weight": ("attn_output",),
-    "mlp.gate_up_weight": ("ffn_gate", "ffn_up"),
-    "mlp.down_weight": ("ffn_down",),
-}
-SHAPES = {
-    "attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-    "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-    "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER),
-}  # fmt: skip
 SERVED_AS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q8_0": "q8_0"}
-
-
-def _write_kquant_gguf(path: Path) -> None:
-    bundled = GGUFReader(find_bundled_model())
-    writer = GGUFWriter(path, "llama")
-    for key, field in bundled.fields.items():  # SmolLM2's tokenizer, as GGUF stores it
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
-    vocab = len(bundled.fields["tokenizer.ggml.tokens"].data)
-    writer.add_vocab_size(vocab)
-    writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_block_count(LAYERS)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    rng = np.random.default_rng(0)
-
-    def add(name: str, shape: tuple[int, int], kind: str, std: float = 0.1) -> None:
-        if kind in KQUANT_BLOCK_BYTES:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(name, random_kblocks(kind, *shape, rng, std), raw_dtype=qtype)
-            return
-        w = (rng.standard_normal(shape) * std).astype(np.float32)
-        if kind == "F16":
-            writer.add_tensor(name, w.astype(np.float16))
-        else:
-            qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(name, gguf_quantize(w, qtype), raw_dtype=qtype)
-
-    def norm(name: str) -> None:
-        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-
-    add("token_embd.weight", (vocab, HIDDEN), "Q4_K", 0.5)
-    norm("output_norm.weight")
-    add("output.weight", (vocab, HIDDEN), "Q6_K", 0.5)  # large logits: clear greedy choices
-    for i, types in enumerate(LAYER_TYPES):
-        norm(f"blk.{i}.attn_norm.weight")
-        norm(f"blk.{i}.ffn_norm.weight")
-        for part, shape in SHAPES.items():
-            add(f"blk.{i}.{part}.weight", shape, types[part])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+# Q4_K embedding; a Q6_K head of large logits: clear greedy choices
+SPEC = TinyLlama(HIDDEN, INTER, HEADS, KV_HEADS, LAYER_TYPES, ("Q4_K", 0.5), ("Q6_K", 0.5))
 
 
 @pytest.fixture(scope="module")
 def kquant_llms(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LLM, LLM]:
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama-q4_k_m.gguf"
-    _write_kquant_gguf(path)
+    write_tiny_llama(path, SPEC)
     cache = str(tmp_path_factory.mktemp("cache"))
     options = {"cache_dir": cache, "max_num_seqs": 4, "enable_prefix_caching": False}
     stored = LLM(str(path), quantization="gguf", **options)
     floats = LLM(str(path), dtype="float32", quantization="none", **options)
     return path, stored, floats
-
-
-def _gguf_rows(reader: GGUFReader, name: str, heads: int | None) -> torch.Tensor:
-    """gguf's dequantization of a tensor, rows in HF order (llama.cpp permutes q/k rows)."""
-    tensor = next(t for t in reader.tensors if t.name == name)
-    w = gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    if heads is not None:  # GGUF row h*d + 2i + t is HF row h*d + t*d/2 + i
-        w = w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-    return torch.from_numpy(np.ascontiguousarray(w))
 
 
 def test_every_weight_of_the_file_is_served_as_stored(kquant_llms: tuple[Path, LLM, LLM]) -> None:
@@ -195,7 +126,7 @@ def test_every_weight_of_the_file_is_served_as_stored(kquant_llms: tuple[Path, L
             weight = getattr(getattr(model.layers[i], owner), attr)
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}
             theirs = torch.cat(
-                [_gguf_rows(reader, f"blk.{i}.{p}.weight", heads.get(p)) for p in parts]
+                [gguf_rows(reader, f"blk.{i}.{p}.weight", heads.get(p)) for p in parts]
             )
             assert torch.equal(theirs, float_params[f"layers.{i}.{ours}"]), (i, ours)
             kinds = [SERVED_AS.get(types[p]) for p in parts]
@@ -209,10 +140,10 @@ def test_every_weight_of_the_file_is_served_as_stored(kquant_llms: tuple[Path, L
     assert all(args is not None for args in model._decode_calls())  # parts too: one C++ call
     head = model.lm_head_weight
     assert isinstance(head, BlockKWeight) and head.kind == "q6_k"
-    assert torch.equal(head.dequantize(), _gguf_rows(reader, "output.weight", None))
+    assert torch.equal(head.dequantize(), gguf_rows(reader, "output.weight", None))
     # the Q4_K embedding is looked up in the float table transformers dequantized
     ids = torch.tensor([0, 3, 49151])
-    assert torch.equal(model.embed_tokens(ids), _gguf_rows(reader, "token_embd.weight", None)[ids])
+    assert torch.equal(model.embed_tokens(ids), gguf_rows(reader, "token_embd.weight", None)[ids])
 
 
 def test_greedy_tokens_follow_the_dequantized_model(kquant_llms: tuple[Path, LLM, LLM]) -> None:

@@ -69,6 +69,18 @@ struct KWeight {
 using KGroupsFn = void (*)(const KWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                            int64_t g0, int64_t g1, int64_t N, float* out);
 
+// A Q5_0 / Q5_1 weight (block_q5.cpp), per group of 8 columns: qs uint8 [KB, 5, 32] (4 vectors of
+// low nibbles as q4's, then the fifth bits as Q5_K's), d and m fp16 [KB, 8] as q4's (m null for
+// Q5_0: m = -16 d).
+struct Q5Weight {
+  const uint8_t* qs;
+  const c10::Half* d;
+  const c10::Half* m;
+};
+
+using Q5GroupsFn = void (*)(const Q5Weight& w, const QuantRows& x, int64_t r0, int64_t r1,
+                            int64_t g0, int64_t g1, int64_t N, float* out);
+
 // Rows [r0, r1) x column groups [g0, g1) of out [M, N]: every element computed as
 //   acc = 0; for b in 0..KB: acc = fma(d_w * d_x, float(isum_b), acc) [; acc = fma(m_w, s_x, acc)]
 // with isum_b the exact integer dot product of block b, so every path gives the same bits.
@@ -85,6 +97,8 @@ void q8_groups_ref(const BlockWeight&, const QuantRows&, int64_t, int64_t, int64
                    int64_t, float*);
 void kq_groups_ref(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t, int64_t,
                    float*);
+void q5_groups_ref(const Q5Weight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   float*);
 
 // One kernel path: its name (KVSERVE_BLOCK_KERNELS), its functions, whether its q8 kernel reads
 // QuantRows::u, and whether its kernels read the tile-packed arrays.
@@ -95,6 +109,7 @@ struct PathFns {
   bool offset_u;
   bool packed;
   KGroupsFn kq;
+  Q5GroupsFn q5;
 };
 
 // The path matmuls run on now (block_paths.cpp): chosen once from KVSERVE_BLOCK_KERNELS and what
@@ -120,6 +135,12 @@ void kq_groups_avx2(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t,
 void kq_groups_avxvnni(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
                        int64_t, float*);
 void kq_groups_avx512vnni(const KWeight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float*);
+void q5_groups_avx2(const Q5Weight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    float*);
+void q5_groups_avxvnni(const Q5Weight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float*);
+void q5_groups_avx512vnni(const Q5Weight&, const QuantRows&, int64_t, int64_t, int64_t, int64_t,
                           int64_t, float*);
 #endif
 

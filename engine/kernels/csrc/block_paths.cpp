@@ -31,14 +31,16 @@ const std::vector<PathFns>& paths() {
   static const std::vector<PathFns> all = {
 #if defined(__x86_64__) && defined(__GNUC__)
       {"avx512vnni", kvblock::quantize_row_avx2, kvblock::q4_groups_avx512vnni,
-       kvblock::q8_groups_avx512vnni, true, true, kvblock::kq_groups_avx512vnni},
+       kvblock::q8_groups_avx512vnni, true, true, kvblock::kq_groups_avx512vnni,
+       kvblock::q5_groups_avx512vnni},
       {"avxvnni", kvblock::quantize_row_avx2, kvblock::q4_groups_avxvnni,
-       kvblock::q8_groups_avxvnni, true, false, kvblock::kq_groups_avxvnni},
+       kvblock::q8_groups_avxvnni, true, false, kvblock::kq_groups_avxvnni,
+       kvblock::q5_groups_avxvnni},
       {"avx2", kvblock::quantize_row_avx2, kvblock::q4_groups_avx2, kvblock::q8_groups_avx2,
-       false, false, kvblock::kq_groups_avx2},
+       false, false, kvblock::kq_groups_avx2, kvblock::q5_groups_avx2},
 #endif
       {"portable", kvblock::quantize_row_ref, kvblock::q4_groups_ref, kvblock::q8_groups_ref,
-       false, false, kvblock::kq_groups_ref},
+       false, false, kvblock::kq_groups_ref, kvblock::q5_groups_ref},
   };
   return all;
 }
@@ -153,6 +155,38 @@ struct KProbeCase {
   }
 };
 
+// The Q5 kernels' probe (block_q5.cpp): Q5_1 and Q5_0 (m derived), several row tiles (8-row zmm
+// tiles and a remainder), three column groups (a lone last one), random bytes in every plane.
+struct Q5ProbeCase {
+  static constexpr int64_t M = 11, K = 96, KB = 3, G = 3, N = 24;
+  std::vector<int8_t> q = std::vector<int8_t>(M * K);
+  std::vector<float> d = std::vector<float>(M * KB), s = std::vector<float>(M * KB);
+  std::vector<uint8_t> qs = std::vector<uint8_t>(G * KB * 160);
+  std::vector<c10::Half> wd = std::vector<c10::Half>(G * KB * 8), wm = wd;
+  std::vector<float> expect = std::vector<float>(2 * M * N);
+
+  Q5ProbeCase() {
+    uint32_t state = 4242;
+    auto next = [&] { return state = state * 1664525u + 1013904223u, state >> 8; };
+    std::vector<float> x(M * K);
+    for (auto& v : x) v = static_cast<float>(static_cast<int>(next() % 2001) - 1000) / 31.f;
+    for (int64_t m = 0; m < M; ++m)
+      kvblock::quantize_row_ref(&x[m * K], K, &q[m * K], &d[m * KB], &s[m * KB]);
+    for (auto& v : qs) v = static_cast<uint8_t>(next());
+    for (size_t i = 0; i < wd.size(); ++i) {
+      wd[i] = static_cast<float>(next() % 1000) / 3000.f;
+      wm[i] = -static_cast<float>(next() % 1000) / 5000.f;
+    }
+    run(paths().back(), expect.data());
+  }
+
+  void run(const PathFns& p, float* out) const {
+    const kvblock::QuantRows x{q.data(), nullptr, d.data(), s.data(), K, KB};
+    p.q5(kvblock::Q5Weight{qs.data(), wd.data(), wm.data()}, x, 0, M, 0, G, N, out);
+    p.q5(kvblock::Q5Weight{qs.data(), wd.data(), nullptr}, x, 0, M, 0, G, N, out + M * N);
+  }
+};
+
 // "" when the path runs here and gives the portable loops' bits, else why not.
 std::string probe(const PathFns& p) {
   const std::string name = p.name;
@@ -162,19 +196,22 @@ std::string probe(const PathFns& p) {
 #if defined(__unix__)
   static const ProbeCase test;
   static const KProbeCase ktest;
+  static const Q5ProbeCase q5test;
   std::vector<float> got4(test.expect4.size()), got8(test.expect8.size()), got40(got4.size());
-  std::vector<float> gotk(ktest.expect.size());
+  std::vector<float> gotk(ktest.expect.size()), got5(q5test.expect.size());
   const pid_t pid = fork();
   if (pid < 0) return "";  // no child process possible here: the flags are all there is to go by
   if (pid == 0) {
     alarm(30);  // a child that hangs (it should not: no locks, no allocation) dies instead
     test.run(p, got4.data(), got8.data(), got40.data());
     ktest.run(p, gotk.data());
+    q5test.run(p, got5.data());
     const bool same =
         std::memcmp(got4.data(), test.expect4.data(), got4.size() * sizeof(float)) == 0 &&
         std::memcmp(got40.data(), test.expect40.data(), got40.size() * sizeof(float)) == 0 &&
         std::memcmp(got8.data(), test.expect8.data(), got8.size() * sizeof(float)) == 0 &&
-        std::memcmp(gotk.data(), ktest.expect.data(), gotk.size() * sizeof(float)) == 0;
+        std::memcmp(gotk.data(), ktest.expect.data(), gotk.size() * sizeof(float)) == 0 &&
+        std::memcmp(got5.data(), q5test.expect.data(), got5.size() * sizeof(float)) == 0;
     _exit(same ? 0 : 3);
   }
   int status = 0;

@@ -12,10 +12,11 @@
 namespace {
 
 // kinds[i] for each of the 4 matmuls (qkv, o, gate_up, down): 0 float [N, K] weight, 1 q4 blocks
-// (qs, d, m), 2 q8 blocks (qs, d), 3 K-quant blocks (qs, sc, dm), 4 parts of those (see linear);
+// (qs, d, m), 2 q8 blocks (qs, d), 3 K-quant blocks (qs, sc, dm), 4 parts of those (see linear),
+// 5 Q5 blocks (qs, d, m);
 // then has_bias, then the true output width (block weights are padded to a multiple of 8 columns).
 // kinds[12] (optional): 1 when q/k norm weights follow the two block norms; after it, the parts.
-enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ8 = 2, kKQ = 3, kParts = 4 };
+enum Kind : int64_t { kFloat = 0, kQ4 = 1, kQ8 = 2, kKQ = 3, kParts = 4, kQ5 = 5 };
 
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -27,6 +28,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const std::optional<at::Tensor>&)>
       kq;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const std::optional<at::Tensor>&)>
+      q5;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, at::Tensor,
                                 const at::Tensor&, int64_t, int64_t)>
@@ -49,6 +53,9 @@ const Ops& ops() {
         d.findSchemaOrThrow("kvserve::kq_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const std::optional<at::Tensor>&)>(),
+        d.findSchemaOrThrow("kvserve::q5_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const std::optional<at::Tensor>&)>(),
         d.findSchemaOrThrow("kvserve::rms_norm", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
         d.findSchemaOrThrow("kvserve::rope_write_kv", "")
@@ -62,7 +69,7 @@ const Ops& ops() {
   return o;
 }
 
-// One block weight's matmul (kind 1, 2 or 3): reads its tensors from `w` at `next`, advancing it.
+// One block weight's matmul (kind 1, 2, 3 or 5): reads its tensors from `w` at `next`, advancing it.
 at::Tensor block_matmul(int64_t kind, const at::Tensor& xf, const std::vector<at::Tensor>& w,
                         size_t& next) {
   at::Tensor out;
@@ -71,6 +78,9 @@ at::Tensor block_matmul(int64_t kind, const at::Tensor& xf, const std::vector<at
     next += 3;
   } else if (kind == kKQ) {
     out = ops().kq.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
+    next += 3;
+  } else if (kind == kQ5) {
+    out = ops().q5.call(xf, w[next], w[next + 1], w[next + 2], std::nullopt);
     next += 3;
   } else {
     TORCH_CHECK(kind == kQ8, "decode_layer: unknown weight kind ", kind);
