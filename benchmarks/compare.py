@@ -24,6 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_utils import ServerProcess, free_port
+from benchmarks.compare_report import StreamingLimit, format_file_summary, format_markdown
+from benchmarks.llama_cpp_peer import (
+    has_option,
+    llama_cpp_argv,
+    llama_cpp_build_isa,
+    llama_cpp_help,
+)
 from server.bench import BenchConfig, ratio, run_benchmark
 
 logger = logging.getLogger(__name__)
@@ -63,10 +70,14 @@ class Target:
     polls_when_idle: bool = False  # burns CPU while idle: never kept running beside another
 
 
-def kvserve_target(model_dir: str, dtype: str, port: int, extra_args: str) -> Target:
-    argv = [sys.executable, "-m", "server", "serve", model_dir, "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--dtype", dtype, *shlex.split(extra_args)]
-    return Target("kvserve", argv=argv, env={"HF_HUB_OFFLINE": "1"})
+def kvserve_target(
+    model: str, dtype: str, port: int, extra_args: str, threads: int | None = None
+) -> Target:
+    """kvserve on a model folder or a .gguf file (its blocks served as stored)."""
+    argv = [sys.executable, "-m", "server", "serve", model, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--dtype", dtype]
+    argv += ["--threads", str(threads)] if threads else []
+    return Target("kvserve", argv=[*argv, *shlex.split(extra_args)], env={"HF_HUB_OFFLINE": "1"})
 
 
 def transformers_cb_args(max_concurrency: int, max_len: int, max_batch_tokens: int) -> list[str]:
@@ -94,23 +105,6 @@ def transformers_target(
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
         polls_when_idle=True,  # its continuous-batching loop spins (~30% of a core) while idle
     )
-
-
-def llama_cpp_target(
-    binary: str,
-    gguf: str,
-    port: int,
-    max_concurrency: int,
-    max_len: int,
-    threads: int,
-    extra_args: list[str],
-) -> Target:
-    """llama.cpp's server with one slot per concurrent request; its context is split evenly across
-    slots, so each gets `max_len` tokens. `ignore_eos` is one of its sampling fields."""
-    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--parallel", str(max_concurrency), "--ctx-size", str(max_concurrency * max_len)]
-    argv += ["--threads", str(threads), "--threads-batch", str(threads), *extra_args]
-    return Target("llama.cpp", argv=argv)
 
 
 def cpu_summary() -> str:
@@ -141,37 +135,96 @@ def num_requests_for(concurrency: int, requested: int | None) -> int:
     return requested if requested else max(4, 2 * concurrency)
 
 
+LONG_SEED = 1_000_000  # long-prompt seeds never meet a short level's (1000 * round + concurrency)
+
+
+@dataclass(frozen=True)
+class Level:
+    """One workload every target runs each round: `key` names it in the results ("8", "long1024")."""
+
+    key: str
+    concurrency: int
+    input_len: int
+    output_len: int
+    num_requests: int
+    warmup: int
+    seed_base: int  # + 1000 * round: same prompts for every target, new ones every round
+
+    def seed(self, rnd: int) -> int:
+        return self.seed_base + 1000 * rnd
+
+
+def levels_for(args: argparse.Namespace) -> list[Level]:
+    """The concurrency levels, then the long-prompt levels: concurrency 1, `--long-requests`
+    prompts of each length and `--long-output-len` tokens (enough for a TTFT), no warm-up (the short
+    levels warmed the server up), their own seeds so no prompt shares a prefix with another level's
+    or another round's (a random-word prompt is a prefix of a longer one from the same seed)."""
+    levels = [
+        Level(
+            str(c),
+            c,
+            args.input_len,
+            args.output_len,
+            num_requests_for(c, args.num_requests),
+            args.warmup,
+            c,
+        )  # fmt: skip
+        for c in args.concurrency
+    ]
+    for length in args.long_prompts:
+        levels.append(
+            Level(
+                f"long{length}",
+                1,
+                length,
+                args.long_output_len,
+                args.long_requests,
+                0,
+                LONG_SEED + 100 * length,
+            )  # fmt: skip
+        )
+    return levels
+
+
+def max_request_len(args: argparse.Namespace) -> tuple[int, int]:
+    """Tokens one request may need (prompt + output + template slack): the short levels' and the
+    longest long-prompt level's."""
+    short = args.input_len + args.output_len + 64
+    longest = max((n + args.long_output_len + 64 for n in args.long_prompts), default=0)
+    return short, longest
+
+
 def run_level(
-    target: Target, base_url: str, concurrency: int, args: argparse.Namespace, rnd: int = 0
+    target: Target, base_url: str, level: Level, args: argparse.Namespace, rnd: int = 0
 ) -> dict[str, Any]:
-    """One concurrency level against a running target: its metrics, or {"error": ...}. The prompts
-    are seeded by round and level: every target gets the same ones, but no round or level repeats
-    an earlier one, so neither server's prefix cache answers a prompt it has already seen."""
+    """One level against a running target: its metrics, or {"error": ...}. The prompts are seeded
+    by round and level: every target gets the same ones, but no round or level repeats an earlier
+    one, so neither server's prefix cache answers a prompt it has already seen."""
     config = BenchConfig(
-        seed=1000 * rnd + concurrency,
+        seed=level.seed(rnd),
         base_url=base_url,
         endpoint=args.endpoint,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        num_requests=num_requests_for(concurrency, args.num_requests),
+        input_len=level.input_len,
+        output_len=level.output_len,
+        num_requests=level.num_requests,
         max_seconds=args.max_seconds,
-        concurrency=concurrency,
+        concurrency=level.concurrency,
         ignore_eos=target.ignore_eos,
         extra_body=target.extra_body,
         tokenizer=args.model_dir,
-        warmup=args.warmup,
+        warmup=level.warmup,
         progress=not args.no_progress,
     )
-    logger.info("%s: concurrency %d, %d requests", target.name, concurrency, config.num_requests)
+    logger.info("%s: level %s, %d requests", target.name, level.key, config.num_requests)
     try:
         m = run_benchmark(config)
     except (RuntimeError, OSError) as e:  # keep the other levels' figures
-        logger.error("%s c=%d failed: %s", target.name, concurrency, e)
+        logger.error("%s level %s failed: %s", target.name, level.key, e)
         return {"error": str(e)}
     logger.info(
-        "%s c=%d: %.1f output tok/s, TTFT median %.0f ms, ITL median %.1f ms, failed %d",
+        "%s %s: %.1f output tok/s, TTFT median %.0f ms, ITL median %.1f ms, failed %d",
         target.name,
-        concurrency,
+        level.key,
         m["output_throughput"],
         m["ttft_ms"]["median"],
         m["itl_ms"]["median"],
@@ -186,26 +239,27 @@ def run_interleaved(
     """Every round runs every level on every target, the first target alternating by round, so slow
     drifts in machine load hit all of them alike. Servers that idle quietly (kvserve, llama.cpp) are
     all started once and take turns level by level; if one polls while idle, each round starts one
-    server at a time instead. Returns name -> level -> one metrics dict per round."""
+    server at a time instead. Returns name -> level key -> one metrics dict per round."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {t.name: {} for t in targets}
+    levels = levels_for(args)
     together = not any(t.polls_when_idle and t.url is None for t in targets)
     with contextlib.ExitStack() as stack:
         urls = _start_all(targets, args, log_dir, stack) if together else {}
         for rnd in range(args.rounds):
             order = targets if rnd % 2 == 0 else targets[::-1]  # neither always goes first
             if together:
-                for concurrency in args.concurrency:
+                for level in levels:
                     for target in order:
                         if target.name in urls:
-                            m = run_level(target, urls[target.name], concurrency, args, rnd)
-                            runs[target.name].setdefault(str(concurrency), []).append(m)
+                            m = run_level(target, urls[target.name], level, args, rnd)
+                            runs[target.name].setdefault(level.key, []).append(m)
                 continue
             for target in order:
                 with contextlib.ExitStack() as one:
                     url = _start_all([target], args, log_dir, one).get(target.name, "")
-                    for concurrency in args.concurrency if url else []:
-                        m = run_level(target, url, concurrency, args, rnd)
-                        runs[target.name].setdefault(str(concurrency), []).append(m)
+                    for level in levels if url else []:
+                        m = run_level(target, url, level, args, rnd)
+                        runs[target.name].setdefault(level.key, []).append(m)
     return runs
 
 
@@ -252,13 +306,19 @@ def format_comparison(results: dict[str, dict[str, dict[str, Any]]], peer: str) 
     """One block per concurrency: each figure for kvserve and the peer, and kvserve/peer."""
     kv, other = results.get("kvserve", {}), results.get(peer, {})
     lines = []
-    for level in sorted(set(kv) | set(other), key=int):
-        lines.append(f"\n== concurrency {level} ==")
+    for level in sorted(set(kv) | set(other), key=level_order):
+        heading = f"concurrency {level}" if level.isdigit() else f"{level[4:]}-token prompts, c=1"
+        lines.append(f"\n== {heading} ==")
         lines.append(f"{'figure':<18}{'kvserve':>12}{peer:>14}{'kvserve/peer':>14}")
         for label, key, stat in FIGURES:
             a, b = _figure(kv.get(level), key, stat), _figure(other.get(level), key, stat)
             lines.append(f"{label:<18}{_fmt(a):>12}{_fmt(b):>14}{_fmt(ratio(a, b), 2) + 'x':>14}")
     return "\n".join(lines)
+
+
+def level_order(key: str) -> tuple[int, int]:
+    """Concurrency levels ("8") by concurrency, then long-prompt levels ("long1024") by length."""
+    return (0, int(key)) if key.isdigit() else (1, int(key.removeprefix("long")))
 
 
 def _figure(metrics: dict[str, Any] | None, key: str, stat: str | None) -> float:
@@ -294,6 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-requests", type=int, default=None, help="per level (default 2x concurrency, >= 4)"
     )
+    p.add_argument(
+        "--long-prompts",
+        default="",
+        help="comma-separated prompt lengths (e.g. 1024,4096): TTFT at concurrency 1 with prompts "
+        "that long, new ones every round (no prefix-cache help)",
+    )
+    p.add_argument("--long-requests", type=int, default=2, help="requests per long-prompt level")
+    p.add_argument(
+        "--long-output-len", type=int, default=8, help="output tokens of a long-prompt request"
+    )
     p.add_argument("--max-seconds", type=float, default=180.0, help="time bound per level")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -307,7 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--llama-server", default=None, help="path of a llama.cpp `llama-server` binary to start"
     )
     p.add_argument(
-        "--gguf", default=None, help="GGUF file for llama.cpp (default: the bundled SmolLM2 GGUF)"
+        "--gguf",
+        default=None,
+        help="comma-separated GGUF files, one after the other: each served by kvserve (its blocks "
+        "as stored) and by llama.cpp (default with --llama-server: the bundled SmolLM2 Q4_1)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads of both servers (kvserve --threads, llama.cpp --threads and "
+        "--threads-batch); default: each server's own",
     )
     p.add_argument(
         "--peer-threads", type=int, default=None, help="llama.cpp threads (default: all cores)"
@@ -340,29 +420,63 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _targets(args: argparse.Namespace) -> tuple[list[Target], str]:
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError as e:
+        raise ValueError(f"{option} takes comma-separated integers, not {text!r}") from e
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed and checked options (ValueError with the message for the user): lists split, the
+    peer chosen, the GGUF files listed (`args.files`: None means kvserve serves `--model`)."""
+    args = build_parser().parse_args(argv)
+    if args.peer is None:
+        args.peer = "llama.cpp" if args.llama_server else "transformers"
+    args.concurrency = _int_list(args.concurrency, "--concurrency")
+    if not args.concurrency or min(args.concurrency) < 1 or args.rounds < 1:
+        raise ValueError("--concurrency needs levels >= 1 and --rounds must be >= 1")
+    args.long_prompts = _int_list(args.long_prompts, "--long-prompts")
+    if args.long_prompts and (min(args.long_prompts) < 1 or args.long_requests < 1):
+        raise ValueError("--long-prompts lengths and --long-requests must be >= 1")
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
+    if args.peer == "llama.cpp" and not args.llama_server and not args.peer_url:
+        raise ValueError("--peer llama.cpp needs --llama-server PATH (a llama-server binary)")
+    files = [f.strip() for f in (args.gguf or "").split(",") if f.strip()]
+    for f in files:
+        if not Path(f).is_file():
+            raise ValueError(f"--gguf {f!r} is not a file")
+    if files and args.peer == "transformers" and not args.peer_url:
+        raise ValueError("--gguf is for the llama.cpp peer (--llama-server PATH) or --peer none")
+    if not files and args.peer == "llama.cpp" and not args.peer_url:
+        files = [str(_bundled_gguf())]
+    args.files = files or [None]
+    return args
+
+
+def _targets(args: argparse.Namespace, gguf: str | None) -> tuple[list[Target], str]:
+    """kvserve serves `gguf` (its blocks as stored) if given, else the `--model` folder."""
     dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
     kv = (
         Target("kvserve", url=args.kvserve_url)
         if args.kvserve_url
-        else kvserve_target(args.model_dir, dtype, 0, args.kvserve_args)
+        else kvserve_target(gguf or args.model_dir, dtype, 0, args.kvserve_args, args.threads)
     )
     targets = [kv]
     if args.peer_url:
         name = args.peer_name or "peer"
         targets.append(Target(name, url=args.peer_url, ignore_eos=not args.peer_no_ignore_eos))
     elif args.peer == "llama.cpp":
-        if not args.llama_server:
-            raise ValueError("--peer llama.cpp needs --llama-server PATH (a llama-server binary)")
-        gguf = args.gguf or str(_bundled_gguf())
-        max_len = args.input_len + args.output_len + 64  # prompt + output + template slack
-        threads = args.peer_threads or os.cpu_count() or 1
-        extra = shlex.split(args.peer_args)
-        targets.append(
-            llama_cpp_target(
-                args.llama_server, gguf, 0, max(args.concurrency), max_len, threads, extra
-            )
-        )
+        assert gguf is not None  # parse_args gives the llama.cpp peer a file
+        max_len, longest = max_request_len(args)
+        threads = args.peer_threads or args.threads or os.cpu_count() or 1
+        help_text = llama_cpp_help(args.llama_server)
+        argv = llama_cpp_argv(
+            args.llama_server, gguf, 0, max(args.concurrency), max_len, threads,
+            shlex.split(args.peer_args), longest, has_option(help_text, "--kv-unified"),
+        )  # fmt: skip
+        targets.append(Target("llama.cpp", argv=argv))
     elif args.peer == "transformers":
         sizing = transformers_cb_args(
             max(args.concurrency), args.input_len + args.output_len + 64, args.max_batch_tokens
@@ -394,50 +508,105 @@ def _raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _read_gbps(threads: int | None) -> float:
+    """The machine's streaming read bandwidth (benchmarks/roofline.py's measurement)."""
+    import torch
+
+    from benchmarks.roofline import memory_bandwidth
+
+    if threads:
+        torch.set_num_threads(threads)
+    return memory_bandwidth(min_seconds=1.0)["read_gbps"]
+
+
+def _streaming_limit(gguf: str, args: argparse.Namespace, read_gbps: float) -> StreamingLimit:
+    from benchmarks.gguf_files import describe
+
+    context = args.input_len + args.output_len // 2  # the mean context of a c=1 decode step
+    return StreamingLimit(describe(gguf, context)["bytes_per_token"], read_gbps, context)
+
+
+def _type_line(gguf: str) -> str:
+    from benchmarks.gguf_files import format_histogram, read_tensors, type_histogram
+
+    return format_histogram(Path(gguf).name, type_histogram(read_tensors(gguf)[0]))
+
+
+def run_one(
+    args: argparse.Namespace, gguf: str | None, log_dir: Path, cpu: str, read_gbps: float | None
+) -> tuple[dict[str, Any], StreamingLimit | None]:
+    """Both servers on one model (file): every level, every round; prints and returns the payload."""
+    args.model_dir = _resolve_model_dir(gguf or args.model)  # also the prompts' tokenizer
+    targets, peer = _targets(args, gguf)
+    runs = run_interleaved(targets, args, log_dir)
+    results = {
+        name: {level: median_metrics(rounds) for level, rounds in levels.items()}
+        for name, levels in runs.items()
+    }
+    print(format_comparison(results, peer))
+    limit = _streaming_limit(gguf, args, read_gbps) if gguf and read_gbps else None
+    if gguf:
+        title = _type_line(gguf)
+        print(
+            format_file_summary(
+                title, results.get("kvserve", {}), results.get(peer, {}), peer, limit
+            )
+        )
+    print(
+        f"\nmodel {gguf or args.model_dir}, kvserve dtype {args.dtype}, medians of {args.rounds} "
+        f"round(s), server logs in {log_dir}\n{cpu}"
+    )
+    payload = {
+        "model": gguf or args.model_dir,
+        "dtype": args.dtype,
+        "peer": peer,
+        "cpu": cpu,
+        "rounds": args.rounds,
+        "peer_argv": targets[1].argv if len(targets) > 1 else None,
+        "streaming_limit": dataclasses.asdict(limit) if limit else None,
+        "results": results,
+        "runs": runs,
+        "ratios": _ratios(results, peer),
+    }
+    return payload, limit
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.peer is None:
-        args.peer = "llama.cpp" if args.llama_server else "transformers"
     try:
-        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-        if not args.concurrency or min(args.concurrency) < 1 or args.rounds < 1:
-            raise ValueError("--concurrency needs levels >= 1 and --rounds must be >= 1")
-        if args.llama_server and not os.access(args.llama_server, os.X_OK):
-            raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
-        args.model_dir = _resolve_model_dir(args.model)
-        targets, peer = _targets(args)
+        args = parse_args(argv)
+        if args.files == [None]:
+            args.model_dir = _resolve_model_dir(args.model)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     _raise_on_sigterm()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvserve-compare-"))
     cpu = cpu_summary()
+    if args.llama_server:
+        cpu += f"; {llama_cpp_build_isa(args.llama_server)}"
     logger.info("%s", cpu)
-    runs = run_interleaved(targets, args, log_dir)
-    results = {
-        name: {level: median_metrics(rounds) for level, rounds in levels.items()}
-        for name, levels in runs.items()
-    }
-    status = 0 if all(results.values()) else 1  # a target that never started has no levels
-    print(format_comparison(results, peer))
-    print(
-        f"\nmodel {args.model_dir}, kvserve dtype {args.dtype}, medians of {args.rounds} "
-        f"round(s), server logs in {log_dir}\n{cpu}"
-    )
+    read_gbps = _read_gbps(args.threads) if args.files != [None] else None
+    payloads, rows = [], []
+    for gguf in args.files:
+        try:
+            payload, limit = run_one(args, gguf, log_dir, cpu, read_gbps)
+        except ValueError as e:  # a file kvserve cannot read: keep the others
+            logger.error("%s: %s", gguf, e)
+            payloads.append({"model": gguf, "error": str(e)})
+            continue
+        payloads.append(payload)
+        if gguf:
+            peer = payload["peer"]
+            res = payload["results"]
+            rows.append((Path(gguf).name, res.get("kvserve", {}), res.get(peer, {}), limit))
+    if len(rows) > 1:
+        print("\n" + format_markdown(rows))
+    status = 0 if all("error" not in p and all(p["results"].values()) for p in payloads) else 1
     if args.json_out:
-        payload = {
-            "model": args.model_dir,
-            "dtype": args.dtype,
-            "peer": peer,
-            "cpu": cpu,
-            "rounds": args.rounds,
-            "results": results,
-            "runs": runs,
-            "ratios": _ratios(results, peer),
-        }
-        Path(args.json_out).write_text(json.dumps(payload, indent=2))
+        out = payloads[0] if len(payloads) == 1 else {"cpu": cpu, "files": payloads}
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
     return status
 
 
