@@ -65,19 +65,44 @@ struct QueryVec {
   float* out;
 };
 
+// Where a vector's full runs of 8 end (runs are counted from its first visible key; the tokens
+// after the last full run are its tail, scored one by one with hsum1).
+inline int64_t run_end(const QueryVec& x) {
+  const int64_t len = x.end - x.start;
+  return x.start + (len - len % 8);
+}
+
+// The tail scores of x in [lo, hi) (the part of this tile at or after run_end).
+KV_AVX2 inline void tail_scores(QueryVec& x, int64_t lo, int64_t hi, const float* const* kp,
+                                int64_t d) {
+  for (int64_t t = std::max(lo, run_end(x)); t < hi; ++t) x.p[t] = score1_avx2(x.q, kp[t], d);
+}
+
 // The work item's vectors over key tiles. kp / vp index absolute positions.
 KV_AVX2 void prefill_item_avx2(std::vector<QueryVec>& vecs, const float* const* kp,
                                const float* const* vp, int64_t first, int64_t last, int64_t d,
                                float softcap) {
   for (int64_t t0 = first; t0 < last; t0 += kKeyTile) {  // scores, tile by tile
     const int64_t t1 = std::min(last, t0 + kKeyTile);
-    for (QueryVec& x : vecs) {
+    for (size_t i = 0; i < vecs.size(); ++i) {
+      QueryVec& x = vecs[i];
       const int64_t lo = std::max(t0, x.start), hi = std::min(t1, x.end);
       if (lo >= hi) continue;
-      const int64_t len = x.end - x.start, full = x.start + (len - len % 8);  // runs of 8 end there
       int64_t t = x.start + (lo - x.start + 7) / 8 * 8;  // the first run starting in this tile
-      for (; t < hi && t < full; t += 8) scores8_avx2(x.q, kp + t, d, x.p + t);
-      for (t = std::max(lo, full); t < hi; ++t) x.p[t] = score1_avx2(x.q, kp[t], d);
+      const int64_t stop = std::min(hi, run_end(x));     // runs starting before it are full
+      if (i + 1 < vecs.size() && vecs[i + 1].start == x.start) {
+        // The next vector's runs start at the same positions: the runs both have, together.
+        QueryVec& y = vecs[i + 1];
+        const int64_t both = std::min(stop, std::min(std::min(t1, y.end), run_end(y)));
+        for (; t < both; t += 8) scores8x2_avx2(x.q, y.q, kp + t, d, x.p + t, y.p + t);
+        int64_t ty = t;
+        for (; ty < std::min(std::min(t1, y.end), run_end(y)); ty += 8)
+          scores8_avx2(y.q, kp + ty, d, y.p + ty);
+        tail_scores(y, lo, std::min(t1, y.end), kp, d);
+        ++i;
+      }
+      for (; t < stop; t += 8) scores8_avx2(x.q, kp + t, d, x.p + t);
+      tail_scores(x, lo, hi, kp, d);
     }
   }
   for (QueryVec& x : vecs) softmax_row_avx2(x.p + x.start, x.end - x.start, softcap);
