@@ -211,7 +211,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, float]:
         "ttft_p50_s": pct(ttfts, 0.5),
         "ttft_p99_s": pct(ttfts, 0.99),
         "tokens_per_s": tokens / seconds if seconds else float("nan"),
-        "tokens_per_s_rounds": per_round,  # type: ignore[dict-item]
+        "tokens_per_s_rounds": per_round,
         "output_tokens": tokens,
         "seconds": seconds,
         "errors": errors,

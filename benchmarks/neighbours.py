@@ -87,12 +87,10 @@ def measure(
         "progress": False,
         "max_seconds": args.max_seconds,
     }
-    one = run_benchmark(
-        BenchConfig(**common, num_requests=args.c1_requests, concurrency=1, seed=1)  # type: ignore[arg-type]
-    )
+    one = run_benchmark(BenchConfig(**common, num_requests=args.c1_requests, concurrency=1, seed=1))
     cpu0 = cpu_seconds(pid)
     many = run_benchmark(
-        BenchConfig(**common, num_requests=args.c8_requests, concurrency=8, seed=2)  # type: ignore[arg-type]
+        BenchConfig(**common, num_requests=args.c8_requests, concurrency=8, seed=2)
     )
     cpu = cpu_seconds(pid) - cpu0
     tokens = max(1, int(many["total_output_tokens"]))

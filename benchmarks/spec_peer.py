@@ -105,7 +105,8 @@ def chat_once(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     }
     start = time.perf_counter()
     first = last = math.nan
-    text, tokens, timings = "", 0, {}
+    text, tokens = "", 0
+    timings: dict[str, Any] = {}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
