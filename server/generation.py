@@ -60,6 +60,12 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
             "truncate_prompt_tokens must be -1 (the model's length) or at least 1",
             "truncate_prompt_tokens",
         )
+    if keep > max_model_len:
+        raise invalid_request(
+            f"truncate_prompt_tokens ({keep}) is greater than the model's maximum length "
+            f"({max_model_len}); choose a smaller truncation size",
+            "truncate_prompt_tokens",
+        )
     keep = max_model_len if keep == -1 else keep
     return ids[-keep:]
 

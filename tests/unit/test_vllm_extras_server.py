@@ -91,7 +91,13 @@ async def test_prompt_logprobs_truncation_and_special_tokens_reach_the_params() 
                 "prompt_logprobs": 1,
             },
         )
+        too_long = await c.post(
+            "/v1/completions",
+            json={"prompt": "abc", "truncate_prompt_tokens": engine.max_model_len + 1},
+        )
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 @pytest.mark.parametrize(
