@@ -230,19 +230,16 @@ def test_back_off_pauses_probes_and_comes_back():
     spec.record(seq, 1, 0)
     assert spec.propose(seq, 10) == []  # the probe failed: a pause twice as long
     assert seq.num_tokens + 2 * FIRST_PAUSE == spec._state(seq).resume_at
-    # a new sequence starts from the first pause (another request's misses say little about
-    # whether this one copies its prompt), so even a short request probes
+    # a new sequence starts from the longest pause while drafts do not pay
     other = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
     assert spec.propose(other, 10) == []
-    assert spec._state(other).resume_at == other.num_tokens + FIRST_PAUSE
-    other.token_ids += [3, 4, 5, 6, 1, 2, 3, 4]
-    assert spec.propose(other, 10) == [5]  # its probe
+    assert spec._state(other).resume_at == other.num_tokens + 2 * FIRST_PAUSE
     seq.token_ids += [3, 4, 5, 6, 1, 2] * 3
     assert spec.propose(seq, 10) == [3]  # the next probe
     for _ in range(8):
         spec.record(seq, 2, 2)
     assert spec.propose(seq, 10) == [3, 4, 5, 6]  # accepted again: the full draft is back
-    assert spec._state(seq).pause == FIRST_PAUSE  # accepted drafts: the next pause is short again
+    assert spec.pause == FIRST_PAUSE  # accepted drafts: new sequences no longer wait
 
 
 def test_a_draft_models_forwards_count_against_its_drafts():
