@@ -300,14 +300,14 @@ def test_a_bad_lora_module_is_a_one_line_start_up_error(
     assert done.returncode == 1 and "Traceback" not in output, output
     (line,) = [ln for ln in output.splitlines() if "could not load" in ln]
     assert "LoRA adapter" in line and "safetensors" in line
-    # An adapter named as the base model could never be selected.
+    # An adapter named as the base model could never be selected: refused before the model loads.
     done = start(
         "--port", "0", "--served-model-name", "sql", "--lora-modules", f"sql={adapters['sql']}"
     )
     output = done.stdout + done.stderr
-    assert done.returncode == 1 and "Traceback" not in output, output
-    (line,) = [ln for ln in output.splitlines() if "could not load" in ln]
-    assert "base model's id" in line
+    assert done.returncode == 2 and "Traceback" not in output, output
+    (line,) = [ln for ln in output.splitlines() if "error" in ln]
+    assert "--lora-modules sql" in line and "base model's id" in line
 
 
 # ----------------------------------------------------------------- embeddings of a decoder model
