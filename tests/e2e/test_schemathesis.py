@@ -61,12 +61,15 @@ OPERATIONS = [
     ("POST", "/v1/load_lora_adapter"),
     ("POST", "/v1/unload_lora_adapter"),
 ]
+# Documented but not fuzzed: vLLM's dev route that empties the prefix cache (served only with
+# --api-key or --server-dev-mode; its answers are tested in tests/e2e/test_vllm_extras.py).
+NOT_FUZZED = {("POST", "/reset_prefix_cache")}
 
 
 def test_every_documented_operation_is_fuzzed(api_schema: schemathesis.BaseSchema) -> None:
     operations = [result.ok() for result in api_schema.get_all_operations()]  # type: ignore[union-attr]
     documented = {(op.method.upper(), op.path) for op in operations}
-    assert documented == set(OPERATIONS)
+    assert documented == set(OPERATIONS) | NOT_FUZZED
 
 
 @pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
