@@ -7,7 +7,7 @@ N busy processes and T compute threads on T cores, busy/quiet about T / (T + N) 
 
     python -m benchmarks.neighbours --rounds 3 \
         --variant default= --variant passive="OMP_WAIT_POLICY=PASSIVE" \
-        --llama-server /work/llamacpp/build/bin/llama-server
+        --llama-server $LLAMA_DIR/build/bin/llama-server
 """
 
 from __future__ import annotations

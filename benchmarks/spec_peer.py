@@ -8,8 +8,8 @@ round). Prints per variant the median time per output token after the first (dec
 llama.cpp's plain, TTFT, llama.cpp's draft acceptance, and whether the greedy text matched the same
 server without speculation. Benchmark-only: llama.cpp is never built in the tests or CI.
 
-    python -m benchmarks.spec_peer --llama-server /work/llamacpp/build/bin/llama-server \\
-        [--gguf FILE] [--draft /work/llamacpp/models/SmolLM2-135M-Instruct-first8-Q8_0.gguf] \\
+    python -m benchmarks.spec_peer --llama-server $LLAMA_DIR/build/bin/llama-server \\
+        [--gguf FILE] [--draft $LLAMA_DIR/models/SmolLM2-135M-Instruct-first8-Q8_0.gguf] \\
         [--rounds 2] [--max-tokens 128] [--threads 2]
 """
 

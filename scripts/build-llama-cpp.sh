@@ -3,7 +3,7 @@
 # the llama.cpp copy vendored in the llama-cpp-python source distribution on PyPI. Benchmark-only:
 # never run by the tests or CI.
 #
-#   scripts/build-llama-cpp.sh DEST     # e.g. /work/llamacpp (outside the repository)
+#   scripts/build-llama-cpp.sh DEST     # e.g. ~/llama.cpp-bench (outside the repository)
 #
 # DEST/llama_cpp_python-*.tar.gz is used if present, else downloaded there with
 # `pip download --no-deps --no-binary :all: llama-cpp-python`. The source goes to DEST/src, the build
