@@ -84,3 +84,19 @@ def minilm_dir() -> Path:
     from engine.models.loader import find_bundled_embedding_model
 
     return find_bundled_embedding_model()
+
+
+@pytest.fixture(scope="module")
+def fixed_spec_cost():
+    """Speculation's cost model kept at its prior constants instead of learning from this
+    machine's step times, so which drafts are proposed (and the tests' counts of proposed and
+    accepted drafts) does not depend on how fast or busy the machine is. The answers never do."""
+    from engine.core import spec_cost, speculator
+
+    class FixedSpecCost(spec_cost.MeasuredSpecCost):
+        def observe(self, *args: object, **kwargs: object) -> None:
+            return None
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(speculator, "MeasuredSpecCost", FixedSpecCost)
+        yield

@@ -4,7 +4,9 @@ decoding sequence and reports how many the verification accepted. Steps aside un
 per-position acceptance estimates (over the speculator's own across recent sequences), and its
 draft length is the one whose expected accepted tokens pay best for what it costs (verified rows
 and draft forwards, engine.core.spec_cost); when none pays, the sequence decodes plainly for a
-while, then probes with one draft (pauses doubling; new sequences start from the last pause)."""
+while, then probes with one draft (pauses doubling). A new sequence probes before it pauses, from
+the first pause: what other prompts earned says little about this one's (a copy-heavy prompt
+after random ones must not wait out their long pauses)."""
 
 from __future__ import annotations
 
@@ -83,12 +85,13 @@ def best_length(
 class _SeqState:
     __slots__ = ("index", "acceptance", "pause", "resume_at", "probe")
 
-    def __init__(self, index: NgramIndex | SequenceSuffix | None, size: int, pause: int) -> None:
+    def __init__(self, index: NgramIndex | SequenceSuffix | None, size: int) -> None:
         self.index = index
         self.acceptance = Acceptance(size)
-        self.pause = pause
+        self.pause = FIRST_PAUSE
         self.resume_at = 0  # no proposals before the sequence has this many tokens
-        self.probe = False  # after a pause: one draft at least, to measure acceptance again
+        # New, or after a pause: one draft at least, to measure this sequence's acceptance.
+        self.probe = True
 
 
 class Drafter(Protocol):
@@ -126,7 +129,6 @@ class Speculator:
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
         self.size = config.num_speculative_tokens
         self.shared = Acceptance(self.size)  # over all sequences: the prior of new ones
-        self.pause = FIRST_PAUSE  # the pause a new sequence starts with when drafts do not pay
         self.suffix_cache: SuffixCache | None = None
         if config.method == "suffix":
             self.suffix_cache = SuffixCache(
@@ -229,7 +231,6 @@ class Speculator:
             return max(length, 1) if gain < MIN_GAIN else length
         if gain < MIN_GAIN:  # not paying off: decode plainly for a while, then probe again
             state.resume_at = seq.num_tokens + state.pause
-            self.pause = max(self.pause, state.pause)  # where new sequences start
             state.pause = min(2 * state.pause, MAX_PAUSE)
             state.probe = True  # the estimates are kept: probes that succeed raise them again
             return 0
@@ -241,7 +242,7 @@ class Speculator:
         state.acceptance.record(num_proposed, num_accepted, DECAY)
         self.shared.record(num_proposed, num_accepted, SHARED_DECAY)
         if num_accepted:
-            state.pause = self.pause = FIRST_PAUSE
+            state.pause = FIRST_PAUSE
 
     def _state(self, seq: Sequence) -> _SeqState:
         state = self._states.get(seq)
@@ -252,5 +253,5 @@ class Speculator:
                 index = SequenceSuffix(c.suffix_decoding_max_tree_depth, seq.num_prompt_tokens)
             elif c.method == "ngram":
                 index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-            state = self._states[seq] = _SeqState(index, self.size, self.pause)
+            state = self._states[seq] = _SeqState(index, self.size)
         return state

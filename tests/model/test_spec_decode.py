@@ -14,7 +14,10 @@ from engine.core import speculator
 from engine.core.sequence_update import SequenceUpdater
 from engine.kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built"),
+    pytest.mark.usefixtures("fixed_spec_cost"),  # drafts proposed whatever the machine's speed
+]
 
 SPEC = {
     "method": "ngram",

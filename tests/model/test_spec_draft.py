@@ -15,7 +15,10 @@ from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
 from tests.model.tiny_models import save_tiny_checkpoint
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built"),
+    pytest.mark.usefixtures("fixed_spec_cost"),  # drafts proposed whatever the machine's speed
+]
 
 PROMPTS = [
     "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over",

@@ -230,16 +230,19 @@ def test_back_off_pauses_probes_and_comes_back():
     spec.record(seq, 1, 0)
     assert spec.propose(seq, 10) == []  # the probe failed: a pause twice as long
     assert seq.num_tokens + 2 * FIRST_PAUSE == spec._state(seq).resume_at
-    # a new sequence starts from the longest pause while drafts do not pay
+    # a new sequence probes first (its prompt may copy well where others did not), then pauses
+    # from the first pause, whatever the other sequences' pauses are
     other = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+    assert spec.propose(other, 10) == [3]
+    spec.record(other, 1, 0)
     assert spec.propose(other, 10) == []
-    assert spec._state(other).resume_at == other.num_tokens + 2 * FIRST_PAUSE
+    assert spec._state(other).resume_at == other.num_tokens + FIRST_PAUSE
     seq.token_ids += [3, 4, 5, 6, 1, 2] * 3
     assert spec.propose(seq, 10) == [3]  # the next probe
     for _ in range(8):
         spec.record(seq, 2, 2)
     assert spec.propose(seq, 10) == [3, 4, 5, 6]  # accepted again: the full draft is back
-    assert spec.pause == FIRST_PAUSE  # accepted drafts: new sequences no longer wait
+    assert spec._state(seq).pause == FIRST_PAUSE
 
 
 def test_a_draft_models_forwards_count_against_its_drafts():
@@ -251,14 +254,16 @@ def test_a_draft_models_forwards_count_against_its_drafts():
         for _ in range(4):
             spec.record(seq, 1, 0)
             spec.record(seq, 1, 1)  # half the drafts accepted
-        proposed.append(spec.propose(seq, 10))
-    assert proposed[0] == [3, 4, 5, 6] and proposed[1] == []  # later positions: the prior 0.8
+        proposed.append([spec.propose(seq, 10), spec.propose(seq, 10)])
+    assert proposed[0] == [[3, 4, 5, 6]] * 2  # later positions: the prior 0.8
+    assert proposed[1] == [[3], []]  # a new sequence's one-draft probe, then a pause
 
 
 def test_under_load_only_near_certain_drafts_are_proposed():
     cost = _Cost(row={1: 0.25, 2: 0.2, 8: 0.09}, overloaded_from=32)
     spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=cost)
     seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=200).seqs[0]
+    assert spec.propose(seq, 10, batch_size=8) == [3]  # a new sequence probes first
     assert spec.propose(seq, 10, batch_size=8) == []  # 0.8 acceptance is not enough at 8
     seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
     assert spec.propose(seq, 10, batch_size=8) == [3]  # a one-draft probe after the pause
@@ -279,6 +284,7 @@ def test_a_measured_cost_too_high_to_pay_still_gets_probes():
     # pauses and probes, so that the next verifications measure the cost again
     spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=_Cost(5.0))
     seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+    assert spec.propose(seq, 10) == [3]  # a new sequence probes first
     assert spec.propose(seq, 10) == []
     seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
     assert spec.propose(seq, 10) == [3]
