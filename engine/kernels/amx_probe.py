@@ -157,6 +157,12 @@ def probe_amx(switch: str | None = None, flags: frozenset[str] | None = None) ->
     note = ""
     if value not in SWITCH_VALUES:
         note = f"{AMX_ENV}={raw!r} ignored (0, 1 or auto); "
+        logger.warning(
+            "%s=%r is not a known value: give 0 (off), 1 (probe even without the cpuid flags) or "
+            "auto (the default); going on with auto",
+            AMX_ENV,
+            raw,
+        )
         value = "auto"
     if value == "0":
         return AmxStatus("off", f"{AMX_ENV}=0", "0")

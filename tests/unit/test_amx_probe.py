@@ -73,6 +73,19 @@ def test_unknown_switch_value_falls_back_to_auto(monkeypatch: pytest.MonkeyPatch
     assert status.switch == "auto" and "'yes please' ignored" in status.detail
 
 
+def test_unknown_switch_value_is_a_warning_naming_the_accepted_values(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVSERVE_AMX", "bogus")
+    monkeypatch.setattr(amx_probe, "run_child", _no_child)
+    with caplog.at_level(logging.INFO, logger=amx_probe.__name__):
+        status = probe_amx(flags=frozenset())
+    assert status.switch == "auto"
+    (record,) = [r for r in caplog.records if "bogus" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert all(v in record.getMessage() for v in ("0 (off)", "1 (probe", "auto"))
+
+
 @needs_x86
 def test_a_child_killed_by_sigill_is_reported_as_traps() -> None:
     state, detail = run_child(UD2_CODE, request_permission=False)
