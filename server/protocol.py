@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -27,6 +28,17 @@ NonNegInt = Annotated[int, Field(ge=0)]
 # template as `reasoning_effort`, as vLLM does; templates that know it (gpt-oss's) act on it.
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
+
+
+def _non_empty_salt(value: str) -> str:
+    if not value:
+        raise ValueError("must be a non-empty string if provided")
+    return value
+
+
+# vLLM's `cache_salt` (completions, chat, Responses, Messages): prefix-cache blocks are shared only
+# with requests of the same salt (a tenant's own); an empty salt is refused, as vLLM does.
+CacheSalt = Annotated[str, AfterValidator(_non_empty_salt)]
 
 
 def _has_lone_surrogate(value: Any) -> bool:
@@ -179,8 +191,7 @@ class SamplingFields(StrictModel):
     structured_outputs: StructuredOutputsRequest | None = None
     # kvserve: add the per-request cost sheet (`metrics`); null defers to the X-KVServe-Metrics header.
     return_metrics: bool | None = None
-    # vLLM: prefix-cache blocks are shared only with requests of the same salt (a tenant's own).
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     # vLLM: top-N logprobs of every prompt token (the first has none), in vLLM's shape.
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # vLLM: logprob tokens as "token_id:<id>" (for clients that cannot map strings back to ids).
@@ -203,13 +214,6 @@ class SamplingFields(StrictModel):
     bad_words: None = None
     guided_decoding_backend: None = None
     logits_processors: None = None
-
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt_not_empty(cls, value: str | None) -> str | None:
-        if value is not None and not value:
-            raise ValueError("must be a non-empty string if provided")
-        return value
 
     @field_validator("priority")
     @classmethod

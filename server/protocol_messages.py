@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from server.protocol import MAX_STOP, OpenModel, StrictModel, typed_union
+from server.protocol import MAX_STOP, CacheSalt, OpenModel, StrictModel, typed_union
 
 MAX_STOP_SEQUENCES = MAX_STOP
 
@@ -222,6 +222,7 @@ class MessagesRequest(MessagesInput):
     stream: bool | None = False
     metadata: MessagesMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+    cache_salt: CacheSalt | None = None  # vLLM's extension (send it with extra_body)
     # Not implemented: any value is a 400.
     container: None = None
     context_management: None = None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from server.protocol import (
+    CacheSalt,
     NonNegInt,
     OpenModel,
     PartError,
@@ -204,6 +205,7 @@ class ResponsesRequest(StrictModel):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
     seed: int | None = None  # its range is the engine's rule (SamplingParams)
     min_tokens: NonNegInt | None = None
+    cache_salt: CacheSalt | None = None
     # Not implemented: any value is a 400.
     reasoning: ReasoningConfig | None = None
     include: None = None

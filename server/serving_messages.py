@@ -125,7 +125,8 @@ def messages_turn(req: MessagesInput, messages: list[TurnMessage], fields: Field
     if req.thinking is not None:
         template["enable_thinking"] = req.thinking.type != "disabled"
     sampling = Sampling()
-    max_tokens = None
+    max_tokens: int | None = None
+    cache_salt: str | None = None
     stream = False
     if isinstance(req, MessagesRequest):
         sampling = Sampling(
@@ -134,7 +135,7 @@ def messages_turn(req: MessagesInput, messages: list[TurnMessage], fields: Field
             top_k=req.top_k,
             stop=list(req.stop_sequences or ()),
         )
-        max_tokens, stream = req.max_tokens, bool(req.stream)
+        max_tokens, stream, cache_salt = req.max_tokens, bool(req.stream), req.cache_salt
     schema = req.json_schema()
     choice = req.tool_choice
     tool_choice: ToolChoice | None = None
@@ -157,6 +158,7 @@ def messages_turn(req: MessagesInput, messages: list[TurnMessage], fields: Field
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         template_kwargs=template,
+        cache_salt=cache_salt,
     )
 
 

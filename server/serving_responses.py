@@ -124,6 +124,7 @@ def responses_turn(
         tool_choice=NamedTool(choice.name) if isinstance(choice, ToolChoiceFunction) else choice,
         parallel_tool_calls=req.parallel_tool_calls,
         template_kwargs=effort_kwargs(req.reasoning.effort if req.reasoning is not None else None),
+        cache_salt=req.cache_salt,
     )
 
 

@@ -1,5 +1,6 @@
 """vLLM's request extras through the official `openai` SDK (`extra_body`) against a real server:
-`cache_salt` keeps prefix-cache blocks to one salt (usage's cached tokens, KV events), vLLM's
+`cache_salt` keeps prefix-cache blocks to one salt (usage's cached tokens on completions, chat,
+Responses and Messages; KV events), vLLM's
 `prompt_logprobs`, `guided_*`, `return_tokens_as_token_ids` and `truncate_prompt_tokens` on
 completions and chat, clear 400s for what kvserve cannot honour, and POST /reset_prefix_cache
 behind the API key with its AllBlocksCleared event."""
@@ -96,6 +97,40 @@ def test_cache_salt_keeps_prefix_blocks_to_its_own_salt(
     )
     assert _cached(b) == 0 and _cached(c) >= 16
     assert a.choices[0].message.content == c.choices[0].message.content
+
+
+def test_cache_salt_on_responses_and_messages(
+    client: openai.OpenAI, model: str, server: ServerProcess
+) -> None:
+    prompt = "surfaces test: " + PROMPT
+
+    def respond(salt: str) -> int:
+        r = client.responses.create(
+            model=model, input=prompt, max_output_tokens=2, extra_body={"cache_salt": salt}
+        )
+        return r.usage.input_tokens_details.cached_tokens  # type: ignore[union-attr]
+
+    def message(salt: str) -> int:
+        body = {
+            "model": model,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": prompt}],
+            "cache_salt": salt,
+        }
+        r = httpx.post(server.url + "/v1/messages", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["cache_read_input_tokens"] or 0
+
+    for ask, salt in ((respond, "resp"), (message, "msg")):
+        assert ask(salt + "-a") == 0
+        server.wait_idle(AUTH)
+        assert ask(salt + "-b") == 0, "another salt shares no block"
+        assert ask(salt + "-a") >= 64, "the same salt shares the blocks it computed"
+    bad = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(
+        server.url + "/v1/messages", json={**bad, "cache_salt": ""}, headers=AUTH, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("cache_salt")
 
 
 def test_an_empty_cache_salt_is_a_400(client: openai.OpenAI, model: str) -> None:

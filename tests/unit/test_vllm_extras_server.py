@@ -39,6 +39,29 @@ async def test_cache_salt_reaches_the_engine_from_completions_and_chat() -> None
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
+async def test_cache_salt_reaches_the_engine_from_responses_and_messages() -> None:
+    engine = SaltRecordingEngine()
+    async with app_client(engine) as c:
+        responses = {"input": "hi", "max_output_tokens": 2, "cache_salt": "r1"}
+        assert (await c.post("/v1/responses", json=responses)).status_code == 200
+        messages = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "cache_salt": "m1",
+        }
+        assert (await c.post("/v1/messages", json=messages)).status_code == 200
+        unsalted = {**messages, "cache_salt": None}
+        assert (await c.post("/v1/messages", json=unsalted)).status_code == 200
+        bad_responses = await c.post("/v1/responses", json={**responses, "cache_salt": ""})
+        bad_messages = await c.post("/v1/messages", json={**messages, "cache_salt": ""})
+    assert engine.salts == ["r1", "m1", None]
+    assert bad_responses.status_code == 400
+    assert bad_responses.json()["error"]["param"] == "cache_salt"
+    assert bad_messages.status_code == 400  # Anthropic's envelope names the field in its message
+    error = bad_messages.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("cache_salt")
+
+
 async def test_guided_fields_become_the_constraint() -> None:
     engine = FakeEngine()
     async with app_client(engine) as c:
