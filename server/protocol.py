@@ -363,6 +363,9 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
     # Extensions.
     add_generation_prompt: bool | None = True
+    # vLLM: the tokenizer's special tokens (BOS and such) on top of what the chat template writes;
+    # off by default, as the template already adds the ones the model wants.
+    add_special_tokens: bool | None = False
     # Extra chat template variables (vLLM's field), e.g. {"enable_thinking": false}; they override
     # the server's --chat-template-kwargs.
     chat_template_kwargs: dict[str, Any] | None = None

@@ -73,8 +73,10 @@ def apply_template(
     plan: ToolPlan | None = None,
     kwargs: dict[str, Any] | None = None,
     fields: FieldMap = CHAT_FIELDS,
+    add_special_tokens: bool = False,
 ) -> tuple[list[int], str]:
-    """The prompt's token ids and its text (which says where a reasoning block stands)."""
+    """The prompt's token ids and its text (which says where a reasoning block stands);
+    `add_special_tokens` adds the tokenizer's own (a BOS) to what the template wrote."""
     check_tool_messages(messages, fields)
     try:
         tools = plan.template_tools if plan is not None else None
@@ -85,7 +87,7 @@ def apply_template(
             template_kwargs=kwargs,
         )
         # The rendered text already holds any BOS the template wants, like transformers does.
-        return list(tokenizer.encode(text, add_special_tokens=False)), text
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens)), text
     except InvalidRequestError as e:
         raise invalid_request(
             f"Cannot apply the chat template: {e}. Serve the model with --chat-template FILE.",
@@ -126,6 +128,7 @@ def chat_turn(req: ChatCompletionRequest) -> TurnRequest:
         else choice,
         parallel_tool_calls=req.parallel_tool_calls,
         add_generation_prompt=req.add_generation_prompt is not False,
+        add_special_tokens=bool(req.add_special_tokens),
         template_kwargs=effort_kwargs(req.reasoning_effort) | (req.chat_template_kwargs or {}),
         cache_salt=req.cache_salt,
         prompt_logprobs=req.prompt_logprobs,
@@ -173,6 +176,7 @@ def plan_turn(
         plan,
         template_kwargs(req.template_kwargs, state),
         fields,
+        req.add_special_tokens,
     )
     prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, engine.max_model_len)
     reasoning = state.reasoning_parser(tokenizer.chat_template)

@@ -115,6 +115,7 @@ class TurnRequest:
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS (and such) over the template's
     # The request's chat template variables (over the server's --chat-template-kwargs).
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with the same salt

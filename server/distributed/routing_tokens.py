@@ -69,5 +69,12 @@ class RoutingTokenizer:
             tok.added_tokens,
         )
         kwargs = {**(self.config.chat_template_kwargs or {}), **turn.template_kwargs}
-        ids, _ = apply_template(tok, turn.messages, turn.add_generation_prompt, plan, kwargs)
+        ids, _ = apply_template(
+            tok,
+            turn.messages,
+            turn.add_generation_prompt,
+            plan,
+            kwargs,
+            add_special_tokens=turn.add_special_tokens,
+        )
         return ids

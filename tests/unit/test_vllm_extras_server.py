@@ -11,7 +11,9 @@ import pytest
 from engine import LoRAConfig
 from server.cli import main
 from server.settings import build_configs, check_lora_modules, resolve
-from tests.unit.server_fakes import FakeEngine, app_client
+from tests.unit.server_fakes import FakeEngine, FakeTokenizer, app_client
+
+BOS = 1
 
 
 class SaltRecordingEngine(FakeEngine):
@@ -121,6 +123,34 @@ async def test_prompt_logprobs_truncation_and_special_tokens_reach_the_params() 
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
     assert too_long.status_code == 400
     assert too_long.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+class BosTokenizer(FakeTokenizer):
+    """Adds a BOS when asked for special tokens, as Llama's tokenizer does."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [BOS, *text.encode()] if add_special_tokens else list(text.encode())
+
+
+async def test_add_special_tokens_on_chat_is_off_by_default_as_in_vllm() -> None:
+    engine = FakeEngine()
+    engine.tokenizer = BosTokenizer()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    prompt = list(b"<user>hi<assistant>")
+    async with app_client(engine) as c:
+        for extra, want in (
+            ({}, prompt),  # the template wrote the prompt: nothing on top of it
+            ({"add_special_tokens": False}, prompt),
+            ({"add_special_tokens": True}, [BOS, *prompt]),
+        ):
+            r = await c.post("/v1/chat/completions", json={**chat, **extra})
+            assert r.status_code == 200, r.text
+            assert engine.requests[-1][1] == want, extra
+        completion = {"prompt": "hi", "max_tokens": 1}
+        assert (await c.post("/v1/completions", json=completion)).status_code == 200
+        assert engine.requests[-1][1] == [BOS, *b"hi"], "completions keep vLLM's default: on"
+        bad = await c.post("/v1/chat/completions", json={**chat, "add_special_tokens": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"
 
 
 @pytest.mark.parametrize(
