@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.block_hashes import DEFAULT_SEED as BLOCK_HASH_SEED
 from engine.core.block_hashes import external_block_hashes
+from engine.core.cache_namespace import cache_namespace
 from engine.core.config import (
     DTYPES,
     POOLINGS,
@@ -137,6 +138,7 @@ __all__ = [
     "KVEventsState",
     "BLOCK_HASH_SEED",
     "external_block_hashes",
+    "cache_namespace",
     "model_id",
     "StructuredOutputs",
     "WrongTaskError",

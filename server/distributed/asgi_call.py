@@ -15,7 +15,8 @@ Headers = list[tuple[bytes, bytes]]
 @dataclass
 class ForwardRequest:
     """One HTTP request as the ingress read it, plus what the request router matches: the prompt's
-    token ids (against the replicas' KV events) or, without them, its text."""
+    token ids (against the replicas' KV events) or, without them, its text; both under the
+    request's cache salt (vLLM's `cache_salt`), whose blocks only requests of that salt share."""
 
     method: str
     path: str
@@ -25,6 +26,7 @@ class ForwardRequest:
     client: tuple[str, int] | None = None
     routing_text: str = ""
     routing_tokens: list[int] | None = None
+    cache_salt: str | None = None
 
 
 @dataclass

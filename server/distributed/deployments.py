@@ -29,7 +29,7 @@ from server.distributed.lora_broadcast import (
     ReplicaAnswer,
     broadcast_lora_update,
 )
-from server.distributed.prefix_index import routing_text
+from server.distributed.prefix_index import routing_salt, routing_text
 from server.distributed.replica_events import events_info, with_replica_events
 from server.distributed.routing_tokens import RoutingTokenizer
 from server.errors import APIError, service_unavailable
@@ -213,6 +213,7 @@ class KvserveIngress:
             client=client,
             routing_text=routing_text(path, bytes(body)),
             routing_tokens=tokens,
+            cache_salt=routing_salt(bytes(body)),
         )
         stream = self.replica.forward.options(stream=True).remote(forward)
         try:

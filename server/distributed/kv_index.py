@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine import external_block_hashes
+from engine import cache_namespace, external_block_hashes
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,13 @@ def kv_matches(
     sources: dict[Hashable, ReplicaEvents],
     replicas: Sequence[Hashable],
     tokens: list[int],
+    cache_salt: str | None = None,
 ) -> tuple[dict[Hashable, int], int]:
     """Per replica with known events, the leading blocks of `tokens` it holds; and the number of
-    full blocks (0 when no replica's events are known)."""
+    full blocks (0 when no replica's events are known). A salted request's blocks hash as the
+    engine hashes them (the salt in the first block's extra keys), so it matches only blocks of its
+    own salt."""
+    namespace = cache_namespace(None, cache_salt)
     hashes: dict[tuple[int, str], list[int]] = {}
     matches: dict[Hashable, int] = {}
     total = 0
@@ -127,7 +131,7 @@ def kv_matches(
         scheme = (source.block_size, source.hash_seed)
         if scheme not in hashes:
             hashes[scheme] = external_block_hashes(
-                tokens, source.block_size, None, source.hash_seed
+                tokens, source.block_size, namespace, source.hash_seed
             )
         total = max(total, len(hashes[scheme]))
         matches[replica] = index.match(replica, hashes[scheme])

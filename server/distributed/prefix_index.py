@@ -13,14 +13,26 @@ BLOCK_CHARS = 64
 MAX_BLOCKS_PER_REPLICA = 200_000
 
 
-def routing_text(path: str, body: bytes) -> str:
-    """The prompt text of an OpenAI request body in a prefix-stable form: a later turn of a chat
-    extends the text of its earlier turns. Empty when the body carries no prompt."""
+def _json_object(body: bytes) -> dict[str, Any] | None:
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return ""
-    if not isinstance(data, dict):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def routing_salt(body: bytes) -> str | None:
+    """The request's `cache_salt` (vLLM's field; None when absent or not one the replica takes)."""
+    data = _json_object(body)
+    salt = data.get("cache_salt") if data is not None else None
+    return salt if isinstance(salt, str) and salt else None
+
+
+def routing_text(path: str, body: bytes) -> str:
+    """The prompt text of an OpenAI request body in a prefix-stable form: a later turn of a chat
+    extends the text of its earlier turns. Empty when the body carries no prompt."""
+    data = _json_object(body)
+    if data is None:
         return ""
     parts: list[str] = []
     for key in ("instructions", "system"):  # Responses / Messages style system text
@@ -54,11 +66,16 @@ def _append_content(parts: list[str], content: Any) -> None:
                 parts.append(f"{item} " if isinstance(item, int) else item)
 
 
-def block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> list[bytes]:
+def block_hashes(
+    text: str, block_chars: int = BLOCK_CHARS, cache_salt: str | None = None
+) -> list[bytes]:
     """One hash per whole block; each hash covers all text before it, so equal hashes mean
-    equal prefixes."""
+    equal prefixes. A cache salt roots the chain apart, as the engine's prefix cache does: salted
+    text matches only text routed with the same salt."""
     hashes: list[bytes] = []
     previous = b""
+    if cache_salt is not None:
+        previous = hashlib.blake2b(b"salt:" + cache_salt.encode(), digest_size=16).digest()
     for start in range(0, len(text) - block_chars + 1, block_chars):
         block = text[start : start + block_chars].encode("utf-8", "surrogatepass")
         previous = hashlib.blake2b(previous + block, digest_size=16).digest()

@@ -5,7 +5,8 @@ the router follows them, server.distributed.kv_feed), unless that replica is bus
 loaded one by more than `imbalance_threshold` requests. Until a replica's events show a prefix
 (its first request is still prefilling), and for requests the ingress could not tokenize, the
 text of recently routed prompts stands in; a request nobody holds goes to the less loaded of two
-random replicas (power-of-two choices) on the router's own in-flight counts."""
+random replicas (power-of-two choices) on the router's own in-flight counts. Both hash under the
+request's cache salt (vLLM's `cache_salt`), as the engine does: salted blocks draw only that salt."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def _routing_tokens(pending_request: PendingRequest | None) -> list[int] | None:
     return tokens if isinstance(tokens, list) else None
 
 
+def _cache_salt(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    salt = getattr(pending_request.args[0], "cache_salt", None)
+    return salt if isinstance(salt, str) and salt else None
+
+
+def _text_hashes(pending_request: PendingRequest | None, block_chars: int) -> list[bytes]:
+    """The routed text's block hashes, under the request's cache salt."""
+    text = _routing_text(pending_request)
+    return block_hashes(text, block_chars, _cache_salt(pending_request))
+
+
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self,
@@ -83,14 +97,16 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         total = 0
         tokens = _routing_tokens(pending_request)
         if tokens:
-            by_unique = await self._kv_matches(candidate_replicas, tokens)
+            by_unique = await self._kv_matches(
+                candidate_replicas, tokens, _cache_salt(pending_request)
+            )
             matches = {
                 r.replica_id: by_unique[0].get(r.replica_id.unique_id, 0)
                 for r in candidate_replicas
             }
             total = by_unique[1]
         if not any(matches.values()):  # nobody's events show it (yet): the routed text guesses
-            hashes = block_hashes(_routing_text(pending_request), self.block_chars)
+            hashes = _text_hashes(pending_request, self.block_chars)
             matches = {
                 r.replica_id: self.index.match(r.replica_id, hashes) for r in candidate_replicas
             }
@@ -106,7 +122,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         )
 
     async def _kv_matches(
-        self, candidates: list[RunningReplica], tokens: list[int]
+        self, candidates: list[RunningReplica], tokens: list[int], cache_salt: str | None
     ) -> tuple[dict[Hashable, int], int]:
         if self.feed is None:
             self.feed = KVEventFeed(self.kv_index)
@@ -115,7 +131,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if any(i not in sources for i in ids) and time.monotonic() - self._refreshed > REFRESH_S:
             self._refreshed = time.monotonic()
             sources = await self._refresh_sources()
-        return kv_matches(self.kv_index, sources, ids, tokens)
+        return kv_matches(self.kv_index, sources, ids, tokens, cache_salt)
 
     async def _refresh_sources(self) -> dict[Hashable, ReplicaEvents]:
         """Follow the events of every current replica that registered an events endpoint."""
@@ -148,7 +164,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        hashes = block_hashes(_routing_text(pending_request), self.block_chars)
+        hashes = _text_hashes(pending_request, self.block_chars)
         if hashes:
             self.index.insert(replica_id, hashes)
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
 
 from server.distributed.asgi_call import ForwardRequest, ResponseStart, call_asgi
 from server.distributed.config import RayConfig
-from server.distributed.prefix_index import PrefixIndex, block_hashes, routing_text
+from server.distributed.prefix_index import PrefixIndex, block_hashes, routing_salt, routing_text
 from server.settings import build_configs, build_ray_config, resolve
 
 
@@ -58,6 +59,53 @@ def test_prefix_index_matches_the_longest_prefix_and_forgets() -> None:
     assert index.match("r1", doc) == 0
     index.retain(["r2"])
     assert index.match("r1", block_hashes("e" * 128, 64)) == 0
+
+
+def test_a_cache_salt_roots_the_routed_text_apart() -> None:
+    body = json.dumps({"prompt": "hello", "cache_salt": "tenant-a"}).encode()
+    assert routing_salt(body) == "tenant-a"
+    for no_salt in (b'{"prompt": "x"}', b'{"cache_salt": ""}', b'{"cache_salt": 3}', b"[1]", b"{"):
+        assert routing_salt(no_salt) is None, no_salt  # the replica refuses a bad one itself
+    text = "t" * 64 * 3
+    plain, a, b = (block_hashes(text, 64, salt) for salt in (None, "a", "b"))
+    assert len(plain) == len(a) == len(b) == 3
+    assert not set(plain) & set(a) and not set(a) & set(b), "every block hashes apart"
+    assert block_hashes(text, 64, "a") == a
+    index = PrefixIndex()
+    index.insert("r1", a)
+    assert index.match("r1", a) == 3 and index.match("r1", b) == 0 and index.match("r1", plain) == 0
+
+
+def test_the_router_hashes_a_salted_request_as_the_engine_does() -> None:
+    from engine import cache_namespace, external_block_hashes
+    from server.distributed.kv_index import KVIndex, ReplicaEvents, kv_matches
+
+    tokens = list(range(100, 132))  # two blocks of 16
+    index = KVIndex()
+    for replica, salt in (("plain", None), ("salted", "tenant-a")):
+        held = external_block_hashes(tokens, 16, cache_namespace(None, salt))
+        index.apply(replica, [["BlockStored", held, None, tokens, 16, None, "GPU", None]])
+    sources = {r: ReplicaEvents(r, "tcp://x", None, 16, "0") for r in ("plain", "salted")}
+    replicas = list(sources)
+    assert kv_matches(index, sources, replicas, tokens)[0] == {"plain": 2, "salted": 0}
+    salted = kv_matches(index, sources, replicas, tokens, "tenant-a")
+    assert salted == ({"plain": 0, "salted": 2}, 2)
+    assert kv_matches(index, sources, replicas, tokens, "tenant-b")[0] == {"plain": 0, "salted": 0}
+
+
+def test_the_router_reads_the_salt_the_ingress_forwards() -> None:
+    pytest.importorskip("ray.serve", reason="needs the ray extra: pip install 'kvserve[ray]'")
+    from types import SimpleNamespace
+
+    from server.distributed.router import _cache_salt, _text_hashes
+
+    text = "u" * 128
+    forward = ForwardRequest("POST", "/v1/chat/completions", b"", [], b"", routing_text=text)
+    salted = SimpleNamespace(args=[dataclasses.replace(forward, cache_salt="s1")])
+    plain = SimpleNamespace(args=[forward])  # a PendingRequest's args: the forwarded request
+    assert _cache_salt(salted) == "s1" and _cache_salt(plain) is None
+    assert _text_hashes(salted, 64) == block_hashes(text, 64, "s1")
+    assert _text_hashes(plain, 64) == block_hashes(text, 64)
 
 
 def test_ray_settings_resolve_and_validate() -> None:
