@@ -4,7 +4,8 @@ deployment handle whose request router picks the replica, and streams the replic
 A replica's own /metrics, /health and stats are also served on a port of its node, listed by the
 ingress at GET /v1/internal/replicas and as Prometheus HTTP service discovery at /v1/internal/sd.
 A runtime LoRA load or unload goes to every replica's own port (server/distributed/lora_broadcast.py),
-and the directory keeps the loaded ones, so a replica Ray starts later loads them too."""
+and the directory keeps the loaded ones, so a replica Ray starts later loads them too; so does
+POST /reset_prefix_cache (server/distributed/cache_reset.py), as every replica has its own cache."""
 
 from __future__ import annotations
 
@@ -23,13 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.distributed.asgi_call import ForwardRequest, ResponseStart, call_asgi
-from server.distributed.lora_broadcast import (
-    LOAD_PATH,
-    LORA_UPDATE_PATHS,
-    ReplicaAnswer,
-    broadcast_lora_update,
-)
+from server.distributed.cache_reset import RESET_PATH, broadcast_cache_reset
+from server.distributed.lora_broadcast import LOAD_PATH, LORA_UPDATE_PATHS, broadcast_lora_update
 from server.distributed.prefix_index import routing_salt, routing_text
+from server.distributed.replica_broadcast import ReplicaAnswer
 from server.distributed.replica_events import events_info, with_replica_events
 from server.distributed.routing_tokens import RoutingTokenizer
 from server.errors import APIError, service_unavailable
@@ -199,7 +197,7 @@ class KvserveIngress:
                     )
                 )
         client = (request.client.host, request.client.port) if request.client else None
-        if path in LORA_UPDATE_PATHS and request.method == "POST":
+        if path in (*LORA_UPDATE_PATHS, RESET_PATH) and request.method == "POST":
             return await self._broadcast(request, bytes(body))
         tokens = None
         if self.tokenizer is not None:
@@ -242,21 +240,28 @@ class KvserveIngress:
         return StreamingResponse(_sse(stream), status_code=start.status, headers=headers)
 
     async def _broadcast(self, request: Request, body: bytes) -> Response:
-        """A LoRA load or unload to every live replica's own port (one answer, see lora_broadcast)."""
+        """A LoRA load or unload, or a prefix-cache reset, to every live replica's own port (one
+        answer: see lora_broadcast and cache_reset)."""
         import httpx
 
         urls = {r["replica_id"]: r["url"] for r in await self._replicas()}
         headers = {k: v for k, v in request.headers.items() if k not in ("host", "content-length")}
-        forward = ForwardRequest(request.method, request.url.path, b"", [], body)
+        query = request.url.query.encode()
+        forward = ForwardRequest(request.method, request.url.path, query, [], body)
 
         async def send(replica_id: str, req: ForwardRequest) -> ReplicaAnswer:
+            url = urls[replica_id] + req.path
+            if req.query_string:
+                url += "?" + req.query_string.decode()
             async with httpx.AsyncClient(timeout=600.0) as client:
-                r = await client.post(
-                    urls[replica_id] + req.path, content=req.body, headers=headers
-                )
+                r = await client.post(url, content=req.body, headers=headers)
             kind = r.headers.get("content-type", "application/json")
             return ReplicaAnswer(replica_id, r.status_code, r.content, kind)
 
+        if request.url.path == RESET_PATH:
+            answer = await broadcast_cache_reset(forward, list(urls), send)
+            kind = answer.content_type if answer.body else None  # vLLM's empty 200 has none
+            return Response(answer.body, answer.status, media_type=kind)
         answer = await broadcast_lora_update(forward, list(urls), send)
         if answer.ok:
             fields = json.loads(body)

@@ -7,47 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 from server.distributed.asgi_call import ForwardRequest
-from server.errors import APIError, service_unavailable
+from server.distributed.replica_broadcast import (
+    ReplicaAnswer,
+    Send,
+    ask,
+    failure,
+    ids,
+    no_replica,
+)
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 LORA_UPDATE_PATHS = (LOAD_PATH, UNLOAD_PATH)
-
-
-@dataclass(frozen=True)
-class ReplicaAnswer:
-    replica_id: str
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def error(self) -> tuple[str, str | None]:
-        """(message, param) of the replica's error envelope (its body text when not one)."""
-        try:
-            error = json.loads(self.body)["error"]
-            return str(error["message"]), error.get("param")
-        except (ValueError, KeyError, TypeError):
-            return self.body.decode(errors="replace") or f"HTTP {self.status}", None
-
-
-# Sends one request to one replica (by id) and returns its whole answer; raising counts as a failure.
-Send = Callable[[str, ForwardRequest], Awaitable[ReplicaAnswer]]
-
-
-async def _ask(send: Send, replica_id: str, request: ForwardRequest) -> ReplicaAnswer:
-    try:
-        return await send(replica_id, request)
-    except Exception as e:  # noqa: BLE001 - an unreachable replica is one failed answer
-        body = APIError(f"replica unreachable ({type(e).__name__}: {e})", status=503).body()
-        return ReplicaAnswer(replica_id, 503, json.dumps(body).encode())
 
 
 def _lora_name(request: ForwardRequest) -> str | None:
@@ -63,9 +38,8 @@ async def broadcast_lora_update(
 ) -> ReplicaAnswer:
     """Send a load or unload to every replica and merge their answers into one (replica_id "")."""
     if not replica_ids:
-        err = service_unavailable("No kvserve replica is running; retry when one is.")
-        return ReplicaAnswer("", err.status, json.dumps(err.body()).encode())
-    answers = await asyncio.gather(*(_ask(send, r, request) for r in replica_ids))
+        return no_replica()
+    answers = await asyncio.gather(*(ask(send, r, request) for r in replica_ids))
     ok = [a for a in answers if a.ok]
     failed = [a for a in answers if not a.ok]
     if not failed:
@@ -84,7 +58,7 @@ def _merge_unload(ok: list[ReplicaAnswer], failed: list[ReplicaAnswer]) -> Repli
         return replace(ok[0], replica_id="")
     if not ok and len({a.status for a in failed}) == 1:
         return replace(failed[0], replica_id="")
-    return _failure(failed, f"unloaded on {_ids(ok)}" if ok else "unloaded on no replica")
+    return failure(failed, f"unloaded on {ids(ok)}" if ok else "unloaded on no replica")
 
 
 async def _roll_back_load(
@@ -94,27 +68,9 @@ async def _roll_back_load(
     undo = replace(
         request, path=UNLOAD_PATH, body=json.dumps({"lora_name": name}).encode(), routing_text=""
     )
-    undone = await asyncio.gather(*(_ask(send, a.replica_id, undo) for a in ok))
+    undone = await asyncio.gather(*(ask(send, a.replica_id, undo) for a in ok))
     stuck = [a for a in undone if not a.ok and a.status != 404]
-    note = f"it was unloaded again from {_ids(ok)}, so no replica serves it"
+    note = f"it was unloaded again from {ids(ok)}, so no replica serves it"
     if stuck:
-        note = f"unloading it again failed on {_ids(stuck)} ({stuck[0].error()[0]}): those replicas serve it"
-    return _failure(failed, note)
-
-
-def _failure(failed: list[ReplicaAnswer], note: str) -> ReplicaAnswer:
-    message, param = failed[0].error()
-    status = failed[0].status
-    err = APIError(
-        f"replica {failed[0].replica_id} refused: {message} ({len(failed)} of the replicas "
-        f"failed: {_ids(failed)}; {note})",
-        status=status,
-        type="invalid_request_error" if status < 500 else "server_error",
-        param=param,
-        code=None,
-    )
-    return ReplicaAnswer("", status, json.dumps(err.body()).encode())
-
-
-def _ids(answers: Sequence[ReplicaAnswer]) -> str:
-    return ", ".join(a.replica_id for a in answers)
+        note = f"unloading it again failed on {ids(stuck)} ({stuck[0].error()[0]}): those replicas serve it"
+    return failure(failed, note)

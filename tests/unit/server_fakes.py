@@ -3,7 +3,8 @@ They implement engine.EngineClient, the one interface the server uses, and valid
 engine's own checks (engine.core.sampling_params), so the server never sees a fake rule. Only the
 tokens are scripted: they go into the engine's own request state and detokenizer, and the engine's
 OutputProcessor makes the outputs, so their shape (deltas, finishes, logprobs) cannot drift from the
-real engine's. `app_client` serves the app over one of them in process."""
+real engine's. `app_client` serves the app over one of them in process; `replica_sender` stands in for
+the Ray ingress's calls to replicas' apps."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ from engine.core.sampling_params import check_input_length, check_token_ids, res
 from engine.output_processor import OutputProcessor
 from engine.text.detokenizer import IncrementalDetokenizer
 from server.app import build_app
+from server.distributed.asgi_call import ForwardRequest, call_asgi
+from server.distributed.replica_broadcast import ReplicaAnswer, Send
 from server.state import ServerConfig
 
 
@@ -44,6 +47,22 @@ def app_client(engine: EngineClient | None, **config: Any) -> httpx.AsyncClient:
     """An HTTP client of the app built with `config` over `engine` (in process, no socket)."""
     app = build_app(ServerConfig(**config), engine)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def replica_sender(apps: dict[str, Any]) -> Send:
+    """A Ray-free stand-in for the ingress's sender: each replica id's app, called in process."""
+
+    async def send(replica_id: str, request: ForwardRequest) -> ReplicaAnswer:
+        status, chunks, kind = 0, [], "application/json"
+        async for item in call_asgi(apps[replica_id], request):
+            if isinstance(item, bytes):
+                chunks.append(item)
+            else:
+                status = item.status
+                kind = dict(item.headers).get(b"content-type", b"").decode()
+        return ReplicaAnswer(replica_id, status, b"".join(chunks), kind)
+
+    return send
 
 
 class FakeTokenizer:

@@ -19,10 +19,11 @@ from engine import (
     RequestOutput,
     SamplingParams,
 )
-from server.distributed.asgi_call import ForwardRequest, call_asgi
-from server.distributed.lora_broadcast import ReplicaAnswer, broadcast_lora_update
+from server.distributed.asgi_call import ForwardRequest
+from server.distributed.lora_broadcast import broadcast_lora_update
+from server.distributed.replica_broadcast import ReplicaAnswer
 from server.settings import build_configs, check_lora_modules, resolve
-from tests.unit.server_fakes import FakeEmbeddingClient, FakeEngine, app_client
+from tests.unit.server_fakes import FakeEmbeddingClient, FakeEngine, app_client, replica_sender
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -292,20 +293,6 @@ def test_lora_settings_from_cli_env_and_file(tmp_path: Any) -> None:
 # ----------------------------------------------------------------------- the broadcast to replicas
 
 
-def _replica_sender(apps: dict[str, Any]) -> Any:
-    async def send(replica_id: str, request: ForwardRequest) -> ReplicaAnswer:
-        status, chunks, kind = 0, [], "application/json"
-        async for item in call_asgi(apps[replica_id], request):
-            if isinstance(item, bytes):
-                chunks.append(item)
-            else:
-                status = item.status
-                kind = dict(item.headers).get(b"content-type", b"").decode()
-        return ReplicaAnswer(replica_id, status, b"".join(chunks), kind)
-
-    return send
-
-
 def _post(path: str, body: dict[str, Any]) -> ForwardRequest:
     headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())]
     return ForwardRequest("POST", path, b"", headers, json.dumps(body).encode())
@@ -317,7 +304,7 @@ async def test_a_load_reaches_every_replica_or_none() -> None:
 
     engines = {"r1": LoRAFakeEngine(), "r2": LoRAFakeEngine(), "r3": LoRAFakeEngine()}
     apps = {r: build_app(ServerConfig(api_key=KEY), e) for r, e in engines.items()}
-    send = _replica_sender(apps)
+    send = replica_sender(apps)
     load = _post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"})
     answer = await broadcast_lora_update(load, list(apps), send)
     assert answer.status == 200 and b"added successfully" in answer.body

@@ -4,6 +4,7 @@ base model refused before any model loads."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from engine import LoRAConfig
 from server.cli import main
 from server.settings import build_configs, check_lora_modules, resolve
-from tests.unit.server_fakes import FakeEngine, FakeTokenizer, app_client
+from tests.unit.server_fakes import FakeEngine, FakeTokenizer, app_client, replica_sender
 
 BOS = 1
 
@@ -197,6 +198,39 @@ async def test_reset_prefix_cache_needs_a_key_or_dev_mode() -> None:
         assert (await c.post("/reset_prefix_cache")).status_code == 401
         ok = await c.post("/reset_prefix_cache", headers={"Authorization": "Bearer k"})
     assert ok.status_code == 200 and engine.num_resets == 3
+
+
+async def test_a_reset_on_ray_serve_reaches_every_replica() -> None:
+    from server.app import build_app
+    from server.distributed.asgi_call import ForwardRequest
+    from server.distributed.cache_reset import broadcast_cache_reset
+    from server.state import ServerConfig
+
+    engines = {r: FakeEngine() for r in ("r1", "r2", "r3")}
+    apps = {r: build_app(ServerConfig(api_key="k"), e) for r, e in engines.items()}
+    send = replica_sender(apps)
+    key = [(b"authorization", b"Bearer k")]
+
+    def reset(query: bytes = b"", headers: list[tuple[bytes, bytes]] = key) -> ForwardRequest:
+        return ForwardRequest("POST", "/reset_prefix_cache", query, headers, b"")
+
+    answer = await broadcast_cache_reset(reset(), list(apps), send)
+    assert answer.status == 200 and answer.body == b""
+    assert [e.num_resets for e in engines.values()] == [1, 1, 1]
+    # Refused alike everywhere: that refusal, as one server gives it.
+    unauthorized = await broadcast_cache_reset(reset(headers=[]), list(apps), send)
+    assert unauthorized.status == 401
+    external = await broadcast_cache_reset(reset(b"reset_external=true"), list(apps), send)
+    assert (
+        external.status == 400 and json.loads(external.body)["error"]["param"] == "reset_external"
+    )
+    # A busy replica: the others reset, and the 409 names who did what.
+    engines["r2"].active.add("running")
+    busy = await broadcast_cache_reset(reset(), list(apps), send)
+    message = json.loads(busy.body)["error"]["message"]
+    assert busy.status == 409 and "replica r2 refused" in message and "reset on r1, r3" in message
+    assert [e.num_resets for e in engines.values()] == [2, 2, 2]
+    assert (await broadcast_cache_reset(reset(), [], send)).status == 503
 
 
 def test_dev_mode_reads_vllms_variable() -> None:
