@@ -1,5 +1,6 @@
 """kvserve on a local Ray cluster: `kvserve serve --replicas 2` (one thread each) driven through
-Ray Serve's HTTP proxy with the openai SDK and httpx; prefix affinity, spreading, replica death."""
+Ray Serve's HTTP proxy with the openai SDK and httpx; prefix affinity, spreading, the updates sent to
+every replica (LoRA adapters, a prefix-cache reset), replica death."""
 
 from __future__ import annotations
 
@@ -267,6 +268,31 @@ def test_a_lora_load_or_unload_reaches_every_replica(
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="sql", prompt="x", max_tokens=1)
     assert post("/v1/unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
+
+
+def test_a_prefix_cache_reset_reaches_every_replica(ray_server, client) -> None:
+    model = model_id(client)
+    found = wait_replicas(ray_server, 2)
+    prompt = "reset on every replica: " + "the boats come home at dusk " * 8
+
+    def cached(replica: dict) -> int:
+        """The prompt's cached tokens on this replica (asked on its own port, not routed)."""
+        body = {"model": model, "prompt": prompt, "max_tokens": 1}
+        r = httpx.post(replica["url"] + "/v1/completions", json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    for replica in found:
+        cached(replica)
+    assert all(cached(replica) > 0 for replica in found)
+    url = ray_server.url + "/reset_prefix_cache"
+    assert httpx.post(url, timeout=60).status_code == 401  # every replica asks for the key
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(url, headers=AUTH, timeout=120)).status_code == 409:
+        assert time.monotonic() < deadline, r.text  # a finished request's blocks not yet freed
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    assert all(cached(replica) == 0 for replica in found), "every replica's cache was emptied"
 
 
 def test_killed_replica_fails_its_requests_and_ray_restores_it(ray_server, client) -> None:
