@@ -1,7 +1,10 @@
-"""Real `python -m server serve` processes on free ports, shared per session, plus client helpers."""
+"""Real `python -m server serve` processes on free ports, shared per session, plus client helpers:
+a module's own server (`running_server`) and the ports of a server that publishes KV events."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -9,10 +12,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from tests.kv_event_subscriber import Subscriber
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300
@@ -93,6 +101,51 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(
+    model: Path | str, args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """A server started and ready for the block, stopped after it (also when it failed to start)."""
+    server = ServerProcess(model, args, log_path, env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass(frozen=True)
+class KVEventPorts:
+    """The local ports a server publishes its KV events on (ZMQ) and answers replays on."""
+
+    events: int
+    replay: int
+
+    def server_args(self, **config: Any) -> list[str]:
+        """`--kv-events-config` publishing on these ports, plus `config`'s fields (a topic, ...)."""
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+            **config,
+        }
+        return ["--kv-events-config", json.dumps(events)]
+
+    def subscriber(self, topic: str = "") -> Subscriber:
+        """A subscriber of these ports (the caller closes it); zmq loads only when one is made."""
+        from tests.kv_event_subscriber import Subscriber
+
+        return Subscriber(
+            f"tcp://127.0.0.1:{self.events}", f"tcp://127.0.0.1:{self.replay}", topic=topic
+        )
+
+
+@pytest.fixture(scope="module")
+def kv_event_ports() -> KVEventPorts:
+    return KVEventPorts(free_port(), free_port())
 
 
 # Small pool and budgets keep the tiny model fast on CPU; block size 16 x 64 blocks = 1024 tokens.

@@ -6,7 +6,6 @@ config is a one-line start-up error."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -16,41 +15,27 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import TINY_ARGS, ServerProcess, free_port
-from tests.kv_event_subscriber import CacheView, Subscriber, decode, low64, prompt_digests
+from tests.e2e.conftest import TINY_ARGS, KVEventPorts, ServerProcess, running_server
+from tests.kv_event_subscriber import CacheView, decode, low64, prompt_digests
 
 BLOCK_SIZE = 16
 TOPIC = "kv@e2e@tiny"
 
 
 @pytest.fixture(scope="module")
-def ports() -> tuple[int, int]:
-    return free_port(), free_port()
-
-
-@pytest.fixture(scope="module")
 def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, ports: tuple[int, int]
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, kv_event_ports: KVEventPorts
 ) -> Iterator[ServerProcess]:
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{ports[0]}",
-        "replay_endpoint": f"tcp://*:{ports[1]}",
-        "topic": TOPIC,
-    }
-    args = [*TINY_ARGS, "--kv-events-config", json.dumps(config)]
+    args = [*TINY_ARGS, *kv_event_ports.server_args(topic=TOPIC)]
     log = tmp_path_factory.mktemp("kv_events") / "server.log"
-    server = ServerProcess(tiny_llama_dir, args, log)
-    try:
-        server.wait_ready()
+    with running_server(tiny_llama_dir, args, log) as server:
         yield server
-    finally:
-        server.stop()
 
 
-def test_a_subscriber_follows_a_real_server(server: ServerProcess, ports) -> None:
-    sub = Subscriber(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", topic="kv@")
+def test_a_subscriber_follows_a_real_server(
+    server: ServerProcess, kv_event_ports: KVEventPorts
+) -> None:
+    sub = kv_event_ports.subscriber(topic="kv@")
     try:
         sub.poll(0.5)
         messages = [

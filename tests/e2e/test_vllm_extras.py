@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import TINY_ARGS, ServerProcess, free_port
-from tests.kv_event_subscriber import CacheView, Subscriber, decode
+from tests.e2e.conftest import TINY_ARGS, KVEventPorts, ServerProcess, running_server
+from tests.kv_event_subscriber import CacheView, decode
 
 KEY = "extras-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -26,27 +26,13 @@ PROMPT = "The harbour master of Port Ellis counts the boats at dawn and writes t
 
 
 @pytest.fixture(scope="module")
-def ports() -> tuple[int, int]:
-    return free_port(), free_port()
-
-
-@pytest.fixture(scope="module")
 def server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, ports: tuple[int, int]
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, kv_event_ports: KVEventPorts
 ) -> Iterator[ServerProcess]:
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{ports[0]}",
-        "replay_endpoint": f"tcp://*:{ports[1]}",
-    }
-    args = [*TINY_ARGS, "--api-key", KEY, "--kv-events-config", json.dumps(events)]
-    server = ServerProcess(tiny_llama_dir, args, tmp_path_factory.mktemp("extras") / "server.log")
-    try:
-        server.wait_ready()
+    args = [*TINY_ARGS, "--api-key", KEY, *kv_event_ports.server_args()]
+    log = tmp_path_factory.mktemp("extras") / "server.log"
+    with running_server(tiny_llama_dir, args, log) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +126,9 @@ def test_an_empty_cache_salt_is_a_400(client: openai.OpenAI, model: str) -> None
 
 
 def test_salted_blocks_publish_the_salt_in_their_first_block_extra_keys(
-    client: openai.OpenAI, model: str, ports: tuple[int, int]
+    client: openai.OpenAI, model: str, kv_event_ports: KVEventPorts
 ) -> None:
-    sub = Subscriber(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}")
+    sub = kv_event_ports.subscriber()
     try:
         sub.poll(0.5)
         _complete(client, model, "tenant-events", "events test: " + PROMPT)
@@ -282,7 +268,7 @@ def test_what_kvserve_cannot_honour_is_a_400_naming_the_field(
 
 
 def test_reset_prefix_cache_is_behind_the_key_and_clears_the_cache(
-    client: openai.OpenAI, model: str, server: ServerProcess, ports: tuple[int, int]
+    client: openai.OpenAI, model: str, server: ServerProcess, kv_event_ports: KVEventPorts
 ) -> None:
     prompt = "reset test: " + PROMPT
     _complete(client, model, None, prompt)
@@ -294,7 +280,7 @@ def test_reset_prefix_cache_is_behind_the_key_and_clears_the_cache(
         server.url + "/reset_prefix_cache?reset_external=true", headers=AUTH, timeout=30
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reset_external"
-    sub = Subscriber(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}")
+    sub = kv_event_ports.subscriber()
     try:
         sub.poll(0.5)
         r = httpx.post(server.url + "/reset_prefix_cache", headers=AUTH, timeout=30)
