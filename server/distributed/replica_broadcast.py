@@ -31,6 +31,14 @@ class ReplicaAnswer:
         except (ValueError, KeyError, TypeError):
             return self.body.decode(errors="replace") or f"HTTP {self.status}", None
 
+    def error_code(self) -> str | None:
+        """The `code` of the replica's error envelope (None when it has none)."""
+        try:
+            code = json.loads(self.body)["error"].get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return code if isinstance(code, str) else None
+
 
 # Sends one request to one replica (by id) and returns its whole answer; raising counts as a failure.
 Send = Callable[[str, ForwardRequest], Awaitable[ReplicaAnswer]]
@@ -50,7 +58,7 @@ def no_replica() -> ReplicaAnswer:
 
 
 def failure(failed: list[ReplicaAnswer], note: str) -> ReplicaAnswer:
-    """The first refusal's status and words, naming every replica that failed, then `note`."""
+    """The first refusal's status, words and code, naming every replica that failed, then `note`."""
     message, param = failed[0].error()
     status = failed[0].status
     err = APIError(
@@ -59,7 +67,7 @@ def failure(failed: list[ReplicaAnswer], note: str) -> ReplicaAnswer:
         status=status,
         type="invalid_request_error" if status < 500 else "server_error",
         param=param,
-        code=None,
+        code=failed[0].error_code(),
     )
     return ReplicaAnswer("", status, json.dumps(err.body()).encode())
 

@@ -227,8 +227,9 @@ async def test_a_reset_on_ray_serve_reaches_every_replica() -> None:
     # A busy replica: the others reset, and the 409 names who did what.
     engines["r2"].active.add("running")
     busy = await broadcast_cache_reset(reset(), list(apps), send)
-    message = json.loads(busy.body)["error"]["message"]
-    assert busy.status == 409 and "replica r2 refused" in message and "reset on r1, r3" in message
+    error = json.loads(busy.body)["error"]
+    assert busy.status == 409 and error["code"] == "requests_running"
+    assert "replica r2 refused" in error["message"] and "reset on r1, r3" in error["message"]
     assert [e.num_resets for e in engines.values()] == [2, 2, 2]
     assert (await broadcast_cache_reset(reset(), [], send)).status == 503
 
