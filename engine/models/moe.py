@@ -71,6 +71,14 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), weight.t().expand(n, k, weight.shape[0])).squeeze(1)
 
 
+def rowwise_dot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for a one-row weight [1, in] -> [n, 1], the same for a row whatever the batch:
+    float32 products are exact in float64 and their float64 sum rounds to the same float32 in any
+    summation order (but for values within 1e-13 of a rounding boundary). A batched matmul with one
+    output column is not row-invariant on every CPU (AVX2 machines showed last-bit differences)."""
+    return (x.double() * weight.double()).sum(dim=-1, keepdim=True).to(x.dtype)
+
+
 def _expert(
     spec: MoeSpec, hidden: int, inter: int, dtype: torch.dtype, device: torch.device
 ) -> GatedMLP:
@@ -115,7 +123,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_gate_weight is not None:
-                shared = torch.sigmoid(rowwise_linear(x, self.shared_gate_weight)) * shared
+                shared = torch.sigmoid(rowwise_dot(x, self.shared_gate_weight)) * shared
             out = out + shared
         return out
 
