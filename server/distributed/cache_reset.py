@@ -6,12 +6,18 @@ says to retry). No Ray here, so it is tested without it."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
 
 from server.distributed.asgi_call import ForwardRequest
-from server.distributed.replica_broadcast import ReplicaAnswer, Send, ask, failure, ids, no_replica
+from server.distributed.replica_broadcast import (
+    ReplicaAnswer,
+    Send,
+    ask_every,
+    failure,
+    ids,
+    no_replica,
+)
 
 RESET_PATH = "/reset_prefix_cache"
 
@@ -22,9 +28,7 @@ async def broadcast_cache_reset(
     """Send the reset to every replica and merge their answers into one (replica_id "")."""
     if not replica_ids:
         return no_replica()
-    answers = await asyncio.gather(*(ask(send, r, request) for r in replica_ids))
-    ok = [a for a in answers if a.ok]
-    failed = [a for a in answers if not a.ok]
+    ok, failed = await ask_every(send, replica_ids, request)
     if not failed:
         return replace(ok[0], replica_id="")
     if not ok and len({a.status for a in failed}) == 1:

@@ -15,6 +15,7 @@ from server.distributed.replica_broadcast import (
     ReplicaAnswer,
     Send,
     ask,
+    ask_every,
     failure,
     ids,
     no_replica,
@@ -39,9 +40,7 @@ async def broadcast_lora_update(
     """Send a load or unload to every replica and merge their answers into one (replica_id "")."""
     if not replica_ids:
         return no_replica()
-    answers = await asyncio.gather(*(ask(send, r, request) for r in replica_ids))
-    ok = [a for a in answers if a.ok]
-    failed = [a for a in answers if not a.ok]
+    ok, failed = await ask_every(send, replica_ids, request)
     if not failed:
         return replace(ok[0], replica_id="")
     if request.path == UNLOAD_PATH:

@@ -4,6 +4,7 @@ refused. The LoRA updates (lora_broadcast) and the prefix-cache reset (cache_res
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,14 @@ async def ask(send: Send, replica_id: str, request: ForwardRequest) -> ReplicaAn
     except Exception as e:  # noqa: BLE001 - an unreachable replica is one failed answer
         body = APIError(f"replica unreachable ({type(e).__name__}: {e})", status=503).body()
         return ReplicaAnswer(replica_id, 503, json.dumps(body).encode())
+
+
+async def ask_every(
+    send: Send, replica_ids: Sequence[str], request: ForwardRequest
+) -> tuple[list[ReplicaAnswer], list[ReplicaAnswer]]:
+    """Every replica's answer to `request`, at once, split into (ok, failed)."""
+    answers = await asyncio.gather(*(ask(send, r, request) for r in replica_ids))
+    return [a for a in answers if a.ok], [a for a in answers if not a.ok]
 
 
 def no_replica() -> ReplicaAnswer:
