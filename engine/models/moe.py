@@ -79,6 +79,14 @@ def rowwise_dot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.double() * weight.double()).sum(dim=-1, keepdim=True).to(x.dtype)
 
 
+def shared_gate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x @ weight.T) [n, 1] for Qwen2-MoE's shared expert, the same for a row whatever the
+    batch. torch's float32 sigmoid is not: its SIMD loop and its scalar remainder loop round
+    differently, and which rows fall in the remainder depends on the batch size. In float64 the two
+    differ by an ulp or so of float64, which rounding to float32 hides."""
+    return torch.sigmoid(rowwise_dot(x, weight).double()).to(x.dtype)
+
+
 def _expert(
     spec: MoeSpec, hidden: int, inter: int, dtype: torch.dtype, device: torch.device
 ) -> GatedMLP:
@@ -123,7 +131,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_gate_weight is not None:
-                shared = torch.sigmoid(rowwise_dot(x, self.shared_gate_weight)) * shared
+                shared = shared_gate(x, self.shared_gate_weight) * shared
             out = out + shared
         return out
 
