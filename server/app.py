@@ -212,7 +212,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         kwargs = dict(state.config.chat_template_kwargs or {})
         add_generation_prompt = body.add_generation_prompt is not False
         messages = turn_messages(body.messages)
-        tokens, _ = apply_template(tokenizer, messages, add_generation_prompt, None, kwargs)
+        special = body.add_special_tokens is True
+        tokens, _ = apply_template(
+            tokenizer, messages, add_generation_prompt, None, kwargs, add_special_tokens=special
+        )
     else:
         assert body.prompt is not None  # exactly one of the two is given
         tokens = list(

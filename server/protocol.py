@@ -412,7 +412,8 @@ class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool | None = True
+    # vLLM's defaults: on for a prompt, off for messages (the chat template writes any BOS)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
     return_token_strs: bool | None = False
 

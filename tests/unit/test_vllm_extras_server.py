@@ -151,7 +151,19 @@ async def test_add_special_tokens_on_chat_is_off_by_default_as_in_vllm() -> None
         assert (await c.post("/v1/completions", json=completion)).status_code == 200
         assert engine.requests[-1][1] == [BOS, *b"hi"], "completions keep vLLM's default: on"
         bad = await c.post("/v1/chat/completions", json={**chat, "add_special_tokens": "yes"})
+        counted = {}
+        for extra in ({}, {"add_special_tokens": False}, {"add_special_tokens": True}):
+            r = await c.post("/tokenize", json={"messages": chat["messages"], **extra})
+            assert r.status_code == 200, r.text
+            counted[str(extra)] = r.json()["tokens"]
+        text = {}
+        for extra in ({}, {"add_special_tokens": False}):
+            r = await c.post("/tokenize", json={"prompt": "hi", **extra})
+            text[str(extra)] = r.json()["tokens"]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"
+    # /tokenize counts what chat would run: messages as the template wrote them unless asked
+    assert list(counted.values()) == [prompt, prompt, [BOS, *prompt]]
+    assert list(text.values()) == [[BOS, *b"hi"], list(b"hi")]  # a prompt: on unless turned off
 
 
 @pytest.mark.parametrize(
