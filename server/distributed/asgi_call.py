@@ -27,6 +27,7 @@ class ForwardRequest:
     routing_text: str = ""
     routing_tokens: list[int] | None = None
     cache_salt: str | None = None
+    model: str | None = None  # the body's `model`: an adapter's KV blocks hash under its content
 
 
 @dataclass

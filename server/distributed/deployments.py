@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from server.distributed.asgi_call import ForwardRequest, ResponseStart, call_asgi
 from server.distributed.cache_reset import RESET_PATH, broadcast_cache_reset
 from server.distributed.lora_broadcast import LOAD_PATH, LORA_UPDATE_PATHS, broadcast_lora_update
-from server.distributed.prefix_index import routing_salt, routing_text
+from server.distributed.prefix_index import routing_model, routing_salt, routing_text
 from server.distributed.replica_broadcast import ReplicaAnswer
 from server.distributed.replica_events import events_info, with_replica_events
 from server.distributed.routing_tokens import RoutingTokenizer
@@ -212,6 +212,7 @@ class KvserveIngress:
             routing_text=routing_text(path, bytes(body)),
             routing_tokens=tokens,
             cache_salt=routing_salt(bytes(body)),
+            model=routing_model(bytes(body)),
         )
         stream = self.replica.forward.options(stream=True).remote(forward)
         try:

@@ -2,7 +2,9 @@
 the external block hashes stored and not yet removed, per replica, and the longest run of a
 request's leading block hashes a replica holds. Events arrive already decoded from the vLLM wire
 arrays (engine.core.kv_events' layout); only the main attention group counts. And the routing
-policy over it: the replica holding most leading blocks, else power-of-two choices."""
+policy over it: the replica holding most leading blocks, else power-of-two choices. A LoRA
+adapter's blocks hash under its content (`lora:<sha256>`, in their extra keys); the router learns
+which content each replica serves under an adapter's name from the names its events carry."""
 
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ class ReplicaEvents:
 R = TypeVar("R")
 
 MAIN_KINDS = (None, "full_attention")  # a hybrid model's sliding groups do not make a prefix hit
+LORA_PREFIX = "lora:"  # engine.executor.lora_adapters: an adapter's namespace is its content hash
+
+
+def _lora_namespace(event: list[Any]) -> str | None:
+    """The LoRA namespace in a BlockStored event's extra keys (None: a base-model block)."""
+    extra = _field(event, 8)
+    if not isinstance(extra, list) or not extra or not isinstance(extra[0], list | tuple):
+        return None
+    first = extra[0][0] if extra[0] else None
+    return first if isinstance(first, str) and first.startswith(LORA_PREFIX) else None
 
 
 class KVIndex:
@@ -38,6 +50,7 @@ class KVIndex:
     def __init__(self) -> None:
         self._held: dict[Hashable, set[int]] = {}
         self._side_groups: dict[Hashable, set[int]] = {}  # group_idx of sliding-window groups
+        self._adapters: dict[Hashable, dict[str, str]] = {}  # adapter name -> its LoRA namespace
         self._lock = threading.Lock()
 
     def apply(self, replica: Hashable, events: Iterable[list[Any]]) -> None:
@@ -45,11 +58,15 @@ class KVIndex:
         with self._lock:
             held = self._held.setdefault(replica, set())
             side = self._side_groups.setdefault(replica, set())
+            adapters = self._adapters.setdefault(replica, {})
             for event in events:
                 tag = event[0]
                 if tag == "AllBlocksCleared":
                     held.clear()
                 elif tag == "BlockStored":
+                    name, namespace = _field(event, 7), _lora_namespace(event)
+                    if isinstance(name, str) and namespace is not None:
+                        adapters[name] = namespace  # a reloaded adapter: its newest content
                     if _field(event, 10) in MAIN_KINDS:
                         held.update(event[1])
                     elif _field(event, 9) is not None:
@@ -66,6 +83,17 @@ class KVIndex:
         with self._lock:
             self._held.pop(replica, None)
             self._side_groups.pop(replica, None)
+            self._adapters.pop(replica, None)
+
+    def adapter_namespace(self, replica: Hashable, model: str) -> str | None:
+        """The LoRA namespace a replica's events showed for adapter `model` (its name, or
+        "<base>:<name>"); None when they showed none (the base model, or no block stored yet)."""
+        with self._lock:
+            adapters = self._adapters.get(replica, {})
+            found = adapters.get(model)
+            if found is None and ":" in model:
+                found = adapters.get(model.rpartition(":")[2])
+            return found
 
     def match(self, replica: Hashable, hashes: list[int]) -> int:
         """How many leading blocks of `hashes` the replica holds."""
@@ -115,20 +143,25 @@ def kv_matches(
     replicas: Sequence[Hashable],
     tokens: list[int],
     cache_salt: str | None = None,
+    model: str | None = None,
 ) -> tuple[dict[Hashable, int], int]:
     """Per replica with known events, the leading blocks of `tokens` it holds; and the number of
-    full blocks (0 when no replica's events are known). A salted request's blocks hash as the
-    engine hashes them (the salt in the first block's extra keys), so it matches only blocks of its
-    own salt."""
-    namespace = cache_namespace(None, cache_salt)
-    hashes: dict[tuple[int, str], list[int]] = {}
+    full blocks (0 when no replica's events are known). A request's blocks hash as the engine
+    hashes them: a salt in the first block's extra keys, so it matches only blocks of its own salt;
+    for an adapter `model`, the adapter's LoRA namespace in every block's (as that replica's
+    events showed it, else as another's). Until some replica has stored blocks of an adapter, its
+    requests hash as the base model's (the router cannot tell an adapter's name from the base's)."""
+    loras = {r: index.adapter_namespace(r, model) for r in replicas} if model else {}
+    anywhere = next((lora for lora in loras.values() if lora is not None), None)
+    hashes: dict[tuple[int, str, str | None], list[int]] = {}
     matches: dict[Hashable, int] = {}
     total = 0
     for replica in replicas:
         source = sources.get(replica)
         if source is None:
             continue
-        scheme = (source.block_size, source.hash_seed)
+        namespace = cache_namespace(loras.get(replica) or anywhere, cache_salt)
+        scheme = (source.block_size, source.hash_seed, namespace)
         if scheme not in hashes:
             hashes[scheme] = external_block_hashes(
                 tokens, source.block_size, namespace, source.hash_seed

@@ -28,6 +28,13 @@ def routing_salt(body: bytes) -> str | None:
     return salt if isinstance(salt, str) and salt else None
 
 
+def routing_model(body: bytes) -> str | None:
+    """The request's `model` (a LoRA adapter's blocks hash apart; None when absent)."""
+    data = _json_object(body)
+    model = data.get("model") if data is not None else None
+    return model if isinstance(model, str) and model else None
+
+
 def routing_text(path: str, body: bytes) -> str:
     """The prompt text of an OpenAI request body in a prefix-stable form: a later turn of a chat
     extends the text of its earlier turns. Empty when the body carries no prompt."""

@@ -6,7 +6,8 @@ loaded one by more than `imbalance_threshold` requests. Until a replica's events
 (its first request is still prefilling), and for requests the ingress could not tokenize, the
 text of recently routed prompts stands in; a request nobody holds goes to the less loaded of two
 random replicas (power-of-two choices) on the router's own in-flight counts. Both hash under the
-request's cache salt (vLLM's `cache_salt`), as the engine does: salted blocks draw only that salt."""
+request's cache salt (vLLM's `cache_salt`), as the engine does: salted blocks draw only that salt.
+A LoRA adapter's requests match the blocks the replicas' events stored under that adapter."""
 
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ def _cache_salt(pending_request: PendingRequest | None) -> str | None:
     return salt if isinstance(salt, str) and salt else None
 
 
+def _model(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    model = getattr(pending_request.args[0], "model", None)
+    return model if isinstance(model, str) and model else None
+
+
 def _text_hashes(pending_request: PendingRequest | None, block_chars: int) -> list[bytes]:
     """The routed text's block hashes, under the request's cache salt."""
     text = _routing_text(pending_request)
@@ -98,7 +106,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         tokens = _routing_tokens(pending_request)
         if tokens:
             by_unique = await self._kv_matches(
-                candidate_replicas, tokens, _cache_salt(pending_request)
+                candidate_replicas, tokens, _cache_salt(pending_request), _model(pending_request)
             )
             matches = {
                 r.replica_id: by_unique[0].get(r.replica_id.unique_id, 0)
@@ -122,7 +130,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         )
 
     async def _kv_matches(
-        self, candidates: list[RunningReplica], tokens: list[int], cache_salt: str | None
+        self,
+        candidates: list[RunningReplica],
+        tokens: list[int],
+        cache_salt: str | None,
+        model: str | None,
     ) -> tuple[dict[Hashable, int], int]:
         if self.feed is None:
             self.feed = KVEventFeed(self.kv_index)
@@ -131,7 +143,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if any(i not in sources for i in ids) and time.monotonic() - self._refreshed > REFRESH_S:
             self._refreshed = time.monotonic()
             sources = await self._refresh_sources()
-        return kv_matches(self.kv_index, sources, ids, tokens, cache_salt)
+        return kv_matches(self.kv_index, sources, ids, tokens, cache_salt, model)
 
     async def _refresh_sources(self) -> dict[Hashable, ReplicaEvents]:
         """Follow the events of every current replica that registered an events endpoint."""

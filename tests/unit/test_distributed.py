@@ -10,7 +10,13 @@ import pytest
 
 from server.distributed.asgi_call import ForwardRequest, ResponseStart, call_asgi
 from server.distributed.config import RayConfig
-from server.distributed.prefix_index import PrefixIndex, block_hashes, routing_salt, routing_text
+from server.distributed.prefix_index import (
+    PrefixIndex,
+    block_hashes,
+    routing_model,
+    routing_salt,
+    routing_text,
+)
 from server.settings import build_configs, build_ray_config, resolve
 
 
@@ -93,17 +99,58 @@ def test_the_router_hashes_a_salted_request_as_the_engine_does() -> None:
     assert kv_matches(index, sources, replicas, tokens, "tenant-b")[0] == {"plain": 0, "salted": 0}
 
 
+def test_an_adapters_requests_match_the_blocks_stored_under_that_adapter() -> None:
+    from engine import cache_namespace, external_block_hashes
+    from server.distributed.kv_index import KVIndex, ReplicaEvents, kv_matches
+
+    tokens = list(range(200, 248))  # three blocks of 16
+    index = KVIndex()
+    lora_a, lora_b = "lora:" + "a" * 64, "lora:" + "b" * 64
+    for replica, name, lora, salt in (
+        ("base", None, None, None),
+        ("sql", "sql", lora_a, None),
+        ("sql-salted", "sql", lora_a, "t1"),
+        ("chat", "chat", lora_b, None),
+    ):
+        namespace = cache_namespace(lora, salt)
+        held = external_block_hashes(tokens, 16, namespace)
+        extra = [[lora, salt] if salt else [lora], [lora], [lora]] if lora else None
+        event = ["BlockStored", held, None, tokens, 16, None, "GPU", name, extra]
+        index.apply(replica, [event if lora else event[:8]])
+    sources = {r: ReplicaEvents(r, "tcp://x", None, 16, "0") for r in index._held}
+    replicas = list(sources)
+    none = dict.fromkeys(replicas, 0)
+    assert kv_matches(index, sources, replicas, tokens)[0] == {**none, "base": 3}
+    assert kv_matches(index, sources, replicas, tokens, model="sql") == ({**none, "sql": 3}, 3)
+    assert kv_matches(index, sources, replicas, tokens, model="base-id:sql")[0]["sql"] == 3
+    salted = kv_matches(index, sources, replicas, tokens, "t1", model="sql")[0]
+    assert salted == {**none, "sql-salted": 3}
+    assert kv_matches(index, sources, replicas, tokens, model="chat")[0] == {**none, "chat": 3}
+    # An adapter no replica stored blocks of yet (or the base model's id): the base model's blocks
+    assert kv_matches(index, sources, replicas, tokens, model="new")[0] == {**none, "base": 3}
+    # A reloaded adapter under the same name: its newest content counts
+    moved = external_block_hashes(tokens, 16, lora_b)
+    index.apply("sql", [["BlockStored", moved, None, tokens, 16, None, "GPU", "sql", [[lora_b]]]])
+    assert index.adapter_namespace("sql", "sql") == lora_b
+    index.forget("sql")
+    assert index.adapter_namespace("sql", "sql") is None
+
+
 def test_the_router_reads_the_salt_the_ingress_forwards() -> None:
     pytest.importorskip("ray.serve", reason="needs the ray extra: pip install 'kvserve[ray]'")
     from types import SimpleNamespace
 
-    from server.distributed.router import _cache_salt, _text_hashes
+    from server.distributed.router import _cache_salt, _model, _text_hashes
 
     text = "u" * 128
     forward = ForwardRequest("POST", "/v1/chat/completions", b"", [], b"", routing_text=text)
     salted = SimpleNamespace(args=[dataclasses.replace(forward, cache_salt="s1")])
     plain = SimpleNamespace(args=[forward])  # a PendingRequest's args: the forwarded request
     assert _cache_salt(salted) == "s1" and _cache_salt(plain) is None
+    adapter = SimpleNamespace(args=[dataclasses.replace(forward, model="sql")])
+    assert _model(adapter) == "sql" and _model(plain) is None
+    assert routing_model(b'{"model": "sql", "prompt": "x"}') == "sql"
+    assert routing_model(b'{"model": 3}') is None and routing_model(b"[") is None
     assert _text_hashes(salted, 64) == block_hashes(text, 64, "s1")
     assert _text_hashes(plain, 64) == block_hashes(text, 64)
 
