@@ -14,7 +14,6 @@ from engine.models.block_quant import (
     GROUP,
     BlockValues,
     _BlockWeight,
-    _group_scales,
     _pad_rows,
     kernels,
 )
@@ -66,23 +65,16 @@ class BlockQ5Weight(_BlockWeight):
     its 22 bytes per block, as stored)."""
 
     qs: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor
 
     def __init__(self, values: Q5Values) -> None:
         super().__init__(values)
         self.kind = values.kind
-        g = self.groups
-        self.register_buffer("qs", interleave(_pad_rows(values.q, g * GROUP), 5))
-        self.register_buffer("d", _group_scales(_pad_rows(values.d, g * GROUP), g))
-        if self.kind == "q5_0":
-            self.register_buffer("m", torch.empty(0, dtype=torch.float16))
-        else:
-            self.register_buffer("m", _group_scales(_pad_rows(values.m, g * GROUP), g))
+        self.register_buffer("qs", interleave(_pad_rows(values.q, self.groups * GROUP), 5))
+        self._register_scales(values, derived_m=self.kind == "q5_0")
 
     @property
     def nbytes(self) -> int:
-        return self.qs.numel() + 2 * (self.d.numel() + self.m.numel())
+        return self.qs.numel() + self._scale_bytes()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, K] -> [n, N] float32
         ops = kernels()
@@ -90,14 +82,9 @@ class BlockQ5Weight(_BlockWeight):
         return self._cut(out)
 
     def values(self) -> Q5Values:
-        g, kb, n = self.groups, self.blocks, self.out_features
         q = deinterleave(self.qs)
-        d = self.d.float().transpose(1, 2).reshape(g * GROUP, kb)
-        if self.kind == "q5_0":
-            m = -16.0 * d
-        else:
-            m = self.m.float().transpose(1, 2).reshape(g * GROUP, kb)
-        return Q5Values(self.kind, q[:n], d[:n], m[:n])
+        d, m = self._scales(-16.0 if self.kind == "q5_0" else None)
+        return Q5Values(self.kind, q[: self.out_features], d, m)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
         return self.values().dequantize()

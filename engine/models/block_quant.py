@@ -147,6 +147,7 @@ class _BlockWeight(nn.Module):
     """Common parts: N padded up to a multiple of 8 columns (zero blocks), cut off after the kernel."""
 
     d: torch.Tensor
+    m: torch.Tensor  # registered by the formats with a minimum (_register_scales)
     kind: str
 
     def __init__(self, values: BlockValues) -> None:
@@ -159,6 +160,29 @@ class _BlockWeight(nn.Module):
 
     def _cut(self, out: torch.Tensor) -> torch.Tensor:
         return out if out.shape[1] == self.out_features else out[:, : self.out_features]
+
+    def _register_scales(self, values: BlockValues, derived_m: bool) -> None:
+        """d and m [N/8, K/32, 8] fp16; m empty when the kernels derive it from d (Q4_0, Q5_0), so
+        they read the bytes per block the file stores."""
+        g = self.groups
+        self.register_buffer("d", _group_scales(_pad_rows(values.d, g * GROUP), g))
+        if derived_m:
+            self.register_buffer("m", torch.empty(0, dtype=torch.float16))
+        else:
+            self.register_buffer("m", _group_scales(_pad_rows(values.m, g * GROUP), g))
+
+    def _scales(self, offset: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d, m) [N, K/32] float32 back from the buffers; m = offset * d when it is derived."""
+        g, kb, n = self.groups, self.blocks, self.out_features
+        d = self.d.float().transpose(1, 2).reshape(g * GROUP, kb)
+        if offset is not None:
+            m = offset * d
+        else:
+            m = self.m.float().transpose(1, 2).reshape(g * GROUP, kb)
+        return d[:n], m[:n]
+
+    def _scale_bytes(self) -> int:
+        return 2 * (self.d.numel() + self.m.numel())
 
 
 class BlockQ8Weight(_BlockWeight):
@@ -207,7 +231,6 @@ class BlockQ4Weight(_BlockWeight):
     stores no m (empty): the kernels take m = -8 d, so it reads 18 bytes per block, as stored."""
 
     qs: torch.Tensor
-    m: torch.Tensor
 
     def __init__(self, values: BlockValues) -> None:
         super().__init__(values)
@@ -217,15 +240,11 @@ class BlockQ4Weight(_BlockWeight):
         q = q.permute(0, 2, 3, 4, 1, 5)  # [g, b, half, j, c, i]
         packed = q[:, :, 0] | (q[:, :, 1] << 4)  # [g, b, j, c, i]
         self.register_buffer("qs", packed.contiguous().view(g, kb, 4, 32))
-        self.register_buffer("d", _group_scales(_pad_rows(values.d, g * GROUP), g))
-        if self.kind == "q4_0":
-            self.register_buffer("m", torch.empty(0, dtype=torch.float16))
-        else:
-            self.register_buffer("m", _group_scales(_pad_rows(values.m, g * GROUP), g))
+        self._register_scales(values, derived_m=self.kind == "q4_0")
 
     @property
     def nbytes(self) -> int:
-        return self.qs.numel() + 2 * (self.d.numel() + self.m.numel())
+        return self.qs.numel() + self._scale_bytes()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [n, K] -> [n, N] float32
         ops = kernels()
@@ -237,13 +256,8 @@ class BlockQ4Weight(_BlockWeight):
         packed = self.qs.view(g, kb, 4, GROUP, 4)  # [g, b, j, c, i]
         q = torch.stack([packed & 0x0F, packed >> 4], dim=2)  # [g, b, half, j, c, i]
         q = q.permute(0, 4, 1, 2, 3, 5).reshape(g * GROUP, -1)
-        d = self.d.float().transpose(1, 2).reshape(g * GROUP, kb)
-        if self.kind == "q4_0":
-            m = -8.0 * d
-        else:
-            m = self.m.float().transpose(1, 2).reshape(g * GROUP, kb)
-        n = self.out_features
-        return BlockValues(self.kind, q[:n], d[:n], m[:n])
+        d, m = self._scales(-8.0 if self.kind == "q4_0" else None)
+        return BlockValues(self.kind, q[: self.out_features], d, m)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
         return self.values().dequantize()
