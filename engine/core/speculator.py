@@ -4,12 +4,14 @@ decoding sequence and reports how many the verification accepted. Steps aside un
 per-position acceptance estimates (over the speculator's own across recent sequences), and its
 draft length is the one whose expected accepted tokens pay best for what it costs (verified rows
 and draft forwards, engine.core.spec_cost); when none pays, the sequence decodes plainly for a
-while, then probes with one draft (pauses doubling). A new sequence probes before it pauses, from
-the first pause: what other prompts earned says little about this one's (a copy-heavy prompt
-after random ones must not wait out their long pauses)."""
+while, then probes with one draft (pauses doubling, and never shorter than what keeps failed
+probes near PROBE_SHARE of the decode time). A new sequence probes before it pauses, from the first
+pause: what other prompts earned says little about this one's (a copy-heavy prompt after random
+ones must not wait out their long pauses)."""
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from typing import Any, Protocol
@@ -27,6 +29,12 @@ PRIOR = 0.8  # the acceptance assumed before anything was verified (optimistic: 
 MIN_GAIN = 1.03  # speculate when the expected tokens per unit of time beat plain decoding by this
 FIRST_PAUSE = 8  # decode tokens of the first pause when no draft pays off; each pause doubles
 MAX_PAUSE = 256
+# A failed probe costs its draft row and forward: a pause lasts at least that price over this
+# share of plain decoding, so a drafter that is never right costs about 2% between probes (a draft
+# model's forward is a step's worth: ~70 tokens), but at most PROBE_PAUSE_CAP tokens (a cost spoilt
+# by a busy machine must not switch speculation off for long).
+PROBE_SHARE = 0.02
+PROBE_PAUSE_CAP = 64
 
 
 def grammar_cut(matcher: Any, drafts: list[int]) -> list[int]:
@@ -230,11 +238,17 @@ class Speculator:
             state.probe = False
             return max(length, 1) if gain < MIN_GAIN else length
         if gain < MIN_GAIN:  # not paying off: decode plainly for a while, then probe again
-            state.resume_at = seq.num_tokens + state.pause
+            state.resume_at = seq.num_tokens + max(state.pause, self._probe_pause(batch_size))
             state.pause = min(2 * state.pause, MAX_PAUSE)
             state.probe = True  # the estimates are kept: probes that succeed raise them again
             return 0
         return length
+
+    def _probe_pause(self, batch_size: int) -> int:
+        """The shortest pause after a failed probe: its price (one verified draft row and, for a
+        drafter, one draft forward, in plain steps) over PROBE_SHARE, at most PROBE_PAUSE_CAP."""
+        price = self.cost.verify_cost(batch_size, 1) + self.cost.draft_cost(batch_size, 1)
+        return min(PROBE_PAUSE_CAP, math.ceil(price / PROBE_SHARE))
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` drafts accepted the first `num_accepted`."""

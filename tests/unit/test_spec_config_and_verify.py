@@ -20,7 +20,14 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.spec_config import SpeculativeConfig
 from engine.core.spec_cost import DRAFT_ROW_COST, STEP_OVERHEAD_ROWS, MeasuredSpecCost
-from engine.core.speculator import FIRST_PAUSE, Acceptance, Speculator, best_length
+from engine.core.speculator import (
+    FIRST_PAUSE,
+    PROBE_PAUSE_CAP,
+    PROBE_SHARE,
+    Acceptance,
+    Speculator,
+    best_length,
+)
 from engine.executor.sampler import Sampler, SamplingRow
 from engine.executor.spec_verify import num_accepted, verification_rows
 from server.settings import add_serve_arguments, build_configs, resolve
@@ -217,9 +224,9 @@ def test_acceptance_is_estimated_per_position():
 
 
 def test_back_off_pauses_probes_and_comes_back():
-    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=_Cost(0.25))
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), max_model_len=1000, cost=_Cost(0.1))
     seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
-    assert spec.propose(seq, 10) == [3, 4, 5]  # prior 0.8 everywhere: 3 drafts pay best
+    assert spec.propose(seq, 10) == [3, 4, 5, 6]  # prior 0.8 everywhere, cheap rows: all pay
     for _ in range(3):
         spec.record(seq, 3, 0)
     assert spec.propose(seq, 10) == []  # no length pays: a pause starts
@@ -233,8 +240,9 @@ def test_back_off_pauses_probes_and_comes_back():
     # a new sequence probes first (its prompt may copy well where others did not), then pauses
     # from the first pause, whatever the other sequences' pauses are
     other = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
-    assert spec.propose(other, 10) == [3]
-    spec.record(other, 1, 0)
+    drafts = spec.propose(other, 10)
+    assert drafts[:1] == [3]
+    spec.record(other, len(drafts), 0)
     assert spec.propose(other, 10) == []
     assert spec._state(other).resume_at == other.num_tokens + FIRST_PAUSE
     seq.token_ids += [3, 4, 5, 6, 1, 2] * 3
@@ -286,8 +294,32 @@ def test_a_measured_cost_too_high_to_pay_still_gets_probes():
     seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
     assert spec.propose(seq, 10) == [3]  # a new sequence probes first
     assert spec.propose(seq, 10) == []
-    seq.token_ids += [3, 4, 5, 6, 1, 2] * 2
+    assert spec._state(seq).resume_at == seq.num_tokens + PROBE_PAUSE_CAP  # not 5 / 0.02 tokens
+    seq.token_ids += [3, 4, 5, 6, 1, 2] * 11
     assert spec.propose(seq, 10) == [3]
+
+
+@pytest.mark.parametrize(
+    ("row", "forward", "pause"),
+    [
+        (0.1, 0.0, FIRST_PAUSE),  # a cheap n-gram probe: the first pause as it is
+        (0.25, 0.0, 13),  # 0.25 of a step per failed probe: 13 tokens keep them near 2%
+        (0.25, 0.5, 38),  # a drafter's forward too
+        (0.25, 1.25, PROBE_PAUSE_CAP),
+    ],
+)
+def test_a_failed_probe_pauses_long_enough_to_pay_for_itself(
+    row: float, forward: float, pause: int
+) -> None:
+    spec = Speculator(SpeculativeConfig("ngram", 4, 1, 2), 1000, cost=_Cost(row, forward))
+    seq = _group([1, 2, 3, 4, 5, 6, 1, 2], max_tokens=500).seqs[0]
+    for _ in range(4):
+        spec.record(seq, 1, 0)  # never accepted
+    assert spec.propose(seq, 10) == [3]  # the new sequence's probe
+    spec.record(seq, 1, 0)
+    assert spec.propose(seq, 10) == []
+    assert spec._state(seq).resume_at == seq.num_tokens + pause
+    assert pause * PROBE_SHARE >= row + forward or pause in (FIRST_PAUSE, PROBE_PAUSE_CAP)
 
 
 def test_the_cost_model_learns_from_step_durations():
