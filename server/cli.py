@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser(
         "serve",
+        # short: argparse prints the usage above every bad-option error (--help lists them all)
+        usage="kvserve serve [MODEL] [options]  (kvserve serve --help lists them)",
         help="serve a model over the OpenAI API",
         description="Serve a model over the OpenAI API. Every option can also be set by its environment "
         "variable or in the --config YAML file; precedence: CLI > environment > file > default.",

@@ -201,6 +201,11 @@ def _tool_input(call: ToolCall) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic spells one (`toolu_...`; the turn pipeline's are `call_...`)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def content_blocks(turn: Turn) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if turn.reasoning is not None:  # unsigned: the signature is empty
@@ -209,7 +214,12 @@ def content_blocks(turn: Turn) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": turn.text})
     for call in turn.tool_calls:
         blocks.append(
-            {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call)}
+            {
+                "type": "tool_use",
+                "id": tool_use_id(call.id),
+                "name": call.name,
+                "input": _tool_input(call),
+            }
         )
     return blocks
 
@@ -310,7 +320,12 @@ class _MessageStream(TurnEvents):
                 )
             )
         elif isinstance(delta, ToolCallStart):
-            block = {"type": "tool_use", "id": delta.id, "name": delta.name, "input": {}}
+            block = {
+                "type": "tool_use",
+                "id": tool_use_id(delta.id),
+                "name": delta.name,
+                "input": {},
+            }
             frames += self._start_block(block)
             self.block_kind = "tool_use"
         elif isinstance(delta, ToolCallArguments) and self.open and self.block_kind == "tool_use":

@@ -3,11 +3,21 @@ frozen SpeculativeConfig, with clear errors for bad values, unknown keys and uns
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from engine.core.json_config import config_mapping
+
+
+def _json(value: object) -> str:
+    """A config value as the JSON the user wrote (`true`, not Python's `True`)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
 
 SUPPORTED_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
 DRAFT_METHODS = ("draft_model", "layer_skip")  # proposals by a model (greedy), in its own KV
@@ -79,13 +89,13 @@ class SpeculativeConfig:
         ):
             raise ValueError(
                 f"speculative config: layer_skip needs num_draft_layers, a positive integer, "
-                f"got {layers!r}"
+                f"got {_json(layers)}"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
-                    f"speculative config: {name} must be a positive integer, got {value!r}"
+                    f"speculative config: {name} must be a positive integer, got {_json(value)}"
                 )
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -102,7 +112,7 @@ class SpeculativeConfig:
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 2
         ):
             raise ValueError(
-                f"speculative config: disable_by_batch_size must be an integer of at least 2, got {limit!r}"
+                f"speculative config: disable_by_batch_size must be an integer of at least 2, got {_json(limit)}"
             )
 
     def _check_suffix(self) -> None:
@@ -113,23 +123,23 @@ class SpeculativeConfig:
         if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= 1024:
             raise ValueError(
                 f"speculative config: suffix_decoding_max_tree_depth must be an integer in "
-                f"[2, 1024], got {depth!r}"
+                f"[2, 1024], got {_json(depth)}"
             )
         if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
             raise ValueError(
                 f"speculative config: suffix_decoding_max_cached_requests must be a non-negative "
-                f"integer, got {cached!r}"
+                f"integer, got {_json(cached)}"
             )
         factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(
                 f"speculative config: suffix_decoding_max_spec_factor must be a positive number, "
-                f"got {factor!r}"
+                f"got {_json(factor)}"
             )
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
             raise ValueError(
                 f"speculative config: suffix_decoding_min_token_prob must be a number in [0, 1], "
-                f"got {prob!r}"
+                f"got {_json(prob)}"
             )
 
     @classmethod

@@ -320,8 +320,8 @@ def test_a_turn_with_tool_calls_is_function_call_items() -> None:
     ]
     blocks = content_blocks(turn)
     assert blocks == [
-        {"type": "tool_use", "id": "call_1", "name": "get", "input": {"city": "Paris"}}
-    ]
+        {"type": "tool_use", "id": "toolu_1", "name": "get", "input": {"city": "Paris"}}
+    ]  # Anthropic's spelling of an id
     assert stop_reason(turn) == "tool_use"
 
 
