@@ -142,3 +142,54 @@ def test_bad_arguments_are_clear_errors():
         cpu_kernels.paged_prefill_attention(
             q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens - 5, 0.125
         )
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 64), (6, 2, 64)]
+)
+@pytest.mark.parametrize("window,softcap", [(None, None), (700, None), (300, 30.0), (None, 50.0)])
+def test_a_long_context_decodes_bitwise_alone_as_in_a_batch(
+    heads, kv_heads, head_dim, window, softcap
+):
+    """A few sequences over long contexts split their attention's phases over the threads (key
+    tiles, then softmaxes, then P.V per 32 values): the same bits as the per-item path a larger
+    batch takes, and as the prefill kernel gives the same token."""
+    rng = random.Random(heads * 1000 + (window or 0) + int(softcap or 0))
+    torch.manual_seed(rng.randrange(1 << 30))
+    seq_lens = [2049, 513, 1500, 700, 9, 1100]  # around the 256-key tiles and the 8-token runs
+    cache, meta = random_step(rng, [1] * len(seq_lens), seq_lens, 16, kv_heads, head_dim)
+    q = torch.randn(len(seq_lens), heads, head_dim)
+    scale = head_dim**-0.5
+    tables, lens = meta.token_context()
+    together = cpu_kernels.paged_decode_attention(q, cache, tables, lens, scale, window, softcap)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the split path runs below 2 (sequence, KV head) items per thread
+    try:
+        for i in range(len(seq_lens)):  # each alone (batch 1): the split path where it is long
+            alone = cpu_kernels.paged_decode_attention(
+                q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], scale, window, softcap
+            )
+            assert torch.equal(alone[0], together[i]), seq_lens[i]
+        pair = cpu_kernels.paged_decode_attention(
+            q[:2], cache, tables[:2], lens[:2], scale, window, softcap
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(pair, together[:2])
+    fast = cpu_kernels.paged_prefill_attention(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window, softcap
+    )
+    assert torch.equal(fast, together)
+    ref = []  # and close to a float64 softmax(q k) v
+    for i, n in enumerate(seq_lens):
+        first = max(0, n - window) if window else 0
+        pos = torch.arange(first, n)
+        blocks = meta.block_tables[i][pos // 16].long()
+        k = cache[0][blocks, pos % 16].double()  # [len, kv_heads, d]
+        v = cache[1][blocks, pos % 16].double()
+        qi = q[i].double().view(kv_heads, heads // kv_heads, head_dim) * scale
+        s = torch.einsum("hgd,thd->hgt", qi, k)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        ref.append(torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(heads, head_dim))
+    torch.testing.assert_close(together.double(), torch.stack(ref), rtol=1e-4, atol=1e-5)

@@ -155,24 +155,30 @@ KV_AVX2 inline void softmax_row_avx2(float* sg, int64_t len, float softcap) {
   for (int64_t k = 0; k < len; ++k) sg[k] *= inv;
 }
 
-// out[a, :] = sum_t p[a, t] v[t, :] for GN heads (p rows `len` apart), 32 values of d per pass.
+// out[a, i0:i0+32] = sum_t p[a, t] v[t, i0:i0+32] for GN heads (p rows `len` apart, out rows d
+// apart): one fma chain per output value over the keys in increasing t.
+template <int GN>
+KV_AVX2 inline void pv_chunk(const float* p, const float* const* vp, int64_t len, int64_t d,
+                             int64_t i0, float* out) {
+  __m256 acc[GN][4];
+  for (int a = 0; a < GN; ++a)
+    for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    __m256 v[4];
+    for (int b = 0; b < 4; ++b) v[b] = _mm256_loadu_ps(vp[t] + i0 + 8 * b);
+    for (int a = 0; a < GN; ++a) {
+      const __m256 w = _mm256_broadcast_ss(p + a * len + t);
+      for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
+    }
+  }
+  for (int a = 0; a < GN; ++a)
+    for (int b = 0; b < 4; ++b) _mm256_storeu_ps(out + a * d + i0 + 8 * b, acc[a][b]);
+}
+
+// out[a, :] = sum_t p[a, t] v[t, :] for GN heads, 32 values of d per pass.
 template <int GN>
 KV_AVX2 inline void pv_pass(const float* p, const float* const* vp, int64_t len, int64_t d, float* out) {
-  for (int64_t i0 = 0; i0 < d; i0 += 32) {
-    __m256 acc[GN][4];
-    for (int a = 0; a < GN; ++a)
-      for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      __m256 v[4];
-      for (int b = 0; b < 4; ++b) v[b] = _mm256_loadu_ps(vp[t] + i0 + 8 * b);
-      for (int a = 0; a < GN; ++a) {
-        const __m256 w = _mm256_broadcast_ss(p + a * len + t);
-        for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
-      }
-    }
-    for (int a = 0; a < GN; ++a)
-      for (int b = 0; b < 4; ++b) _mm256_storeu_ps(out + a * d + i0 + 8 * b, acc[a][b]);
-  }
+  for (int64_t i0 = 0; i0 < d; i0 += 32) pv_chunk<GN>(p, vp, len, d, i0, out);
 }
 
 #endif

@@ -1,6 +1,9 @@
 // kvserve's CPU kernels. Paged decode attention: each decode sequence's single query attends over
 // its context read straight from the paged KV cache (no gathered or padded copy); one work item per
 // (sequence, KV head), so a sequence's result never depends on which other sequences share the step.
+// A few sequences over long contexts (fewer items than threads could share) split each item's three
+// phases over the threads instead (attend_split_avx2): the same arithmetic in the same order, so the
+// same bits, with every key and value read once.
 // A sliding window starts the context at max(0, len - window) (nothing before it is read); a logit
 // softcap maps each scaled score s to softcap * tanh(s / softcap) before the softmax.
 // Fused per-row layer ops (RMSNorm; rotary + KV-cache write) that round like the torch ops they
@@ -98,6 +101,68 @@ KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const flo
 }
 #endif
 
+// Context tokens per score task of the split path (a multiple of the 8-token runs, so every run
+// lies in one task), and the context length from which the split path runs.
+constexpr int64_t kSplitTile = 256;
+constexpr int64_t kSplitFrom = 768;
+
+// The split path: for (sequence, KV head) items too few to keep the threads busy with long contexts,
+// where one item per thread would read its keys and values alone (and query heads as items would
+// read them once per head). Three parallel phases, each value computed as attend_item_avx2 does:
+// the scores in key tiles (each tile's keys read once for the item's query heads, runs of 8 from
+// the context's first token, the tail with score1_avx2), then each head's softmax whole, then P.V
+// per 32 output values (pairs of heads sharing each value load, as attend_item_avx2).
+// qf [batch, heads, d] pre-scaled; kp/vp per (sequence, KV head): its context's K/V rows, the
+// item's rows at ctx[b] * kv_heads + h * len[b]; scores per (sequence, head) at sc[b] + head * len.
+KV_AVX2 void attend_split_avx2(const float* qf, const float* const* kp, const float* const* vp,
+                               const int64_t* len, const int64_t* ctx, const int64_t* sc,
+                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t d,
+                               float softcap, float* scores, float* out) {
+  const int64_t group = heads / kv_heads;
+  std::vector<int64_t> tiles(batch + 1, 0);  // score tasks before sequence b, per KV head
+  for (int64_t b = 0; b < batch; ++b) tiles[b + 1] = tiles[b] + (len[b] + kSplitTile - 1) / kSplitTile;
+  auto rows = [&](int64_t b, int64_t h) { return ctx[b] * kv_heads + h * len[b]; };
+  at::parallel_for(0, tiles[batch] * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % kv_heads, tile = task / kv_heads;
+      const int64_t b = std::upper_bound(tiles.begin(), tiles.end(), tile) - tiles.begin() - 1;
+      const int64_t lo = (tile - tiles[b]) * kSplitTile, hi = std::min(len[b], lo + kSplitTile);
+      const float* const* k = kp + rows(b, h);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        const float* qg = qf + (b * heads + head) * d;
+        float* sg = scores + sc[b] + head * len[b];
+        int64_t t = lo;
+        for (; t + 8 <= hi; t += 8) scores8_avx2(qg, k + t, d, sg + t);
+        for (; t < hi; ++t) sg[t] = score1_avx2(qg, k[t], d);
+      }
+    }
+  });
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / heads, head = item % heads;
+      softmax_row_avx2(scores + sc[b] + head * len[b], len[b], softcap);
+    }
+  });
+  const int64_t chunks = d / 32;
+  at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i0 = (task % chunks) * 32, item = task / chunks;
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const float* const* v = vp + rows(b, h);
+      for (int64_t g0 = 0; g0 < group; g0 += 2) {
+        const int64_t head = h * group + g0;
+        const float* p = scores + sc[b] + head * len[b];
+        float* o = out + (b * heads + head) * d;
+        if (group - g0 >= 2)
+          pv_chunk<2>(p, v, len[b], d, i0, o);
+        else
+          pv_chunk<1>(p, v, len[b], d, i0, o);
+      }
+    }
+  });
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
@@ -123,9 +188,37 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 #ifdef KV_HAVE_AVX2_ATTENTION
   if constexpr (std::is_same_v<T, float>) {
     if (cpu_has_avx2_fma() && d % 32 == 0) {
+      const bool few = batch * kv_heads < 2 * at::get_num_threads();
+      int64_t longest = 0;
+      for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_pos(lens[b]));
+      if (few && longest >= kSplitFrom) {
+        std::vector<int64_t> len(batch), ctx(batch + 1, 0), sc(batch + 1, 0);
+        for (int64_t b = 0; b < batch; ++b) {
+          len[b] = lens[b] - first_pos(lens[b]);
+          ctx[b + 1] = ctx[b] + len[b];
+          sc[b + 1] = sc[b] + heads * len[b];
+        }
+        std::vector<float> qf(batch * heads * d), scores(sc[batch]);
+        std::vector<const float*> kp(ctx[batch] * kv_heads), vp(ctx[batch] * kv_heads);
+        for (int64_t b = 0; b < batch; ++b) {
+          for (int64_t i = 0; i < heads * d; ++i)
+            qf[b * heads * d + i] = qp[b * q_row + (i / d) * q_head + i % d] * fscale;
+          const int32_t* table = tables + b * table_width;
+          const int64_t start = first_pos(lens[b]);
+          for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t t = 0; t < len[b]; ++t) {
+              const int64_t pos = start + t, at = ctx[b] * kv_heads + h * len[b] + t;
+              kp[at] = cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
+              vp[at] = kp[at] + s_kv;
+            }
+        }
+        attend_split_avx2(qf.data(), kp.data(), vp.data(), len.data(), ctx.data(), sc.data(),
+                          batch, heads, kv_heads, d, fsoftcap, scores.data(), op);
+        return;
+      }
       // Work items: (sequence, KV head) with its query heads, or single query heads when that
       // leaves the threads idle (few sequences); a head's values are the same either way.
-      const int64_t per = batch * kv_heads < 2 * at::get_num_threads() ? 1 : group;
+      const int64_t per = few ? 1 : group;
       at::parallel_for(0, batch * heads / per, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(per * d), scores;
         std::vector<const float*> kp, vp;
