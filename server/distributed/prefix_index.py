@@ -21,18 +21,20 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _body_string(body: bytes, key: str) -> str | None:
+    data = _json_object(body)
+    value = data.get(key) if data is not None else None
+    return value if isinstance(value, str) and value else None
+
+
 def routing_salt(body: bytes) -> str | None:
     """The request's `cache_salt` (vLLM's field; None when absent or not one the replica takes)."""
-    data = _json_object(body)
-    salt = data.get("cache_salt") if data is not None else None
-    return salt if isinstance(salt, str) and salt else None
+    return _body_string(body, "cache_salt")
 
 
 def routing_model(body: bytes) -> str | None:
     """The request's `model` (a LoRA adapter's blocks hash apart; None when absent)."""
-    data = _json_object(body)
-    model = data.get("model") if data is not None else None
-    return model if isinstance(model, str) and model else None
+    return _body_string(body, "model")
 
 
 def routing_text(path: str, body: bytes) -> str:

@@ -49,18 +49,20 @@ def _routing_tokens(pending_request: PendingRequest | None) -> list[int] | None:
     return tokens if isinstance(tokens, list) else None
 
 
-def _cache_salt(pending_request: PendingRequest | None) -> str | None:
+def _forwarded(pending_request: PendingRequest | None, name: str) -> str | None:
+    """A non-empty string field of the forwarded request (its cache salt, its model)."""
     if pending_request is None or not pending_request.args:
         return None
-    salt = getattr(pending_request.args[0], "cache_salt", None)
-    return salt if isinstance(salt, str) and salt else None
+    value = getattr(pending_request.args[0], name, None)
+    return value if isinstance(value, str) and value else None
+
+
+def _cache_salt(pending_request: PendingRequest | None) -> str | None:
+    return _forwarded(pending_request, "cache_salt")
 
 
 def _model(pending_request: PendingRequest | None) -> str | None:
-    if pending_request is None or not pending_request.args:
-        return None
-    model = getattr(pending_request.args[0], "model", None)
-    return model if isinstance(model, str) and model else None
+    return _forwarded(pending_request, "model")
 
 
 def _text_hashes(pending_request: PendingRequest | None, block_chars: int) -> list[bytes]:

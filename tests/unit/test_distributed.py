@@ -117,7 +117,8 @@ def test_an_adapters_requests_match_the_blocks_stored_under_that_adapter() -> No
         extra = [[lora, salt] if salt else [lora], [lora], [lora]] if lora else None
         event = ["BlockStored", held, None, tokens, 16, None, "GPU", name, extra]
         index.apply(replica, [event if lora else event[:8]])
-    sources = {r: ReplicaEvents(r, "tcp://x", None, 16, "0") for r in index._held}
+    names = ("base", "sql", "sql-salted", "chat")
+    sources = {r: ReplicaEvents(r, "tcp://x", None, 16, "0") for r in names}
     replicas = list(sources)
     none = dict.fromkeys(replicas, 0)
     assert kv_matches(index, sources, replicas, tokens)[0] == {**none, "base": 3}

@@ -184,6 +184,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   auto first_pos = [window](int64_t len) -> int64_t {
     return window > 0 ? std::max<int64_t>(0, len - window) : 0;
   };
+  // Context position pos's key row of KV head h in a sequence's block table (its value row is
+  // s_kv further).
+  auto key_row = [&](const int32_t* table, int64_t pos, int64_t h) -> const T* {
+    return cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
+  };
 
 #ifdef KV_HAVE_AVX2_ATTENTION
   if constexpr (std::is_same_v<T, float>) {
@@ -208,7 +213,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           for (int64_t h = 0; h < kv_heads; ++h)
             for (int64_t t = 0; t < len[b]; ++t) {
               const int64_t pos = start + t, at = ctx[b] * kv_heads + h * len[b] + t;
-              kp[at] = cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
+              kp[at] = key_row(table, pos, h);
               vp[at] = kp[at] + s_kv;
             }
         }
@@ -233,7 +238,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           kp.resize(len), vp.resize(len), scores.resize(per * len);
           for (int64_t t = 0; t < len; ++t) {
             const int64_t pos = start + t;
-            kp[t] = cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
+            kp[t] = key_row(table, pos, h);
             vp[t] = kp[t] + s_kv;
           }
           attend_item_avx2(qf.data(), kp.data(), vp.data(), len, per, d, fsoftcap, scores.data(),
@@ -257,7 +262,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       scores.assign(group * len, 0.f);  // [len, group]
       for (int64_t t = 0; t < len; ++t) {
         const int64_t pos = start + t;
-        const T* k = cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
+        const T* k = key_row(table, pos, h);
         dot_group<T>(qf.data(), k, group, d, scores.data() + t * group);
       }
       softcap_scores(scores.data(), group * len, fsoftcap);
@@ -273,8 +278,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const int64_t pos = start + t;
-        const T* v =
-            cache + s_kv + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
+        const T* v = key_row(table, pos, h) + s_kv;
         axpy_group<T>(scores.data() + t * group, v, group, d, acc.data());
       }
       T* ob = op + (b * heads + h * group) * d;
