@@ -13,6 +13,7 @@ from engine.core.block_hashes import external_block_hashes
 from engine.core.cache_namespace import cache_namespace
 from engine.core.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     POOLINGS,
     TASKS,
     CacheConfig,
@@ -93,6 +94,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "DTYPES",
+    "KV_CACHE_DTYPES",
     "NORMALIZATIONS",
     "POOLINGS",
     "TASKS",

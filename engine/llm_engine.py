@@ -17,7 +17,7 @@ import torch
 from engine.core.block_hashes import DEFAULT_SEED
 from engine.core.cache_namespace import cache_namespace, check_cache_salt
 from engine.core.config import EngineConfig, Task, served_model_name
-from engine.core.errors import ContextLengthError, InvalidRequestError
+from engine.core.errors import ContextLengthError, InvalidRequestError, StartupError
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_offload import KVTiers
 from engine.core.lora import LoRAInfo
@@ -50,6 +50,7 @@ from engine.executor.lora_adapters import LoRAAdapters
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
+from engine.kernels.kv_dtype import dtype_name, resolve_kv_cache_dtype
 from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
 from engine.models.lora_weights import LoRAAdapter
@@ -83,6 +84,12 @@ class LLMEngine:
         prepare_model(self.model, mc, quantization, loaded.gguf_file)
         self.device = loaded.device
         self.dtype = loaded.dtype
+        try:
+            self.kv_dtype = resolve_kv_cache_dtype(
+                config.cache.kv_cache_dtype, self.device, self.dtype, quantization
+            )
+        except ValueError as e:
+            raise StartupError(f"KV cache: {e}") from e
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir, mc.chat_template)
         self.eos_token_ids = frozenset(loaded.eos_token_ids) | self.tokenizer.eos_token_ids
         self.vocab_size: int = self.model.vocab_size
@@ -113,7 +120,7 @@ class LLMEngine:
             drafter = build_drafter(
                 spec, self.model, self.device, self.dtype, self.tokenizer, mc, num_blocks,
                 block_size, self.max_model_len, config.scheduler.max_num_batched_tokens,
-                self.kv, lambda: self.runner.kv_caches,
+                self.kv, lambda: self.runner.kv_caches, config.cache.kv_cache_dtype, self.kv_dtype,
             )  # fmt: skip
         speculator = Speculator(spec, self.max_model_len, drafter) if spec is not None else None
         updater = SequenceUpdater(self.eos_token_ids, self.max_model_len)
@@ -131,7 +138,7 @@ class LLMEngine:
         self.runner = runner_class(
             self.model, self.device, self.dtype, num_blocks, block_size,
             cuda_graphs=mc.cuda_graphs, max_graph_batch=config.scheduler.max_num_seqs,
-            grammars=self.grammars, kv_spec=self.kv_spec,
+            grammars=self.grammars, kv_spec=self.kv_spec, kv_dtype=self.kv_dtype,
         )  # fmt: skip
         self.adapters = LoRAAdapters(self.model, config.lora)
         self.adapters.load_all()  # a bad start-up adapter raises LoRAError here
@@ -145,15 +152,17 @@ class LLMEngine:
         self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
         self.publish()
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens (%.0f MiB)",
+            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens "
+            "(%s, %.0f MiB)",
             self.model_dir.name,
             self.dtype,
             self.device,
             self.max_model_len,
             num_blocks,
             block_size,
+            dtype_name(self.kv_dtype),
             num_blocks
-            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
+            * ModelRunner.kv_bytes_per_block(self.model, block_size, self.kv_dtype, self.kv_spec)
             / (1 << 20),
         )
 
@@ -166,10 +175,18 @@ class LLMEngine:
         if weight_format is not None:  # which block format serves each weight (K-quants: as stored)
             weight_format = f"{weight_format}:{served_formats(m)}"
         fingerprint = model_fingerprint(
-            self.model_dir, weight_format, self.dtype, bs, self.kv_spec, m.num_kv_heads, m.head_dim
+            self.model_dir,
+            weight_format,
+            self.kv_dtype,
+            bs,
+            self.kv_spec,
+            m.num_kv_heads,
+            m.head_dim,
         )
         shape = (m.num_kv_heads, m.head_dim)
-        store = open_kv_store(cache, fingerprint, self.kv_spec, bs, shape, self.dtype, self.device)
+        store = open_kv_store(
+            cache, fingerprint, self.kv_spec, bs, shape, self.kv_dtype, self.device
+        )
         self.kv_store = store
         if store is not None:
             self.kv.tiers = KVTiers(store, bs)
@@ -183,7 +200,9 @@ class LLMEngine:
         cc = self.config.cache
         if cc.num_blocks is not None:
             return cc.num_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype, self.kv_spec)
+        per_block = ModelRunner.kv_bytes_per_block(
+            self.model, block_size, self.kv_dtype, self.kv_spec
+        )
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine import (
     DTYPES,
+    KV_CACHE_DTYPES,
     POOLINGS,
     CacheConfig,
     EngineConfig,
@@ -361,6 +362,15 @@ OPTIONS: tuple[Option, ...] = (
         "cache.kv_cache_memory",
         _optional_size,
         "KV-cache size (e.g. 2GiB); default: picked for the device",
+    ),
+    Option(
+        "kv-cache-dtype",
+        "cache.kv_cache_dtype",
+        str,
+        "element type of the KV cache: auto = float16 on CPU under block-quantized weights "
+        "(gguf, int8, int4), else the model's dtype; float16 under float32 weights needs the C++ "
+        "CPU kernels",
+        choices=KV_CACHE_DTYPES,
     ),
     Option(
         "enable-prefix-caching",

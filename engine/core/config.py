@@ -16,6 +16,9 @@ Task = Literal["generate", "embed"]  # what a built engine does
 TASKS: tuple[Task, ...] = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
 QUANTIZATIONS = ("auto", "int8", "int4", "gguf")  # and "none" (stored as None)
+# auto: float16 on CPU under block-quantized weights (the C++ kernels widen it on load; half the
+# bytes a long context's attention reads), else the model's dtype (engine.kernels.kv_dtype)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class CacheConfig:
         None  # bytes for K+V of all layers; None -> a default for the device
     )
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     # KV offload tiers of evicted prefix blocks (engine.core.kv_offload): host-memory bytes (None or
     # 0: no host tier), a directory for the disk tier (None: none) and its bytes (None: 10 GiB).
     kv_offload_memory: int | None = None
@@ -73,6 +77,11 @@ class CacheConfig:
     kv_offload_disk: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
         for name in ("kv_offload_memory", "kv_offload_disk"):
             value = getattr(self, name)
             if value is not None and value < 0:

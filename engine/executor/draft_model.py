@@ -32,6 +32,7 @@ from engine.core.scheduler import ScheduledSeq
 from engine.core.spec_config import SpeculativeConfig
 from engine.executor.input_batch import InputBatch
 from engine.executor.model_runner import ModelRunner, model_kv_spec
+from engine.kernels.kv_dtype import resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +90,16 @@ class DraftProposer:
         max_model_len: int,
         max_chunk: int,
         vocab_size: int,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.max_chunk = max_chunk  # catch-up (prefill) tokens the draft computes per step at most
         self.vocab_size = min(vocab_size, model.vocab_size)  # proposals stay in the target's vocab
         spec = model_kv_spec(model, max_model_len)
         self.kv = KVCacheManager(num_blocks, block_size, False, spec.windows)
-        self.runner = ModelRunner(model, device, dtype, num_blocks, block_size, kv_spec=spec)
+        self.runner = ModelRunner(
+            model, device, dtype, num_blocks, block_size, kv_spec=spec, kv_dtype=kv_dtype
+        )
         self._shadows: dict[str, Sequence] = {}
 
     # -- Drafter -----------------------------------------------------------------------------------
@@ -281,10 +285,14 @@ def build_drafter(
     max_chunk: int,
     target_kv: KVCacheManager | None = None,
     target_caches: Callable[[], list[torch.Tensor]] | None = None,
+    kv_cache_dtype: str = "auto",
+    target_kv_dtype: torch.dtype | None = None,
 ) -> DraftProposer | SharedKVDrafter:
     """The draft for `config` (draft_model: loaded from its folder, checked to share the target's
     tokenizer and weight format; layer_skip: the target's first layers, over the target's KV when
-    `target_kv` and `target_caches` are given, else over its own)."""
+    `target_kv` and `target_caches` are given, else over its own). A layer_skip draft's own KV
+    cache takes the target's dtype (`target_kv_dtype`), a draft model's is resolved from
+    `kv_cache_dtype` and its own weights as the target's is."""
     from engine.executor.model_runner import prepare_model
     from engine.models.loader import load_model, resolve_model
     from engine.text.tokenizer import Tokenizer
@@ -292,7 +300,7 @@ def build_drafter(
     if config.method == "layer_skip":
         assert config.num_draft_layers is not None
         model = first_layers(target, config.num_draft_layers)
-        dtype = target_dtype
+        dtype, kv_dtype = target_dtype, target_kv_dtype
         if target_kv is not None and target_caches is not None:
             slots = model_kv_spec(target, max_model_len).layer_slots()[: model.num_layers]
             groups = [g for g, _ in slots] if target_kv.num_groups > 1 else None
@@ -328,6 +336,10 @@ def build_drafter(
         prepare_model(loaded.model, model_config, quant, loaded.gguf_file)
         loaded.model.limit_context(max_model_len)
         model, dtype = loaded.model, loaded.dtype
+        try:
+            kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, device, dtype, quant)
+        except ValueError as e:
+            raise StartupError(f"speculative draft model's KV cache: {e}") from e
         if loaded.max_model_len < max_model_len:
             raise StartupError(
                 f"speculative config: the draft model serves {loaded.max_model_len} tokens, "
@@ -340,5 +352,6 @@ def build_drafter(
         num_blocks,
     )
     return DraftProposer(
-        model, device, dtype, num_blocks, block_size, max_model_len, max_chunk, target.vocab_size
-    )
+        model, device, dtype, num_blocks, block_size, max_model_len, max_chunk, target.vocab_size,
+        kv_dtype,
+    )  # fmt: skip

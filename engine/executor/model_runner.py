@@ -75,6 +75,8 @@ class ModelRunner:
         max_graph_batch: int = 64,
         grammars: GrammarCompiler | None = None,
         kv_spec: KVCacheSpec | None = None,
+        kv_dtype: torch.dtype
+        | None = None,  # the KV cache's (engine.kernels.kv_dtype); None: dtype
     ) -> None:
         self.model = model
         self.kv_spec = kv_spec or model_kv_spec(model)
@@ -82,6 +84,7 @@ class ModelRunner:
         self.grammars = grammars  # fills the allowed-token bitmask of constrained rows
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         # The eager backend is chosen (and logged) once, at start-up.
@@ -105,7 +108,7 @@ class ModelRunner:
             block_size,
             model.num_kv_heads,
             model.head_dim,
-            dtype,
+            self.kv_dtype,
             device,
         )
         self.kv_tensors = tensors

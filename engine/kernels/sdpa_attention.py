@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+from engine.kernels.kv_dtype import kernels_read
 
 if TYPE_CHECKING:
     from engine.kernels.metadata import AttentionMetadata
@@ -27,7 +28,7 @@ def sdpa_attention(
     in_place_decode: bool = False,
 ) -> torch.Tensor:
     num_decodes = meta.num_decode_seqs
-    in_place_decode = in_place_decode and q.dtype == kv_cache.dtype  # the kernel reads one dtype
+    in_place_decode = in_place_decode and kernels_read(kv_cache.dtype, q.dtype)
     if in_place_decode and num_decodes == meta.num_seqs:  # a pure decode step: one kernel call
         return cpu_kernels.paged_decode_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
@@ -96,6 +97,7 @@ def sdpa_decode(
     ctx_len = mask.shape[-1]
     # K and V in one gather: [2, B, num_blocks, block_size, kv_heads, d] -> [2, B, kv_heads, ctx, d]
     context = kv_cache[:, table].view(2, batch, ctx_len, num_kv_heads, head_dim).transpose(2, 3)
+    context = context.to(q.dtype)  # a float16 cache under float32 queries: widened, exactly
     # One query token per sequence, so the query heads sharing a KV head can ride along the
     # "query length" axis: GQA without copying K/V.
     queries = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -119,7 +121,8 @@ def sdpa_prefill(
     """One prefill chunk: its queries are the last query_len positions of a seq_len context."""
     query_len, seq_len = q.shape[0], meta.seq_lens_cpu[seq_index]
     num_heads, num_kv_heads, head_dim = q.shape[1], kv_cache.shape[3], kv_cache.shape[4]
-    plain = window is None and softcap is None
+    # The fresh K/V are the cached ones only when the cache keeps q's dtype (a float16 cache rounds).
+    plain = window is None and softcap is None and kv_cache.dtype == q.dtype
     if query_len == seq_len and plain:  # no earlier context: the fresh K/V, plain causal
         queries = q.transpose(0, 1)  # [num_heads, query_len, d]
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, seq_len, d]
@@ -132,6 +135,7 @@ def sdpa_prefill(
     num_keys = seq_len - first_key
     keys = kv_cache[0][table].view(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
     values = kv_cache[1][table].view(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
     # A KV head's query heads as rows, head-major: [kv_heads, group * query_len, d]
     group = num_heads // num_kv_heads
     queries = q.transpose(0, 1).reshape(num_kv_heads, group * query_len, head_dim)

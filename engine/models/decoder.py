@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.kernels import cpu_kernels
 from engine.kernels.attention import uses_cpu_kernels
+from engine.kernels.kv_dtype import kernels_read
 from engine.kernels.metadata import AttentionMetadata
 from engine.models import decoder_cpu
 from engine.models.decoder_layer import (
@@ -130,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
         if self.embed_scale is not None:
             h = h * self.embed_scale
         ropes = [cast(RotaryEmbedding, r).lookup(positions) for r in self.rotaries]
-        fused = self.dense is None and all(c.dtype == h.dtype for c in kv_caches)
+        fused = self.dense is None and all(kernels_read(c.dtype, h.dtype) for c in kv_caches)
         if fused and uses_cpu_kernels(meta, h.device, h.dtype):
             return self._forward_cpu_kernels(ropes, h, kv_caches, meta, lora)
         for module, kv_cache in zip(self.layers, kv_caches, strict=True):

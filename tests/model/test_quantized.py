@@ -90,8 +90,25 @@ def test_the_default_on_this_cpu(default_llm):
         assert isinstance(model.layers[0].mlp.down_weight, BlockQ4Weight)  # the file's Q4_1
         assert isinstance(model.lm_head_weight, BlockQ8Weight)  # its Q8_0 token_embd ...
         assert isinstance(model.embed_tokens, BlockEmbedding)  # ... shared by lookups and head
+        assert default_llm.engine.kv_dtype == torch.float16  # block weights: a float16 KV cache
+        assert all(c.dtype == torch.float16 for c in default_llm.engine.runner.kv_caches)
     else:  # the block kernels would run portable loops, slower than float32
         assert isinstance(model.layers[0].mlp.down_weight, torch.Tensor)
+        assert default_llm.engine.kv_dtype == torch.float32
+
+
+def test_a_float16_kv_cache_holds_twice_the_tokens_and_stays_close(smollm2_dir, reference):
+    """The same block weights over a float16 and a float32 KV cache of the same memory: twice the
+    blocks, and greedy continuations that stay as close to the float32 model as each other."""
+    options = {**OPTIONS, "kv_cache_memory": 64 << 20}
+    half = LLM(str(smollm2_dir), quantization="gguf", kv_cache_dtype="float16", **options)
+    full = LLM(str(smollm2_dir), quantization="gguf", kv_cache_dtype="float32", **options)
+    assert full.engine.kv_dtype == torch.float32 and half.engine.kv_dtype == torch.float16
+    assert half.engine.kv.num_blocks == 2 * full.engine.kv.num_blocks
+    with_half = _prefixes(half, reference, "gguf, float16 KV")
+    with_full = _prefixes(full, reference, "gguf, float32 KV")
+    assert sum(with_half) >= 0.6 * MAX_TOKENS * len(with_half)
+    assert abs(sum(with_half) - sum(with_full)) <= 2 * MAX_TOKENS
 
 
 def test_gguf_serves_the_file_s_blocks_bitwise(gguf_llm, float_llm):

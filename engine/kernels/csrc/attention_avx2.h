@@ -1,6 +1,9 @@
 // The float32 AVX2 + FMA attention primitives the paged decode kernel (paged_decode.cpp) and the
 // prefill kernel (paged_prefill.cpp) share, so a query's scores, softmax and P.V round the same in
 // both: an exp, the softcap, the two horizontal sums, a head's softmax and the P.V pass.
+// Keys and values are read from a float32 or a float16 KV cache (KT = float or c10::Half): a
+// float16 row is widened to float32 on load (F16C, exact), so the arithmetic after the load is the
+// same for both and every kernel stays bitwise equal to the others on the same cache.
 #pragma once
 
 #include <algorithm>
@@ -8,13 +11,23 @@
 #include <cstdint>
 #include <limits>
 
+#include <c10/core/ScalarType.h>
+#include <c10/util/Half.h>
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define KV_HAVE_AVX2_ATTENTION 1
-#define KV_AVX2 __attribute__((target("avx2,fma")))
+#define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace kvserve_attention {
+
+// The KV cache dtypes the kernels read: the queries' own, or float16 under float32 queries.
+inline bool kv_dtype_ok(c10::ScalarType q, c10::ScalarType kv) {
+  return kv == q || (q == c10::kFloat && kv == c10::kHalf);
+}
+inline constexpr const char* kKVDtypeError =
+    "the KV cache must have the queries' dtype, or float16 under float32 queries";
 
 // Gemma's attention logit softcapping, in place on n scores (softcap <= 0: off).
 inline void softcap_scores(float* s, int64_t n, float softcap) {
@@ -24,8 +37,15 @@ inline void softcap_scores(float* s, int64_t n, float softcap) {
 
 #ifdef KV_HAVE_AVX2_ATTENTION
 inline bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
   return has;
+}
+
+// 8 consecutive keys' or values' elements as float32: as stored, or widened from float16 (exact).
+KV_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+KV_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 KV_AVX2 inline __m256 exp256(__m256 x) {  // Cephes-style expf, relative error ~1e-7
@@ -80,12 +100,13 @@ KV_AVX2 inline float hsum1(__m256 v) {
 
 // The scores of one (pre-scaled) query against 8 context tokens: 8 lane-wise dot products over d
 // reduced together (lane u of hsum8), the decode kernel's unit for each full run of 8 tokens.
-KV_AVX2 inline void scores8_avx2(const float* q, const float* const* kp, int64_t d, float* out) {
+template <typename KT>
+KV_AVX2 inline void scores8_avx2(const float* q, const KT* const* kp, int64_t d, float* out) {
   __m256 acc[8];
   for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(kp[u] + i), qv, acc[u]);
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(load8(kp[u] + i), qv, acc[u]);
   }
   _mm256_storeu_ps(out, hsum8(acc));
 }
@@ -93,7 +114,8 @@ KV_AVX2 inline void scores8_avx2(const float* q, const float* const* kp, int64_t
 // scores8_avx2 for two query vectors at once, 4 keys at a time (8 accumulators + 2 queries + 1 key
 // fit in 16 ymm; each key vector is loaded once for both queries): every score the same fma chain
 // over d and the same tree of hsum8's lane u, ((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7)), so the same bits.
-KV_AVX2 inline void scores8x2_avx2(const float* qa, const float* qb, const float* const* kp,
+template <typename KT>
+KV_AVX2 inline void scores8x2_avx2(const float* qa, const float* qb, const KT* const* kp,
                                    int64_t d, float* outa, float* outb) {
   for (int h = 0; h < 8; h += 4) {
     __m256 a[4], b[4];
@@ -101,7 +123,7 @@ KV_AVX2 inline void scores8x2_avx2(const float* qa, const float* qb, const float
     for (int64_t i = 0; i < d; i += 8) {
       const __m256 va = _mm256_loadu_ps(qa + i), vb = _mm256_loadu_ps(qb + i);
       for (int u = 0; u < 4; ++u) {
-        const __m256 k = _mm256_loadu_ps(kp[h + u] + i);
+        const __m256 k = load8(kp[h + u] + i);
         a[u] = _mm256_fmadd_ps(k, va, a[u]);
         b[u] = _mm256_fmadd_ps(k, vb, b[u]);
       }
@@ -114,10 +136,10 @@ KV_AVX2 inline void scores8x2_avx2(const float* qa, const float* qb, const float
 }
 
 // One score (the tail tokens after the last full run of 8): the same lane-wise dot, hsum1.
-KV_AVX2 inline float score1_avx2(const float* q, const float* k, int64_t d) {
+template <typename KT>
+KV_AVX2 inline float score1_avx2(const float* q, const KT* k, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(k + i), _mm256_loadu_ps(q + i), acc);
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(load8(k + i), _mm256_loadu_ps(q + i), acc);
   return hsum1(acc);
 }
 
@@ -157,15 +179,15 @@ KV_AVX2 inline void softmax_row_avx2(float* sg, int64_t len, float softcap) {
 
 // out[a, i0:i0+32] = sum_t p[a, t] v[t, i0:i0+32] for GN heads (p rows `len` apart, out rows d
 // apart): one fma chain per output value over the keys in increasing t.
-template <int GN>
-KV_AVX2 inline void pv_chunk(const float* p, const float* const* vp, int64_t len, int64_t d,
+template <int GN, typename KT>
+KV_AVX2 inline void pv_chunk(const float* p, const KT* const* vp, int64_t len, int64_t d,
                              int64_t i0, float* out) {
   __m256 acc[GN][4];
   for (int a = 0; a < GN; ++a)
     for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     __m256 v[4];
-    for (int b = 0; b < 4; ++b) v[b] = _mm256_loadu_ps(vp[t] + i0 + 8 * b);
+    for (int b = 0; b < 4; ++b) v[b] = load8(vp[t] + i0 + 8 * b);
     for (int a = 0; a < GN; ++a) {
       const __m256 w = _mm256_broadcast_ss(p + a * len + t);
       for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
@@ -176,8 +198,8 @@ KV_AVX2 inline void pv_chunk(const float* p, const float* const* vp, int64_t len
 }
 
 // out[a, :] = sum_t p[a, t] v[t, :] for GN heads, 32 values of d per pass.
-template <int GN>
-KV_AVX2 inline void pv_pass(const float* p, const float* const* vp, int64_t len, int64_t d, float* out) {
+template <int GN, typename KT>
+KV_AVX2 inline void pv_pass(const float* p, const KT* const* vp, int64_t len, int64_t d, float* out) {
   for (int64_t i0 = 0; i0 < d; i0 += 32) pv_chunk<GN>(p, vp, len, d, i0, out);
 }
 

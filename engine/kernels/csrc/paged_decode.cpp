@@ -81,7 +81,8 @@ KV_TARGETS void axpy_group(const float* p, const T* v, int64_t group, int64_t d,
 // arithmetic depends only on the sequence (its length and values), never on the batch.
 
 // qf [group, d] pre-scaled; kp/vp: per context token, its K/V row; out [group, d]; d % 32 == 0.
-KV_AVX2 void attend_item_avx2(const float* qf, const float* const* kp, const float* const* vp,
+template <typename KT>
+KV_AVX2 void attend_item_avx2(const float* qf, const KT* const* kp, const KT* const* vp,
                               int64_t len, int64_t group, int64_t d, float softcap, float* scores,
                               float* out) {
   for (int64_t g = 0; g < group; ++g) {  // scores, g-major: scores[g * len + t]
@@ -114,7 +115,8 @@ constexpr int64_t kSplitFrom = 768;
 // per 32 output values (pairs of heads sharing each value load, as attend_item_avx2).
 // qf [batch, heads, d] pre-scaled; kp/vp per (sequence, KV head): its context's K/V rows, the
 // item's rows at ctx[b] * kv_heads + h * len[b]; scores per (sequence, head) at sc[b] + head * len.
-KV_AVX2 void attend_split_avx2(const float* qf, const float* const* kp, const float* const* vp,
+template <typename KT>
+KV_AVX2 void attend_split_avx2(const float* qf, const KT* const* kp, const KT* const* vp,
                                const int64_t* len, const int64_t* ctx, const int64_t* sc,
                                int64_t batch, int64_t heads, int64_t kv_heads, int64_t d,
                                float softcap, float* scores, float* out) {
@@ -127,7 +129,7 @@ KV_AVX2 void attend_split_avx2(const float* qf, const float* const* kp, const fl
       const int64_t h = task % kv_heads, tile = task / kv_heads;
       const int64_t b = std::upper_bound(tiles.begin(), tiles.end(), tile) - tiles.begin() - 1;
       const int64_t lo = (tile - tiles[b]) * kSplitTile, hi = std::min(len[b], lo + kSplitTile);
-      const float* const* k = kp + rows(b, h);
+      const KT* const* k = kp + rows(b, h);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = h * group + g;
         const float* qg = qf + (b * heads + head) * d;
@@ -149,7 +151,7 @@ KV_AVX2 void attend_split_avx2(const float* qf, const float* const* kp, const fl
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i0 = (task % chunks) * 32, item = task / chunks;
       const int64_t b = item / kv_heads, h = item % kv_heads;
-      const float* const* v = vp + rows(b, h);
+      const KT* const* v = vp + rows(b, h);
       for (int64_t g0 = 0; g0 < group; g0 += 2) {
         const int64_t head = h * group + g0;
         const float* p = scores + sc[b] + head * len[b];
@@ -163,7 +165,8 @@ KV_AVX2 void attend_split_avx2(const float* qf, const float* const* kp, const fl
   });
 }
 
-template <typename T>
+// q and out in T, the KV cache in KT (T, or float16 under float32 queries).
+template <typename T, typename KT>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
                    at::Tensor& out) {
@@ -173,7 +176,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   // Strides in elements: kv_cache [2, num_blocks, block_size, kv_heads, d] is contiguous.
   const int64_t s_kv = kv_cache.stride(0), s_block = kv_cache.stride(1), s_tok = kv_cache.stride(2);
   const int64_t table_width = block_tables.size(1);
-  const T* cache = kv_cache.data_ptr<T>();
+  const KT* cache = kv_cache.data_ptr<KT>();
   const T* qp = q.data_ptr<T>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);  // q may be a view into fused qkv
   T* op = out.data_ptr<T>();
@@ -186,7 +189,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   };
   // Context position pos's key row of KV head h in a sequence's block table (its value row is
   // s_kv further).
-  auto key_row = [&](const int32_t* table, int64_t pos, int64_t h) -> const T* {
+  auto key_row = [&](const int32_t* table, int64_t pos, int64_t h) -> const KT* {
     return cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
   };
 
@@ -204,7 +207,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           sc[b + 1] = sc[b] + heads * len[b];
         }
         std::vector<float> qf(batch * heads * d), scores(sc[batch]);
-        std::vector<const float*> kp(ctx[batch] * kv_heads), vp(ctx[batch] * kv_heads);
+        std::vector<const KT*> kp(ctx[batch] * kv_heads), vp(ctx[batch] * kv_heads);
         for (int64_t b = 0; b < batch; ++b) {
           for (int64_t i = 0; i < heads * d; ++i)
             qf[b * heads * d + i] = qp[b * q_row + (i / d) * q_head + i % d] * fscale;
@@ -226,7 +229,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       const int64_t per = few ? 1 : group;
       at::parallel_for(0, batch * heads / per, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(per * d), scores;
-        std::vector<const float*> kp, vp;
+        std::vector<const KT*> kp, vp;
         for (int64_t item = begin; item < end; ++item) {
           const int64_t b = item / (heads / per), first = (item % (heads / per)) * per;
           const int64_t h = first / group, start = first_pos(lens[b]), len = lens[b] - start;
@@ -262,8 +265,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       scores.assign(group * len, 0.f);  // [len, group]
       for (int64_t t = 0; t < len; ++t) {
         const int64_t pos = start + t;
-        const T* k = key_row(table, pos, h);
-        dot_group<T>(qf.data(), k, group, d, scores.data() + t * group);
+        const KT* k = key_row(table, pos, h);
+        dot_group<KT>(qf.data(), k, group, d, scores.data() + t * group);
       }
       softcap_scores(scores.data(), group * len, fsoftcap);
       std::vector<float> mx(group, -std::numeric_limits<float>::infinity()), sum(group, 0.f);
@@ -278,8 +281,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const int64_t pos = start + t;
-        const T* v = key_row(table, pos, h) + s_kv;
-        axpy_group<T>(scores.data() + t * group, v, group, d, acc.data());
+        const KT* v = key_row(table, pos, h) + s_kv;
+        axpy_group<KT>(scores.data() + t * group, v, group, d, acc.data());
       }
       T* ob = op + (b * heads + h * group) * d;
       for (int64_t g = 0; g < group; ++g) {
@@ -295,7 +298,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                                   double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "bad shapes");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache differ in dtype");
+  TORCH_CHECK(kv_dtype_ok(q.scalar_type(), kv_cache.scalar_type()), kKVDtypeError);
   TORCH_CHECK(kv_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block tables and seq lens must be int32");
@@ -307,8 +310,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   auto lens = seq_lens.contiguous();
   TORCH_CHECK(tables.size(0) >= qc.size(0) && lens.size(0) >= qc.size(0), "too few sequences");
   auto out = at::empty({qc.size(0), qc.size(1), qc.size(2)}, qc.options());
+  if (qc.scalar_type() != kv_cache.scalar_type()) {  // float32 queries over a float16 cache
+    decode_kernel<float, c10::Half>(qc, kv_cache, tables, lens, scale, window, softcap, out);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(qc, kv_cache, tables, lens, scale, window, softcap, out);
+    decode_kernel<scalar_t, scalar_t>(qc, kv_cache, tables, lens, scale, window, softcap, out);
   });
   return out;
 }
@@ -358,8 +365,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // In place on qkv [n, (heads + 2 * kv_heads) * d]: rotate the q and k heads ("rotate half":
 // x1 * cos - x2 * sin, x2 * cos + x1 * sin, each product rounded to T), then store k and v at
-// their cache slots. cos, sin: [n, d / 2] per token.
-template <typename T>
+// their cache slots (rounded to the cache's KT: T, or float16 under float32). cos, sin: [n, d / 2].
+template <typename T, typename KT>
 void rope_write_kv_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           at::Tensor& kv_cache, const at::Tensor& slots, int64_t heads,
                           int64_t kv_heads) {
@@ -369,7 +376,7 @@ void rope_write_kv_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   const int64_t cos_row = cos.stride(0);
-  T* cache = kv_cache.data_ptr<T>();
+  KT* cache = kv_cache.data_ptr<KT>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t slot_stride = kv_heads * d;  // one token of one plane (K or V)
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -390,9 +397,11 @@ void rope_write_kv_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       }
       const T* k = x + heads * d;
       const T* v = k + kv_heads * d;
-      T* kd = cache + slot[t] * slot_stride;
-      std::copy(k, k + slot_stride, kd);
-      std::copy(v, v + slot_stride, kd + kv_plane);
+      KT* kd = cache + slot[t] * slot_stride;
+      for (int64_t i = 0; i < slot_stride; ++i) {  // float -> half: c10's round-to-nearest-even
+        kd[i] = static_cast<KT>(k[i]);
+        kd[kv_plane + i] = static_cast<KT>(v[i]);
+      }
     }
   });
 }
@@ -409,11 +418,16 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   TORCH_CHECK(sin.sizes() == cos.sizes() && sin.strides() == cos.strides(), "sin like cos");
   TORCH_CHECK(cos.size(0) == qkv.size(0) && slot_mapping.size(0) == qkv.size(0), "token counts");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots");
-  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type() &&
-                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
-              "qkv, cos, sin and the KV cache must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "qkv, cos and sin must share a dtype");
+  TORCH_CHECK(kv_dtype_ok(qkv.scalar_type(), kv_cache.scalar_type()), kKVDtypeError);
+  if (qkv.scalar_type() != kv_cache.scalar_type()) {
+    rope_write_kv_kernel<float, c10::Half>(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_kv", [&] {
-    rope_write_kv_kernel<scalar_t>(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads);
+    rope_write_kv_kernel<scalar_t, scalar_t>(qkv, cos, sin, kv_cache, slot_mapping, heads,
+                                             kv_heads);
   });
 }
 

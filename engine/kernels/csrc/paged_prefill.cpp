@@ -13,8 +13,9 @@
 // value over its keys in increasing position, the running sums kept in the output between tiles.
 // Work items go round-robin to the threads (a causal chunk's late rows cost more than its first).
 //
-// The AVX2 + FMA float32 path with head_dim % 32 == 0 is the decode kernel's fast path; anything
-// else runs the decode kernel itself per token (each token given its own table row and length).
+// The AVX2 + FMA float32 path with head_dim % 32 == 0 (over a float32 or float16 cache) is the decode
+// kernel's fast path; anything else runs the decode kernel itself per token (each token given its
+// own table row and length).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,8 +37,8 @@ constexpr int64_t kKeyTile = 64;   // context tokens per K/V tile
 #ifdef KV_HAVE_AVX2_ATTENTION
 // acc_a[:] += sum_{t in [lo, hi)} p_a[t] v[t, :] for GN query vectors, the running sums in acc_a:
 // one fma per key in increasing t, as the decode kernel's pv_pass (32 values of d per pass).
-template <int GN>
-KV_AVX2 void pv_segment(const float* const* p, const float* const* vp, int64_t lo, int64_t hi,
+template <int GN, typename KT>
+KV_AVX2 void pv_segment(const float* const* p, const KT* const* vp, int64_t lo, int64_t hi,
                         int64_t d, float* const* acc_out) {
   for (int64_t i0 = 0; i0 < d; i0 += 32) {
     __m256 acc[GN][4];
@@ -45,7 +46,7 @@ KV_AVX2 void pv_segment(const float* const* p, const float* const* vp, int64_t l
       for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_loadu_ps(acc_out[a] + i0 + 8 * b);
     for (int64_t t = lo; t < hi; ++t) {
       __m256 v[4];
-      for (int b = 0; b < 4; ++b) v[b] = _mm256_loadu_ps(vp[t] + i0 + 8 * b);
+      for (int b = 0; b < 4; ++b) v[b] = load8(vp[t] + i0 + 8 * b);
       for (int a = 0; a < GN; ++a) {
         const __m256 w = _mm256_broadcast_ss(p[a] + t);
         for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
@@ -73,14 +74,16 @@ inline int64_t run_end(const QueryVec& x) {
 }
 
 // The tail scores of x in [lo, hi) (the part of this tile at or after run_end).
-KV_AVX2 inline void tail_scores(QueryVec& x, int64_t lo, int64_t hi, const float* const* kp,
+template <typename KT>
+KV_AVX2 inline void tail_scores(QueryVec& x, int64_t lo, int64_t hi, const KT* const* kp,
                                 int64_t d) {
   for (int64_t t = std::max(lo, run_end(x)); t < hi; ++t) x.p[t] = score1_avx2(x.q, kp[t], d);
 }
 
 // The work item's vectors over key tiles. kp / vp index absolute positions.
-KV_AVX2 void prefill_item_avx2(std::vector<QueryVec>& vecs, const float* const* kp,
-                               const float* const* vp, int64_t first, int64_t last, int64_t d,
+template <typename KT>
+KV_AVX2 void prefill_item_avx2(std::vector<QueryVec>& vecs, const KT* const* kp,
+                               const KT* const* vp, int64_t first, int64_t last, int64_t d,
                                float softcap) {
   for (int64_t t0 = first; t0 < last; t0 += kKeyTile) {  // scores, tile by tile
     const int64_t t1 = std::min(last, t0 + kKeyTile);
@@ -138,6 +141,7 @@ KV_AVX2 void prefill_item_avx2(std::vector<QueryVec>& vecs, const float* const* 
   }
 }
 
+template <typename KT>  // the KV cache's element: float, or float16 (widened on load)
 void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables_t,
                   const at::Tensor& starts_t, const at::Tensor& lens_t, double scale,
                   int64_t window, double softcap, at::Tensor& out) {
@@ -145,7 +149,7 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3), group = heads / kv_heads;
   const int64_t s_kv = kv_cache.stride(0), s_block = kv_cache.stride(1), s_tok = kv_cache.stride(2);
   const int64_t width = tables_t.size(1), num_seqs = lens_t.size(0);
-  const float* cache = kv_cache.data_ptr<float>();
+  const KT* cache = kv_cache.data_ptr<KT>();
   const float* qp = q.data_ptr<float>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   float* op = out.data_ptr<float>();
@@ -169,7 +173,7 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores;
-    std::vector<const float*> kp, vp;
+    std::vector<const KT*> kp, vp;
     std::vector<QueryVec> vecs;
     for (int64_t w = begin; w < end; ++w)
       for (int64_t it = w; it < num_items; it += workers) {
@@ -234,7 +238,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
                                    double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "bad shapes");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache differ in dtype");
+  TORCH_CHECK(kv_dtype_ok(q.scalar_type(), kv_cache.scalar_type()), kKVDtypeError);
   TORCH_CHECK(kv_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
@@ -259,7 +263,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
 #ifdef KV_HAVE_AVX2_ATTENTION
   if (qc.scalar_type() == at::kFloat && cpu_has_avx2_fma() && qc.size(2) % 32 == 0) {
     auto out = at::empty({qc.size(0), qc.size(1), qc.size(2)}, qc.options());
-    prefill_avx2(qc, kv_cache, tables, starts, lens, scale, window, softcap, out);
+    if (kv_cache.scalar_type() == at::kHalf)
+      prefill_avx2<c10::Half>(qc, kv_cache, tables, starts, lens, scale, window, softcap, out);
+    else
+      prefill_avx2<float>(qc, kv_cache, tables, starts, lens, scale, window, softcap, out);
     return out;
   }
 #endif

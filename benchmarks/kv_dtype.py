@@ -1,0 +1,177 @@
+"""The KV cache's element type on CPU: float32 against float16 (`--kv-cache-dtype`), side by side in
+one process, CPU flags printed; never asserts a timing.
+
+`kernels`: the paged attention ops alone at a model's shape (default SmolLM2-135M: 9 query heads, 3
+KV heads, head dim 64, 30 layers, each layer its own cache so nothing stays in the CPU's caches):
+one decode token (batch 1 and 8) over 128..4096 tokens of context, and a 512-token prefill chunk
+after such a context. Median ms per token for all layers, and float16 / float32.
+
+`engine`: the bundled model (or --model) in two engines, one per cache type, stepped in turn: time
+to first token of a fresh prompt of each length, then the inter-token latency of 32 decoded tokens
+after it (median step).
+
+    python -m benchmarks.kv_dtype kernels --contexts 128,1024,4096 --rounds 5
+    python -m benchmarks.kv_dtype engine --lengths 128,1024,4096 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.bench_utils import cpu_summary
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _caches(layers: int, blocks: int, block_size: int, kv_heads: int, d: int, dtype: torch.dtype):
+    from engine.kernels.attention import allocate_kv_cache
+
+    caches = allocate_kv_cache(layers, blocks, block_size, kv_heads, d, dtype, "cpu")
+    for c in caches:
+        c.copy_(torch.randn(c.shape).to(dtype))
+    return caches
+
+
+def kernels(args: argparse.Namespace) -> None:
+    from engine.kernels import cpu_kernels
+    from engine.kernels.attention import AttentionMetadata
+
+    heads, kv_heads, d, layers, bs = args.heads, args.kv_heads, args.head_dim, args.layers, 16
+    contexts = [int(x) for x in args.contexts.split(",")]
+    rng = random.Random(0)
+    print(cpu_summary())
+    print(
+        f"threads={torch.get_num_threads()}, {heads} heads / {kv_heads} KV heads, d {d}, {layers} layers"
+    )
+    print("| work | context | float32 ms | float16 ms | float16 / float32 |")
+    print("|---|---|---|---|---|")
+    for ctx in contexts:
+        for batch, chunk in ((1, 1), (8, 1), (1, args.chunk)):
+            n_seq, seq_len = batch, ctx + chunk - 1  # the chunk's last row sees ctx + chunk keys
+            per_seq = -(-seq_len // bs)
+            blocks = n_seq * per_seq + 1
+            free = list(range(1, blocks))
+            rng.shuffle(free)
+            tables = [[free.pop() for _ in range(per_seq)] for _ in range(n_seq)]
+            meta = AttentionMetadata.from_lists([chunk] * n_seq, [seq_len] * n_seq, tables, bs)
+            q = torch.randn(n_seq * chunk, heads, d)
+            times: dict[str, list[float]] = {name: [] for name in DTYPES}
+            caches = {
+                name: _caches(layers, blocks, bs, kv_heads, d, dt) for name, dt in DTYPES.items()
+            }
+            for rnd in range(args.rounds + 1):
+                order = list(DTYPES) if rnd % 2 == 0 else list(DTYPES)[::-1]
+                for name in order:
+                    t0 = time.perf_counter()
+                    for cache in caches[name]:
+                        if chunk == 1:
+                            cpu_kernels.paged_decode_attention(
+                                q, cache, meta.block_tables, meta.seq_lens, d**-0.5
+                            )
+                        else:
+                            cpu_kernels.paged_prefill_attention(
+                                q, cache, meta.block_tables, meta.query_start_loc,
+                                meta.seq_lens, d**-0.5,
+                            )  # fmt: skip
+                    if rnd:  # the first round warms up
+                        times[name].append((time.perf_counter() - t0) * 1000)
+            a, b = (statistics.median(times[n]) for n in DTYPES)
+            work = f"decode, batch {batch}" if chunk == 1 else f"prefill chunk of {chunk}"
+            print(f"| {work} | {ctx} | {a:.2f} | {b:.2f} | {b / a:.2f}x |", flush=True)
+
+
+def _engine(kv: str, args: argparse.Namespace, max_len: int) -> Any:
+    from engine.core.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_options(
+        args.model, kv_cache_dtype=kv, num_threads=args.threads, max_model_len=max_len,
+        enable_prefix_caching=False, max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
+    return LLMEngine(config)
+
+
+def _run(engine: Any, rid: str, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(TTFT, median inter-token step) of one request alone."""
+    from engine import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=tokens, temperature=0.0, ignore_eos=True, output_kind="cumulative"
+    )
+    engine.add_request(rid, prompt, params)
+    steps: list[float] = []
+    last = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        now = time.perf_counter()
+        steps.append(now - last)
+        last = now
+    # The steps up to the first token are the prefill; the rest each decode one token.
+    decode = steps[-(tokens - 1) :] if tokens > 1 else []
+    ttft = sum(steps[: len(steps) - len(decode)])
+    return ttft, statistics.median(decode) if decode else 0.0
+
+
+def engine_bench(args: argparse.Namespace) -> None:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    max_len = max(lengths) + args.tokens + 16
+    engines = {kv: _engine(kv, args, max_len) for kv in DTYPES}
+    rng = random.Random(0)
+    vocab = next(iter(engines.values())).vocab_size
+    for kv, eng in engines.items():  # warm-up
+        _run(eng, f"warm-{kv}", [rng.randrange(100, vocab) for _ in range(64)], 4)
+    rows: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for rnd in range(args.rounds):
+        for length in lengths:
+            prompt = [rng.randrange(100, vocab) for _ in range(length)]
+            order = list(DTYPES) if (rnd + length // 1024) % 2 == 0 else list(DTYPES)[::-1]
+            for kv in order:
+                ttft, itl = _run(engines[kv], f"{kv}{length}.{rnd}", prompt, args.tokens)
+                rows.setdefault((length, kv), []).append((ttft, itl))
+                print(f"  round {rnd} {length:5d} tokens {kv}: TTFT {ttft * 1000:7.0f} ms, "
+                      f"ITL {itl * 1000:6.2f} ms", flush=True)  # fmt: skip
+    print(cpu_summary())
+    print(f"threads={torch.get_num_threads()}, {args.tokens} tokens decoded after each prompt")
+    print("| prompt | TTFT f32 | TTFT f16 | ratio | ITL after it, f32 | f16 | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for length in lengths:
+        a = [statistics.median(x) for x in zip(*rows[(length, "float32")], strict=True)]
+        b = [statistics.median(x) for x in zip(*rows[(length, "float16")], strict=True)]
+        print(
+            f"| {length} | {a[0] * 1000:.0f} ms | {b[0] * 1000:.0f} ms | {b[0] / a[0]:.2f}x | "
+            f"{a[1] * 1000:.2f} ms | {b[1] * 1000:.2f} ms | {b[1] / a[1]:.2f}x |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("mode", choices=("kernels", "engine"))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--contexts", default="128,1024,4096", help="kernels: context lengths")
+    p.add_argument("--chunk", type=int, default=512, help="kernels: prefill chunk rows")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--model", default=None, help="engine: default the bundled SmolLM2 Q4_1 GGUF")
+    p.add_argument("--lengths", default="128,1024,4096", help="engine: prompt lengths")
+    p.add_argument("--tokens", type=int, default=32, help="engine: tokens decoded per prompt")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.mode == "kernels":
+        kernels(args)
+    else:
+        engine_bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

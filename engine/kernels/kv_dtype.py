@@ -1,0 +1,49 @@
+"""The KV cache's element type: what `--kv-cache-dtype` asks for, resolved against the device, the
+model's dtype and its weight format, once at start-up.
+
+On CPU under block-quantized weights (whose activations are already rounded to int8 per block) the
+cache holds float16 by default: every attention kernel widens it to float32 on load (exact), so the
+arithmetic after the load, and so batch and chunking invariance, are those of a float32 cache, while
+a long context's attention reads half the bytes and the pool holds twice the tokens. Float weights
+keep a cache of their own dtype, so `--quantization none` stays transformers' arithmetic."""
+
+from __future__ import annotations
+
+import torch
+
+_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(
+    requested: str, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> torch.dtype:
+    """The cache dtype for `requested` (a CacheConfig.kv_cache_dtype): `auto` is float16 on CPU
+    under float32 activations and a block-quantized weight format, else `dtype`; an explicit type
+    is the model's dtype, or float16 under float32 on CPU. Anything else is a ValueError."""
+    if requested == "auto":
+        if device.type == "cpu" and dtype == torch.float32 and quantization is not None:
+            return torch.float16
+        return dtype
+    if requested not in _NAMES:
+        raise ValueError(f"kv_cache_dtype must be auto, {', '.join(_NAMES)}; got {requested!r}")
+    wanted = _NAMES[requested]
+    if wanted == dtype:
+        return wanted
+    if wanted == torch.float16 and dtype == torch.float32 and device.type == "cpu":
+        return wanted
+    model = str(dtype).removeprefix("torch.")
+    raise ValueError(
+        f"kv_cache_dtype {requested} does not fit {model} activations on {device.type}: the KV "
+        f"cache holds the model's dtype ({model}), or float16 under float32 on CPU"
+    )
+
+
+def kernels_read(kv_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the C++ CPU kernels read a `kv_dtype` cache under `dtype` queries: their own dtype,
+    or float16 under float32 (csrc/attention_avx2.h: kv_dtype_ok)."""
+    return kv_dtype == dtype or (dtype == torch.float32 and kv_dtype == torch.float16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float16` -> `float16`, for logs and fingerprints."""
+    return str(dtype).removeprefix("torch.")
