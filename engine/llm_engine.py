@@ -50,6 +50,7 @@ from engine.executor.lora_adapters import LoRAAdapters
 from engine.executor.model_runner import ModelRunner, model_kv_spec, prepare_model
 from engine.executor.sampler import make_generator
 from engine.faults import FaultInjectingRunner, fault_injection_enabled
+from engine.kernels.attention import attention_backend
 from engine.kernels.kv_dtype import dtype_name, resolve_kv_cache_dtype
 from engine.kv_event_publisher import KVEventStream
 from engine.models.loader import load_model, resolve_model
@@ -85,8 +86,9 @@ class LLMEngine:
         self.device = loaded.device
         self.dtype = loaded.dtype
         try:
+            backend = attention_backend(self.device.type, self.dtype, config.cache.block_size)
             self.kv_dtype = resolve_kv_cache_dtype(
-                config.cache.kv_cache_dtype, self.device, self.dtype, quantization
+                config.cache.kv_cache_dtype, self.device, self.dtype, quantization, backend
             )
         except ValueError as e:
             raise StartupError(f"KV cache: {e}") from e

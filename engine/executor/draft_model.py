@@ -32,6 +32,7 @@ from engine.core.scheduler import ScheduledSeq
 from engine.core.spec_config import SpeculativeConfig
 from engine.executor.input_batch import InputBatch
 from engine.executor.model_runner import ModelRunner, model_kv_spec
+from engine.kernels.attention import attention_backend
 from engine.kernels.kv_dtype import resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
@@ -337,7 +338,8 @@ def build_drafter(
         loaded.model.limit_context(max_model_len)
         model, dtype = loaded.model, loaded.dtype
         try:
-            kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, device, dtype, quant)
+            backend = attention_backend(device.type, dtype, block_size)
+            kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, device, dtype, quant, backend)
         except ValueError as e:
             raise StartupError(f"speculative draft model's KV cache: {e}") from e
         if loaded.max_model_len < max_model_len:

@@ -15,13 +15,20 @@ _NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def resolve_kv_cache_dtype(
-    requested: str, device: torch.device, dtype: torch.dtype, quantization: str | None
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None,
+    backend: str = "cpu",
 ) -> torch.dtype:
     """The cache dtype for `requested` (a CacheConfig.kv_cache_dtype): `auto` is float16 on CPU
     under float32 activations and a block-quantized weight format, else `dtype`; an explicit type
-    is the model's dtype, or float16 under float32 on CPU. Anything else is a ValueError."""
+    is the model's dtype, or float16 under float32 on CPU. `backend` is the attention backend that
+    reads it (engine.kernels.attention.attention_backend): the Triton and flash-attn kernels read
+    the model's dtype only. Anything else is a ValueError."""
+    widens = device.type == "cpu" and backend in ("cpu", "sdpa")
     if requested == "auto":
-        if device.type == "cpu" and dtype == torch.float32 and quantization is not None:
+        if widens and dtype == torch.float32 and quantization is not None:
             return torch.float16
         return dtype
     if requested not in _NAMES:
@@ -29,12 +36,13 @@ def resolve_kv_cache_dtype(
     wanted = _NAMES[requested]
     if wanted == dtype:
         return wanted
-    if wanted == torch.float16 and dtype == torch.float32 and device.type == "cpu":
+    if wanted == torch.float16 and dtype == torch.float32 and widens:
         return wanted
     model = str(dtype).removeprefix("torch.")
     raise ValueError(
-        f"kv_cache_dtype {requested} does not fit {model} activations on {device.type}: the KV "
-        f"cache holds the model's dtype ({model}), or float16 under float32 on CPU"
+        f"kv_cache_dtype {requested} does not fit {model} activations on {device.type} "
+        f"({backend} attention): the KV cache holds the model's dtype ({model}), or float16 "
+        f"under float32 on CPU with the cpu or sdpa attention backend"
     )
 
 

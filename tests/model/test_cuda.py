@@ -115,7 +115,7 @@ def test_static_buffer_decode_path_matches_eager_on_cpu(tiny_llama_dir):
     runner, model = padded.engine.runner, padded.engine.model
     # One scratch block past the 64 the cache manager hands out.
     runner.kv_caches = allocate_kv_cache(
-        model.num_layers, 65, 16, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
+        model.num_layers, 65, 16, model.num_kv_heads, model.head_dim, runner.kv_dtype, "cpu"
     )
     graphs = _CpuGraphRunner(
         model, runner.kv_caches, 16, 32, 8, scratch_block=64, decode_backend="sdpa"

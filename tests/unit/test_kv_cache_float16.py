@@ -153,6 +153,11 @@ def test_auto_is_float16_on_cpu_under_block_weights_else_the_model_dtype():
     ):
         with pytest.raises(ValueError, match="KV cache holds the model's dtype"):
             resolve_kv_cache_dtype(requested, device, dtype, None)
+    # The Triton and flash-attn kernels read the model's dtype only
+    assert resolve_kv_cache_dtype("auto", CPU, torch.float32, "int8", "triton") == torch.float32
+    with pytest.raises(ValueError, match="KV cache holds the model's dtype"):
+        resolve_kv_cache_dtype("float16", CPU, torch.float32, None, "triton")
+    assert resolve_kv_cache_dtype("float16", CPU, torch.float32, None, "sdpa") == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         resolve_kv_cache_dtype("fp8", CPU, torch.float32, None)
     assert kernels_read(torch.float16, torch.float32)
