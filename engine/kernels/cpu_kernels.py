@@ -32,6 +32,7 @@ _SOURCES = tuple(
         "block_q5.cpp",
         "block_paths.cpp",
         "decode_layer.cpp",
+        "silu_mul.cpp",
     )
 )
 _HEADERS = (_CSRC / "block_matmul.h", _CSRC / "attention_avx2.h")
@@ -140,6 +141,11 @@ def paged_prefill_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rms-normalized x, x [n, hidden], in one pass per row."""
     return torch.ops.kvserve.rms_norm(x, weight, eps)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :inter]) * x[:, inter:] for x [n, 2 * inter] float32, in one pass per row."""
+    return torch.ops.kvserve.silu_mul(x)
 
 
 def rope_write_kv(

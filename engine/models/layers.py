@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu_kernels
 from engine.models.lora_apply import LayerLoRA, add_lora
 from engine.models.quantization import linear
 
@@ -102,10 +103,24 @@ class GatedMLP(nn.Module):
     ) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
         add_lora(gate_up, x, lora, "gate_up")
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        hidden = act * up
+        if self._one_pass_silu(gate_up):
+            hidden = cpu_kernels.silu_mul(gate_up)  # csrc/decode_layer.cpp does the same
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            hidden = act * up
         return add_lora(linear(hidden, self.down_weight, self.down_bias), hidden, lora, "down")
+
+    def _one_pass_silu(self, gate_up: torch.Tensor) -> bool:
+        """SwiGLU over block-quantized weights on CPU takes the C++ one-pass activation (its own
+        exp: not torch's bits, which float weights keep so they stay transformers' arithmetic)."""
+        return (
+            not self.gelu
+            and not isinstance(self.gate_up_weight, torch.Tensor)
+            and gate_up.dtype == torch.float32
+            and gate_up.device.type == "cpu"
+            and cpu_kernels.available()
+        )
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -38,6 +38,7 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, double, int64_t, double)>
       attention;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
 };
 
 const Ops& ops() {
@@ -64,6 +65,7 @@ const Ops& ops() {
         d.findSchemaOrThrow("kvserve::paged_decode_attention", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, double, int64_t, double)>(),
+        d.findSchemaOrThrow("kvserve::silu_mul", "").typed<at::Tensor(const at::Tensor&)>(),
     };
   }();
   return o;
@@ -217,8 +219,13 @@ at::Tensor layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
   const at::Tensor x2 = o.rms_norm.call(out, w[1], eps);
   at::Tensor gate_up = linear(x2, w, next, kinds, 2, tail);
   if (lora) lora->add(gate_up, x2, 2);
+  // Block-quantized MLPs take the one-pass activation (csrc/silu_mul.cpp), float ones torch's ops,
+  // as engine.models.layers.GatedMLP does.
   const int64_t inter = gate_up.size(1) / 2;
-  const at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
+  const at::Tensor act =
+      kinds[6] != kFloat && gate_up.scalar_type() == at::kFloat
+          ? o.silu_mul.call(gate_up)
+          : at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
   at::Tensor down = linear(act, w, next, kinds, 3, tail);
   if (lora) lora->add(down, act, 3);
   return out + down;
