@@ -8,7 +8,8 @@ after such a context. Median ms per token for all layers, and float16 / float32.
 
 `engine`: the bundled model (or --model) in two engines, one per cache type, stepped in turn: time
 to first token of a fresh prompt of each length, then the inter-token latency of 32 decoded tokens
-after it (median step).
+after it (median step); a third variant runs the float32 cache with torch's silu(gate) * up in
+prefill steps instead of the one-pass kernel (csrc/silu_mul.cpp), what prefill did before both.
 
     python -m benchmarks.kv_dtype kernels --contexts 128,1024,4096 --rounds 5
     python -m benchmarks.kv_dtype engine --lengths 128,1024,4096 --rounds 2
@@ -17,9 +18,11 @@ after it (median step).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,6 +121,29 @@ def _run(engine: Any, rid: str, prompt: list[int], tokens: int) -> tuple[float, 
     return ttft, statistics.median(decode) if decode else 0.0
 
 
+# name -> (KV cache dtype, the one-pass SwiGLU in prefill steps); the first is the baseline
+VARIANTS = {
+    "float32 KV, torch SwiGLU": ("float32", False),
+    "float32 KV": ("float32", True),
+    "float16 KV": ("float16", True),
+}
+
+
+@contextlib.contextmanager
+def _swiglu(one_pass: bool) -> Iterator[None]:
+    """Prefill steps with torch's silu(gate) * up instead of csrc/silu_mul.cpp (the one-call decode
+    layer always takes the one-pass kernel, so decode steps are the same in every variant)."""
+    from engine.models.layers import GatedMLP
+
+    real = GatedMLP._one_pass_silu
+    if not one_pass:
+        GatedMLP._one_pass_silu = lambda self, gate_up: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GatedMLP._one_pass_silu = real  # type: ignore[method-assign]
+
+
 def engine_bench(args: argparse.Namespace) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     max_len = max(lengths) + args.tokens + 16
@@ -127,26 +153,32 @@ def engine_bench(args: argparse.Namespace) -> None:
     for kv, eng in engines.items():  # warm-up
         _run(eng, f"warm-{kv}", [rng.randrange(100, vocab) for _ in range(64)], 4)
     rows: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    names = list(VARIANTS)
     for rnd in range(args.rounds):
         for length in lengths:
             prompt = [rng.randrange(100, vocab) for _ in range(length)]
-            order = list(DTYPES) if (rnd + length // 1024) % 2 == 0 else list(DTYPES)[::-1]
-            for kv in order:
-                ttft, itl = _run(engines[kv], f"{kv}{length}.{rnd}", prompt, args.tokens)
-                rows.setdefault((length, kv), []).append((ttft, itl))
-                print(f"  round {rnd} {length:5d} tokens {kv}: TTFT {ttft * 1000:7.0f} ms, "
+            shift = (rnd + length // 1024) % len(names)
+            for name in names[shift:] + names[:shift]:
+                kv, one_pass = VARIANTS[name]
+                with _swiglu(one_pass):
+                    ttft, itl = _run(engines[kv], f"{name}{length}.{rnd}", prompt, args.tokens)
+                rows.setdefault((length, name), []).append((ttft, itl))
+                print(f"  round {rnd} {length:5d} tokens {name}: TTFT {ttft * 1000:7.0f} ms, "
                       f"ITL {itl * 1000:6.2f} ms", flush=True)  # fmt: skip
     print(cpu_summary())
     print(f"threads={torch.get_num_threads()}, {args.tokens} tokens decoded after each prompt")
-    print("| prompt | TTFT f32 | TTFT f16 | ratio | ITL after it, f32 | f16 | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    base = names[0]
+    print(f"ratios against {base!r}")
+    print("| prompt | variant | TTFT | ratio | ITL after it | ratio |")
+    print("|---|---|---|---|---|---|")
     for length in lengths:
-        a = [statistics.median(x) for x in zip(*rows[(length, "float32")], strict=True)]
-        b = [statistics.median(x) for x in zip(*rows[(length, "float16")], strict=True)]
-        print(
-            f"| {length} | {a[0] * 1000:.0f} ms | {b[0] * 1000:.0f} ms | {b[0] / a[0]:.2f}x | "
-            f"{a[1] * 1000:.2f} ms | {b[1] * 1000:.2f} ms | {b[1] / a[1]:.2f}x |"
-        )
+        a = [statistics.median(x) for x in zip(*rows[(length, base)], strict=True)]
+        for name in names:
+            b = [statistics.median(x) for x in zip(*rows[(length, name)], strict=True)]
+            print(
+                f"| {length} | {name} | {b[0] * 1000:.0f} ms | {b[0] / a[0]:.2f}x | "
+                f"{b[1] * 1000:.2f} ms | {b[1] / a[1]:.2f}x |"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
