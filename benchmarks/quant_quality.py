@@ -77,10 +77,14 @@ def weight_errors(model_dir: Path, formats: list[str]) -> dict[str, float]:
 
 
 def build(model: str | None, fmt: str, options: dict[str, Any]) -> Any:
+    """`fmt` is a format, or `format/kv:DTYPE` for that format over a KV cache of DTYPE."""
     from engine import LLM
 
+    fmt, _, kv = fmt.partition("/kv:")
     quantization = "none" if fmt == "float32" else fmt
-    return LLM(model, dtype="float32", quantization=quantization, **options)
+    return LLM(
+        model, dtype="float32", quantization=quantization, kv_cache_dtype=kv or "auto", **options
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--window", type=int, default=256, help="perplexity window in tokens")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="comma-separated KV cache dtypes for each block format (auto: float16 on CPU); "
+        "e.g. auto,float32 also runs each format over a float32 cache, labelled FORMAT/kv:float32",
+    )
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f and f != "float32"]
     unknown = sorted(set(formats) - set(FORMATS))
@@ -103,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     if "gguf" in formats and gguf_source(model_dir) is None:
         print("skipping gguf: the model is not a .gguf file")
         formats.remove("gguf")
+    kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]
+    formats = [f if kv == "auto" else f"{f}/kv:{kv}" for f in formats for kv in kv_dtypes]
     print(cpu_summary(), f"threads {torch.get_num_threads()}")
     options = {"max_num_seqs": 32, "max_num_batched_tokens": 1024}
     text = DATA.read_text()
     results: dict[str, Any] = {}
     reference_tokens: list[list[int]] = []
     print(
-        f"{'format':<8} {'ppl':>8} {'vs fp32':>8} {'identical':>10} {'median prefix':>14}  prefixes"
+        f"{'format':<16} {'ppl':>8} {'vs fp32':>8} {'identical':>10} {'median prefix':>14}  prefixes"
     )
     for fmt in ["float32", *formats]:
         llm = build(args.model, fmt, options)
@@ -132,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         r = results[fmt]
         print(
-            f"{fmt:<8} {r['perplexity']:8.3f} {100 * r['perplexity_vs_float32']:+7.2f}% "
+            f"{fmt:<16} {r['perplexity']:8.3f} {100 * r['perplexity_vs_float32']:+7.2f}% "
             f"{r['identical']:>4}/{len(r['matching_prefixes'])}{'':<4} "
             f"{r['median_prefix']:>10}/{args.max_tokens}  {r['matching_prefixes']}",
             flush=True,
