@@ -43,7 +43,7 @@ from engine.core.snapshot import (
 from engine.core.spec_config import DRAFT_METHODS
 from engine.core.speculator import Speculator
 from engine.core.stats import EngineTotals, StepStats
-from engine.core.step_budget import StepBudget, StepLoad
+from engine.core.step_budget import StepBudget, StepLoad, resolve_target_step_ms
 from engine.executor.draft_model import build_drafter
 from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
 from engine.executor.lora_adapters import LoRAAdapters
@@ -129,9 +129,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.kv, speculator, updater, config.lora.max_loras
         )
-        if self.device.type == "cpu" and config.scheduler.target_step_ms > 0:  # GPUs: fixed budget
+        self.target_step_ms = resolve_target_step_ms(
+            config.scheduler.target_step_ms, self.device.type == "cpu", quantization is not None
+        )
+        if self.target_step_ms > 0:  # CPU only (GPUs: the fixed budget)
             self.scheduler.step_budget = StepBudget(
-                config.scheduler.target_step_ms / 1000, config.scheduler.max_num_batched_tokens
+                self.target_step_ms / 1000, config.scheduler.max_num_batched_tokens
             )
         self.output_processor = OutputProcessor()
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
@@ -155,7 +158,7 @@ class LLMEngine:
         self.publish()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens "
-            "(%s, %.0f MiB)",
+            "(%s, %.0f MiB), step budget: %s",
             self.model_dir.name,
             self.dtype,
             self.device,
@@ -166,6 +169,9 @@ class LLMEngine:
             num_blocks
             * ModelRunner.kv_bytes_per_block(self.model, block_size, self.kv_dtype, self.kv_spec)
             / (1 << 20),
+            f"{self.target_step_ms:g} ms a step while streams decode"
+            if self.target_step_ms > 0
+            else f"{config.scheduler.max_num_batched_tokens} tokens a step",
         )
 
     def _open_kv_tiers(self, weight_format: str | None) -> None:

@@ -153,6 +153,10 @@ def _float(text: str) -> float:
         raise ValueError(f"expected a number, got {text!r}") from None
 
 
+def _optional_float(text: str) -> float | None:
+    return None if text.strip().lower() in ("", "none", "auto") else _float(text)
+
+
 def _optional_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else _int(text)
 
@@ -407,9 +411,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "target-step-ms",
         "scheduler.target_step_ms",
-        _float,
+        _optional_float,
         "CPU: the step time prefill chunks aim at while streams decode, so they keep getting "
-        "tokens (0, the default: --max-num-batched-tokens every step)",
+        "tokens; auto (the default): 200 under block-quantized weights, else 0; "
+        "0: --max-num-batched-tokens every step",
     ),
     Option(
         "max-queued-requests",

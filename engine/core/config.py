@@ -113,12 +113,12 @@ class SchedulerConfig:
     # Waiting prompt tokens beyond which admission fails; None -> QUEUED_TOKENS_PER_BATCH steps' worth.
     max_queued_tokens: int | None = None
     # CPU: the step time the prefill budget aims at while streams decode (engine.core.step_budget);
-    # 0: off, max_num_batched_tokens every step (the default until the budget is measured to pay on
-    # an idle machine: see README, Long prompts on CPU). GPUs always run the fixed budget.
-    target_step_ms: float = 0.0
+    # 0: off, max_num_batched_tokens every step; None (auto): AUTO_TARGET_STEP_MS on CPU under the
+    # chunk-invariant block formats, else off (resolve_target_step_ms). GPUs run the fixed budget.
+    target_step_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if self.target_step_ms < 0:
+        if self.target_step_ms is not None and self.target_step_ms < 0:
             raise ValueError("target_step_ms must be >= 0 (0: a fixed token budget)")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")

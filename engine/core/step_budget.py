@@ -29,8 +29,22 @@ from dataclasses import dataclass
 WARMUP_TOKENS = 64  # the prefill chunk beside decodes before the fit has seen prefill steps
 MIN_PREFILL_TOKENS = 16  # a long prompt always moves at least this far per step
 MIN_PREFILL_SHARE = 0.25  # of the target step time, the least prefill gets
+AUTO_TARGET_STEP_MS = (
+    200.0  # target_step_ms=None on CPU under block weights: see README, mixed load
+)
 CALIBRATION_STEPS = 2  # prefill steps measured before the fit's predictions are used
 DECAY = 0.85  # per observed step: the weight of what came before (half-life about 4 steps)
+
+
+def resolve_target_step_ms(requested: float | None, on_cpu: bool, block_weights: bool) -> float:
+    """The step-time target in force: `requested`, or for None (auto) AUTO_TARGET_STEP_MS on CPU
+    under block-quantized weights (their outputs do not change with where a prompt's chunks end,
+    which the budget moves with measured times), else 0 (the fixed budget). GPUs: always 0."""
+    if not on_cpu:
+        return 0.0
+    if requested is None:
+        return AUTO_TARGET_STEP_MS if block_weights else 0.0
+    return requested
 
 
 @dataclass(frozen=True)

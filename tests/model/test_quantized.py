@@ -92,9 +92,12 @@ def test_the_default_on_this_cpu(default_llm):
         assert isinstance(model.embed_tokens, BlockEmbedding)  # ... shared by lookups and head
         assert default_llm.engine.kv_dtype == torch.float16  # block weights: a float16 KV cache
         assert all(c.dtype == torch.float16 for c in default_llm.engine.runner.kv_caches)
+        assert default_llm.engine.target_step_ms == 200  # and the step-time budget
+        assert default_llm.engine.scheduler.step_budget is not None
     else:  # the block kernels would run portable loops, slower than float32
         assert isinstance(model.layers[0].mlp.down_weight, torch.Tensor)
         assert default_llm.engine.kv_dtype == torch.float32
+        assert default_llm.engine.target_step_ms == 0
 
 
 def test_a_float16_kv_cache_holds_twice_the_tokens_and_stays_close(smollm2_dir, reference):

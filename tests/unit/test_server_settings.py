@@ -137,11 +137,15 @@ def test_model_as_a_flag_or_positional() -> None:
         resolve(_cli(["/models/a", "--model", "/models/b"]), {})
 
 
-def test_target_step_ms_is_off_by_default_and_set_by_flag_or_env() -> None:
+def test_target_step_ms_is_auto_by_default_and_set_by_flag_or_env() -> None:
     from engine.core.config import SchedulerConfig
 
     engine, _ = build_configs(resolve({}, {}))
-    assert engine.scheduler.target_step_ms == 0 == SchedulerConfig().target_step_ms
+    assert engine.scheduler.target_step_ms is None is SchedulerConfig().target_step_ms
+    engine, _ = build_configs(resolve(_cli(["--target-step-ms", "auto"]), {}))
+    assert engine.scheduler.target_step_ms is None
+    engine, _ = build_configs(resolve(_cli(["--target-step-ms", "0"]), {}))
+    assert engine.scheduler.target_step_ms == 0
     engine, _ = build_configs(resolve(_cli(["--target-step-ms", "200"]), {}))
     assert engine.scheduler.target_step_ms == 200
     engine, _ = build_configs(resolve({}, {"KVSERVE_TARGET_STEP_MS": "350"}))

@@ -9,12 +9,14 @@ from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.step_budget import (
+    AUTO_TARGET_STEP_MS,
     CALIBRATION_STEPS,
     MIN_PREFILL_SHARE,
     WARMUP_TOKENS,
     StepBudget,
     StepLoad,
     chunk_pairs,
+    resolve_target_step_ms,
 )
 from tests.unit.test_scheduler import make_group, run_step
 
@@ -128,6 +130,15 @@ def test_target_must_be_positive_and_config_rejects_negative():
     with pytest.raises(ValueError, match="target_step_ms"):
         SchedulerConfig(target_step_ms=-1)
     assert SchedulerConfig(target_step_ms=0).target_step_ms == 0
+
+
+def test_auto_is_the_budget_on_cpu_under_block_weights_only():
+    assert resolve_target_step_ms(None, on_cpu=True, block_weights=True) == AUTO_TARGET_STEP_MS
+    assert resolve_target_step_ms(None, on_cpu=True, block_weights=False) == 0
+    assert resolve_target_step_ms(None, on_cpu=False, block_weights=True) == 0
+    assert resolve_target_step_ms(0, on_cpu=True, block_weights=True) == 0
+    assert resolve_target_step_ms(350, on_cpu=True, block_weights=False) == 350
+    assert resolve_target_step_ms(350, on_cpu=False, block_weights=True) == 0  # GPUs: fixed
 
 
 def _scheduler(budget_tokens: int = 2048) -> Scheduler:
