@@ -29,9 +29,8 @@ from dataclasses import dataclass
 WARMUP_TOKENS = 64  # the prefill chunk beside decodes before the fit has seen prefill steps
 MIN_PREFILL_TOKENS = 16  # a long prompt always moves at least this far per step
 MIN_PREFILL_SHARE = 0.25  # of the target step time, the least prefill gets
-AUTO_TARGET_STEP_MS = (
-    200.0  # target_step_ms=None on CPU under block weights: see README, mixed load
-)
+# target_step_ms=None (auto) on CPU under block weights: see README, Long prompts on CPU (mixed load)
+AUTO_TARGET_STEP_MS = 200.0
 CALIBRATION_STEPS = 2  # prefill steps measured before the fit's predictions are used
 DECAY = 0.85  # per observed step: the weight of what came before (half-life about 4 steps)
 

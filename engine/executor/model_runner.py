@@ -75,8 +75,8 @@ class ModelRunner:
         max_graph_batch: int = 64,
         grammars: GrammarCompiler | None = None,
         kv_spec: KVCacheSpec | None = None,
-        kv_dtype: torch.dtype
-        | None = None,  # the KV cache's (engine.kernels.kv_dtype); None: dtype
+        # The KV cache's element type (engine.kernels.kv_dtype); None: dtype.
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.kv_spec = kv_spec or model_kv_spec(model)

@@ -47,25 +47,17 @@ at::Tensor silu_mul(const at::Tensor& x) {
   auto out = at::empty({n, inter}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  auto row_fn = silu_mul_row;  // the CPU's one path for every row
 #ifdef KV_HAVE_AVX2_ATTENTION
-  const bool avx2 = cpu_has_avx2_fma();
-#else
-  const bool avx2 = false;
+  if (cpu_has_avx2_fma()) row_fn = silu_mul_row_avx2;
 #endif
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inter)),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t r = begin; r < end; ++r) {
-                       const float* g = xp + r * row;
-#ifdef KV_HAVE_AVX2_ATTENTION
-                       if (avx2) {
-                         silu_mul_row_avx2(g, g + inter, inter, op + r * inter);
-                         continue;
-                       }
-#endif
-                       silu_mul_row(g, g + inter, inter, op + r * inter);
-                     }
-                   });
-  (void)avx2;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inter));  // ~64 KiB
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * row;
+      row_fn(g, g + inter, inter, op + r * inter);
+    }
+  });
   return out;
 }
 
