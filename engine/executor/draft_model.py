@@ -52,6 +52,7 @@ def first_layers(model: Any, num_layers: int) -> Any:
     view.num_layers = num_layers
     view.layer_windows = list(model.layer_windows)[:num_layers]
     view._decode_args = None
+    view._plan = None
     return view
 
 

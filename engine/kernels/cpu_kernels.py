@@ -161,6 +161,19 @@ def rope_write_kv(
     torch.ops.kvserve.rope_write_kv(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads)
 
 
+def decode_layers(
+    h: torch.Tensor,  # [n, hidden]
+    weights: list[torch.Tensor],  # every layer's decode_layer weights, layer after layer
+    counts: list[int],  # per layer: its number of weights, then of kinds
+    kinds: list[int],  # every layer's decode_layer kinds, layer after layer
+    floats: list[float],  # per layer: eps, scale, softcap (0: off)
+    ints: list[int],  # per layer: heads, KV heads, window (0: off)
+    step: list[torch.Tensor],  # per layer: cos, sin, kv_cache, slot_mapping, block_tables, seq_lens
+) -> torch.Tensor:  # [n, hidden]
+    """Every decoder layer of a step in one call: decode_layer's ops, layer by layer (no LoRA)."""
+    return torch.ops.kvserve.decode_layers(h, weights, counts, kinds, floats, ints, step)
+
+
 def decode_layer(
     h: torch.Tensor,  # [n, hidden]
     weights: list[torch.Tensor],  # the layer's norms and matmul tensors, see csrc/decode_layer.cpp

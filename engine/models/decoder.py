@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from engine.models.quantization import linear
 from engine.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
+
+# csrc/decode_layer.cpp's decode_layers per-model arguments: weights, counts, kinds, floats, ints
+DecodePlan = tuple[list[torch.Tensor], list[int], list[int], list[float], list[int]]
 
 
 def common_spec(cfg: Any) -> dict[str, Any]:
@@ -107,6 +110,7 @@ class DecoderForCausalLM(nn.Module):
         )
         self.dense: DenseFns | None = None  # compiled dense halves of a layer (compile_dense)
         self._decode_args: list[decoder_cpu.DecodeLayerArgs | None] | None = None
+        self._plan: DecodePlan | Literal[False] | None = None  # _decode_plan (False: not possible)
         self.lm_head_weight: torch.Tensor | None = optional_param(
             spec.vocab_size,
             spec.hidden_size,
@@ -156,6 +160,18 @@ class DecoderForCausalLM(nn.Module):
         pure_decode = meta.num_decode_seqs == meta.num_seqs
         one_call = pure_decode or meta.max_query_len <= ONE_CALL_MAX_QUERY_LEN
         calls = self._decode_calls() if one_call else None
+        plan = self._decode_plan() if one_call and lora is None else None
+        if plan is not None and len(plan[1]) == 2 * len(kv_caches):  # every layer in one call
+            step: list[torch.Tensor] = []
+            for i, kv_cache in enumerate(kv_caches):
+                lmeta = meta.for_layer(i)
+                cos, sin = cos_sins[cast(DecoderLayer, self.layers[i]).self_attn.rope_index]
+                tables, lens = (
+                    (lmeta.block_tables, lmeta.seq_lens) if pure_decode else lmeta.token_context()
+                )
+                step += [cos, sin, kv_cache, lmeta.slot_mapping, tables, lens]
+            h = cpu_kernels.decode_layers(h, *plan, step)
+            return decoder_cpu.norm(self.norm, h)
         for i, kv_cache in enumerate(kv_caches):
             layer = cast(DecoderLayer, self.layers[i])
             cos, sin = cos_sins[layer.self_attn.rope_index]
@@ -189,9 +205,35 @@ class DecoderForCausalLM(nn.Module):
             ]
         return self._decode_args
 
+    def _decode_plan(self) -> DecodePlan | None:
+        """decode_layers' per-model arguments (every layer's weights, counts, kinds, floats and
+        ints), when every layer runs the one-call layer; None otherwise. Built once."""
+        if self._plan is None:
+            calls = self._decode_calls()
+            if any(args is None for args in calls):
+                self._plan = False
+            else:
+                weights: list[torch.Tensor] = []
+                counts: list[int] = []
+                kinds: list[int] = []
+                floats: list[float] = []
+                ints: list[int] = []
+                for args in calls:
+                    w, k, eps, heads, kv_heads, scale, window, cap = cast(
+                        decoder_cpu.DecodeLayerArgs, args
+                    )
+                    weights += w
+                    kinds += k
+                    counts += [len(w), len(k)]
+                    floats += [eps, scale, cap or 0.0]
+                    ints += [heads, kv_heads, window or 0]
+                self._plan = (weights, counts, kinds, floats, ints)
+        return self._plan or None
+
     def weights_changed(self) -> None:
         """Called after matmul weights were replaced (quantization): forget what was derived."""
         self._decode_args = None
+        self._plan = None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weights_changed()

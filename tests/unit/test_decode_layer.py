@@ -40,24 +40,42 @@ def tiny_qwen3_dir(smollm2_dir, tmp_path_factory):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_decode_layer_equals_the_python_layer(request, family, quantization, monkeypatch):
+    """All layers in one call (decode_layers), one call per layer (decode_layer) and the Python
+    fused layer: the same tokens and logprobs, bit for bit."""
     folder = request.getfixturevalue(f"tiny_{family}_dir")
     llm = LLM(str(folder), dtype="float32", quantization=quantization, max_num_seqs=4)
-    calls = []
-    real = cpu_kernels.decode_layer
+    model = llm.engine.model
+    calls: dict[str, int] = {"decode_layer": 0, "decode_layers": 0}
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def counting(name):
+        real = getattr(cpu_kernels, name)
 
-    monkeypatch.setattr(cpu_kernels, "decode_layer", counting)
-    fused = _run(llm)
-    assert calls, "pure decode steps should run the one-call layer"
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return count
+
+    for name in calls:
+        monkeypatch.setattr(cpu_kernels, name, counting(name))
+    whole = _run(llm)
+    assert calls == {"decode_layer": 0, "decode_layers": calls["decode_layers"]}
+    assert calls["decode_layers"], "pure decode steps should run every layer in one call"
+
+    monkeypatch.setattr(model, "_decode_plan", lambda: None)
+    calls.update(decode_layer=0, decode_layers=0)
+    per_layer = _run(llm)
+    assert calls["decode_layer"] and not calls["decode_layers"]
+
+    monkeypatch.undo()  # the model's own _decode_plan again, then no layer takes the one call
     monkeypatch.setattr(decoder_cpu, "decode_layer_args", lambda layer: None)
-    llm.engine.model.weights_changed()
-    calls.clear()
+    for name in calls:
+        monkeypatch.setattr(cpu_kernels, name, counting(name))
+    model.weights_changed()
+    calls.update(decode_layer=0, decode_layers=0)
     python = _run(llm)
-    assert not calls
-    assert fused == python  # tokens and logprobs, bitwise
+    assert calls == {"decode_layer": 0, "decode_layers": 0}
+    assert whole == per_layer == python  # tokens and logprobs, bitwise
 
 
 def _dense(q, k, v, scale):  # q [H, d], k/v [L, KVH, d]

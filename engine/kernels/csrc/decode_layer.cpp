@@ -239,6 +239,35 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                kv_heads, scale, window, softcap, nullptr);
 }
 
+// Every layer of a step in one call (no LoRA rows): per layer i, counts[2i] of `weights` and
+// counts[2i + 1] of `kinds` (what decode_layer takes, in layer order), floats[3i..] eps, scale,
+// softcap, ints[3i..] heads, kv_heads, window, and step[6i..] cos, sin, kv_cache, slot_mapping,
+// block_tables, seq_lens. The same ops as calling decode_layer per layer, so the same bits; only
+// the per-layer Python call and its argument conversion are gone.
+at::Tensor decode_layers(const at::Tensor& h, const std::vector<at::Tensor>& weights,
+                         const std::vector<int64_t>& counts, const std::vector<int64_t>& kinds,
+                         const std::vector<double>& floats, const std::vector<int64_t>& ints,
+                         const std::vector<at::Tensor>& step) {
+  const size_t layers = counts.size() / 2;
+  TORCH_CHECK(counts.size() == 2 * layers && floats.size() == 3 * layers &&
+                  ints.size() == 3 * layers && step.size() == 6 * layers,
+              "decode_layers: per-layer arguments of different lengths");
+  at::Tensor x = h;
+  size_t w0 = 0, k0 = 0;
+  for (size_t i = 0; i < layers; ++i) {
+    const auto nw = static_cast<size_t>(counts[2 * i]), nk = static_cast<size_t>(counts[2 * i + 1]);
+    TORCH_CHECK(w0 + nw <= weights.size() && k0 + nk <= kinds.size(),
+                "decode_layers: counts run past the weights or kinds");
+    const std::vector<at::Tensor> w(weights.begin() + w0, weights.begin() + w0 + nw);
+    const std::vector<int64_t> k(kinds.begin() + k0, kinds.begin() + k0 + nk);
+    w0 += nw, k0 += nk;
+    const at::Tensor* s = step.data() + 6 * i;
+    x = layer(x, w, k, floats[3 * i], s[0], s[1], s[2], s[3], s[4], s[5], ints[3 * i],
+              ints[3 * i + 1], floats[3 * i + 1], ints[3 * i + 2], floats[3 * i + 2], nullptr);
+  }
+  return x;
+}
+
 // The same layer with LoRA adapters' deltas on its matmuls (a step with adapter rows).
 at::Tensor decode_layer_lora(const at::Tensor& h, const std::vector<at::Tensor>& w,
                              const std::vector<int64_t>& kinds, double eps, const at::Tensor& cos,
@@ -261,6 +290,9 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
       "int kv_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def(
+      "decode_layers(Tensor h, Tensor[] weights, int[] counts, int[] kinds, float[] floats, "
+      "int[] ints, Tensor(a!)[] step) -> Tensor");
+  m.def(
       "decode_layer_lora(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "int heads, int kv_heads, float scale, int window, float softcap, Tensor[] lora, "
@@ -270,4 +302,5 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layer_lora", &decode_layer_lora);
+  m.impl("decode_layers", &decode_layers);
 }

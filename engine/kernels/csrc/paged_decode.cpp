@@ -224,9 +224,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
                           batch, heads, kv_heads, d, fsoftcap, scores.data(), op);
         return;
       }
-      // Work items: (sequence, KV head) with its query heads, or single query heads when that
-      // leaves the threads idle (few sequences); a head's values are the same either way.
-      const int64_t per = few ? 1 : group;
+      // Work items: (sequence, KV head) with its query heads, whose K/V rows are then read and
+      // widened once for the group; single query heads only when there are fewer items than
+      // threads (measured: 3 KV heads on 2 threads run 1.3-1.6x faster grouped, unevenly shared,
+      // than as 9 single heads). A head's values are the same either way.
+      const int64_t per = batch * kv_heads < at::get_num_threads() ? 1 : group;
       at::parallel_for(0, batch * heads / per, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(per * d), scores;
         std::vector<const KT*> kp, vp;
