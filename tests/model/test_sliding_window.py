@@ -141,9 +141,12 @@ def test_the_window_changes_the_reference(model_dir, hf_model, prompts, referenc
 def test_greedy_equals_transformers_chunked_and_cached(
     model_dir, prompts, reference, backend, monkeypatch
 ):
-    calls = []  # the C++ one-call decode layer must run (and honour the window) on "cpu"
-    real = cpu_kernels.decode_layer
-    monkeypatch.setattr(cpu_kernels, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    calls = []  # the C++ one-call decode layers must run (and honour the window) on "cpu"
+    for name in ("decode_layer", "decode_layers"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(
+            cpu_kernels, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k)
+        )
     # A 24-token budget chunks every prompt; 8-token blocks put window edges inside blocks.
     llm = LLM(
         str(model_dir),
