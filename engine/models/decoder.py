@@ -160,16 +160,18 @@ class DecoderForCausalLM(nn.Module):
         pure_decode = meta.num_decode_seqs == meta.num_seqs
         one_call = pure_decode or meta.max_query_len <= ONE_CALL_MAX_QUERY_LEN
         calls = self._decode_calls() if one_call else None
+
+        def context(lmeta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+            """The one-call layer's block tables and context lengths: per sequence, or per token."""
+            return (lmeta.block_tables, lmeta.seq_lens) if pure_decode else lmeta.token_context()
+
         plan = self._decode_plan() if one_call and lora is None else None
         if plan is not None and len(plan[1]) == 2 * len(kv_caches):  # every layer in one call
             step: list[torch.Tensor] = []
             for i, kv_cache in enumerate(kv_caches):
                 lmeta = meta.for_layer(i)
                 cos, sin = cos_sins[cast(DecoderLayer, self.layers[i]).self_attn.rope_index]
-                tables, lens = (
-                    (lmeta.block_tables, lmeta.seq_lens) if pure_decode else lmeta.token_context()
-                )
-                step += [cos, sin, kv_cache, lmeta.slot_mapping, tables, lens]
+                step += [cos, sin, kv_cache, lmeta.slot_mapping, *context(lmeta)]
             h = cpu_kernels.decode_layers(h, *plan, step)
             return decoder_cpu.norm(self.norm, h)
         for i, kv_cache in enumerate(kv_caches):
@@ -182,9 +184,7 @@ class DecoderForCausalLM(nn.Module):
                 h = decoder_cpu.fused_layer(layer, (cos, sin), h, kv_cache, lmeta, layer_lora)
                 continue
             w, kinds, eps, heads, kv_heads, scale, window, cap = args
-            tables, lens = (
-                (lmeta.block_tables, lmeta.seq_lens) if pure_decode else lmeta.token_context()
-            )
+            tables, lens = context(lmeta)
             deltas = one_call_args(lora.layer(i)) if lora is not None else None
             h = cpu_kernels.decode_layer(
                 h, w, kinds, eps, cos, sin, kv_cache, lmeta.slot_mapping, tables, lens,
