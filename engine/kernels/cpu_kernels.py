@@ -14,6 +14,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -161,17 +162,26 @@ def rope_write_kv(
     torch.ops.kvserve.rope_write_kv(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads)
 
 
-def decode_layers(
-    h: torch.Tensor,  # [n, hidden]
+def decode_plan(
     weights: list[torch.Tensor],  # every layer's decode_layer weights, layer after layer
     counts: list[int],  # per layer: its number of weights, then of kinds
     kinds: list[int],  # every layer's decode_layer kinds, layer after layer
     floats: list[float],  # per layer: eps, scale, softcap (0: off)
     ints: list[int],  # per layer: heads, KV heads, window (0: off)
-    step: list[torch.Tensor],  # per layer: cos, sin, kv_cache, slot_mapping, block_tables, seq_lens
+) -> Any:  # torch.classes.kvserve.DecodePlan
+    """decode_layers' per-model arguments, held on the C++ side (built once per model)."""
+    return torch.classes.kvserve.DecodePlan(weights, counts, kinds, floats, ints)
+
+
+def decode_layers(
+    h: torch.Tensor,  # [n, hidden]
+    plan: Any,  # decode_plan's
+    kv_caches: list[torch.Tensor],  # per layer
+    shared: list[torch.Tensor],  # per set: cos, sin, slot_mapping, block_tables, seq_lens
+    where: list[int],  # per layer: which set of `shared` it reads
 ) -> torch.Tensor:  # [n, hidden]
     """Every decoder layer of a step in one call: decode_layer's ops, layer by layer (no LoRA)."""
-    return torch.ops.kvserve.decode_layers(h, weights, counts, kinds, floats, ints, step)
+    return torch.ops.kvserve.decode_layers(h, plan, kv_caches, shared, where)
 
 
 def decode_layer(

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
@@ -31,8 +32,15 @@ from engine.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
-# csrc/decode_layer.cpp's decode_layers per-model arguments: weights, counts, kinds, floats, ints
-DecodePlan = tuple[list[torch.Tensor], list[int], list[int], list[float], list[int]]
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """csrc/decode_layer.cpp's decode_layers per-model arguments (cpu_kernels.decode_plan: every
+    layer's weights, kinds, floats and ints, held on the C++ side) and each layer's rotary."""
+
+    handle: Any  # torch.classes.kvserve.DecodePlan
+    rope_index: tuple[int, ...]  # per layer, the index of its rotary in DecoderForCausalLM.rotaries
+    all_zero: list[int]  # per layer 0: every layer reads the step's one set of tensors
 
 
 def common_spec(cfg: Any) -> dict[str, Any]:
@@ -166,13 +174,9 @@ class DecoderForCausalLM(nn.Module):
             return (lmeta.block_tables, lmeta.seq_lens) if pure_decode else lmeta.token_context()
 
         plan = self._decode_plan() if one_call and lora is None else None
-        if plan is not None and len(plan[1]) == 2 * len(kv_caches):  # every layer in one call
-            step: list[torch.Tensor] = []
-            for i, kv_cache in enumerate(kv_caches):
-                lmeta = meta.for_layer(i)
-                cos, sin = cos_sins[cast(DecoderLayer, self.layers[i]).self_attn.rope_index]
-                step += [cos, sin, kv_cache, lmeta.slot_mapping, *context(lmeta)]
-            h = cpu_kernels.decode_layers(h, *plan, step)
+        if plan is not None and len(plan.rope_index) == len(kv_caches):  # every layer in one call
+            shared, where = self._step_tensors(plan, cos_sins, meta, context)
+            h = cpu_kernels.decode_layers(h, plan.handle, kv_caches, shared, where)
             return decoder_cpu.norm(self.norm, h)
         for i, kv_cache in enumerate(kv_caches):
             layer = cast(DecoderLayer, self.layers[i])
@@ -191,6 +195,29 @@ class DecoderForCausalLM(nn.Module):
                 heads, kv_heads, scale, window, cap, deltas,
             )  # fmt: skip
         return decoder_cpu.norm(self.norm, h)
+
+    def _step_tensors(
+        self,
+        plan: DecodePlan,
+        cos_sins: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        context: Callable[[AttentionMetadata], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """decode_layers' step tensors: per distinct (rotary, KV-cache group) of the layers its cos,
+        sin, slot mapping, block tables and context lengths; and per layer, which set it reads."""
+        if not meta.layer_metas and len(cos_sins) == 1:  # one set for every layer
+            return [*cos_sins[0], meta.slot_mapping, *context(meta)], plan.all_zero
+        shared: list[torch.Tensor] = []
+        where: list[int] = []
+        sets: dict[tuple[int, int], int] = {}
+        for i, rope in enumerate(plan.rope_index):
+            lmeta = meta.for_layer(i)
+            key = (rope, id(lmeta))
+            if key not in sets:
+                sets[key] = len(sets)
+                shared += [*cos_sins[rope], lmeta.slot_mapping, *context(lmeta)]
+            where.append(sets[key])
+        return shared, where
 
     def limit_context(self, max_model_len: int) -> None:
         """The longest context the engine serves (LongRoPE picks its factors by it)."""
@@ -227,7 +254,11 @@ class DecoderForCausalLM(nn.Module):
                     counts += [len(w), len(k)]
                     floats += [eps, scale, cap or 0.0]
                     ints += [heads, kv_heads, window or 0]
-                self._plan = (weights, counts, kinds, floats, ints)
+                handle = cpu_kernels.decode_plan(weights, counts, kinds, floats, ints)
+                ropes = tuple(
+                    cast(DecoderLayer, layer).self_attn.rope_index for layer in self.layers
+                )
+                self._plan = DecodePlan(handle, ropes, [0] * len(ropes))
         return self._plan or None
 
     def weights_changed(self) -> None:

@@ -107,6 +107,33 @@ def test_float32_decode_attention_matches_dense(head_dim, heads, kv_heads):
         assert torch.equal(alone[0], out[i])  # batch-invariant, bitwise
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (15, 3), (12, 4), (7, 1)])
+def test_decode_attention_is_the_same_bits_however_the_heads_are_cut(heads, kv_heads):
+    """Items of whole query-head groups, pairs of heads or single heads (chosen by the thread
+    count: csrc/paged_decode.cpp): every head's output the same bits on 1 to 5 threads."""
+    torch.manual_seed(heads)
+    lens = [40, 300]
+    tables = [list(range(1 + 20 * i, 1 + 20 * i + -(-n // 16))) for i, n in enumerate(lens)]
+    cache = torch.randn(2, 64, 16, kv_heads, 64)
+    meta = AttentionMetadata.from_lists([1] * len(lens), lens, tables, 16)
+    q = torch.randn(len(lens), heads, 64)
+    previous = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4, 5):
+            torch.set_num_threads(threads)
+            for rows in (slice(0, 1), slice(1, 2), slice(0, 2)):
+                out = cpu_kernels.paged_decode_attention(
+                    q[rows], cache, meta.block_tables[rows], meta.seq_lens[rows], 0.125
+                )
+                outs.append((rows, out))
+    finally:
+        torch.set_num_threads(previous)
+    reference = outs[2][1]  # one thread, both sequences
+    for rows, out in outs:
+        assert torch.equal(out, reference[rows])
+
+
 def test_decode_attention_of_extreme_scores_stays_finite():
     cache = torch.zeros(2, 4, 16, 1, 64)
     cache[0, 1, :5] = 1000.0  # huge logits: the softmax must not overflow

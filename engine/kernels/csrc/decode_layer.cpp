@@ -4,6 +4,7 @@
 // dispatch between ~20 small ops per layer is gone. window / softcap (0: off) go to the attention.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -239,31 +240,60 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                kv_heads, scale, window, softcap, nullptr);
 }
 
-// Every layer of a step in one call (no LoRA rows): per layer i, counts[2i] of `weights` and
-// counts[2i + 1] of `kinds` (what decode_layer takes, in layer order), floats[3i..] eps, scale,
-// softcap, ints[3i..] heads, kv_heads, window, and step[6i..] cos, sin, kv_cache, slot_mapping,
-// block_tables, seq_lens. The same ops as calling decode_layer per layer, so the same bits; only
-// the per-layer Python call and its argument conversion are gone.
-at::Tensor decode_layers(const at::Tensor& h, const std::vector<at::Tensor>& weights,
-                         const std::vector<int64_t>& counts, const std::vector<int64_t>& kinds,
-                         const std::vector<double>& floats, const std::vector<int64_t>& ints,
-                         const std::vector<at::Tensor>& step) {
-  const size_t layers = counts.size() / 2;
-  TORCH_CHECK(counts.size() == 2 * layers && floats.size() == 3 * layers &&
-                  ints.size() == 3 * layers && step.size() == 6 * layers,
-              "decode_layers: per-layer arguments of different lengths");
+// decode_layers' per-model arguments, built once per model (engine/models/decoder.py, _decode_plan)
+// and kept here, so that a step converts only its own few tensors: per layer i, counts[2i] of
+// `weights` and counts[2i + 1] of `kinds` (what decode_layer takes, in layer order), floats[3i..]
+// eps, scale, softcap, ints[3i..] heads, kv_heads, window.
+struct DecodePlan : torch::CustomClassHolder {
+  struct Layer {
+    std::vector<at::Tensor> w;
+    std::vector<int64_t> kinds;
+    double eps, scale, softcap;
+    int64_t heads, kv_heads, window;
+  };
+  std::vector<Layer> layers;
+
+  DecodePlan(std::vector<at::Tensor> weights, std::vector<int64_t> counts,
+             std::vector<int64_t> kinds, std::vector<double> floats, std::vector<int64_t> ints) {
+    const size_t n = counts.size() / 2;
+    TORCH_CHECK(counts.size() == 2 * n && floats.size() == 3 * n && ints.size() == 3 * n,
+                "DecodePlan: per-layer arguments of different lengths");
+    size_t w0 = 0, k0 = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const auto nw = static_cast<size_t>(counts[2 * i]), nk = static_cast<size_t>(counts[2 * i + 1]);
+      TORCH_CHECK(w0 + nw <= weights.size() && k0 + nk <= kinds.size(),
+                  "DecodePlan: counts run past the weights or kinds");
+      layers.push_back(Layer{{weights.begin() + w0, weights.begin() + w0 + nw},
+                             {kinds.begin() + k0, kinds.begin() + k0 + nk}, floats[3 * i],
+                             floats[3 * i + 1], floats[3 * i + 2], ints[3 * i], ints[3 * i + 1],
+                             ints[3 * i + 2]});
+      w0 += nw, k0 += nk;
+    }
+    TORCH_CHECK(w0 == weights.size() && k0 == kinds.size(), "DecodePlan: weights or kinds left over");
+  }
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+};
+
+// Every layer of a step in one call (no LoRA rows): layer i runs decode_layer's ops with the
+// plan's layer i, its KV cache kv_caches[i] and shared[5 where[i]..]: cos, sin, slot_mapping,
+// block_tables, seq_lens (one such set per distinct rotary and KV-cache group of the layers). The
+// same ops as calling decode_layer per layer, so the same bits; only the per-layer Python call and
+// its argument conversion are gone.
+at::Tensor decode_layers(const at::Tensor& h, const c10::intrusive_ptr<DecodePlan>& plan,
+                         const std::vector<at::Tensor>& kv_caches,
+                         const std::vector<at::Tensor>& shared, const std::vector<int64_t>& where) {
+  const size_t layers = plan->layers.size();
+  TORCH_CHECK(kv_caches.size() == layers && where.size() == layers,
+              "decode_layers: ", layers, " layers in the plan, ", kv_caches.size(),
+              " KV caches, ", where.size(), " step indices");
   at::Tensor x = h;
-  size_t w0 = 0, k0 = 0;
   for (size_t i = 0; i < layers; ++i) {
-    const auto nw = static_cast<size_t>(counts[2 * i]), nk = static_cast<size_t>(counts[2 * i + 1]);
-    TORCH_CHECK(w0 + nw <= weights.size() && k0 + nk <= kinds.size(),
-                "decode_layers: counts run past the weights or kinds");
-    const std::vector<at::Tensor> w(weights.begin() + w0, weights.begin() + w0 + nw);
-    const std::vector<int64_t> k(kinds.begin() + k0, kinds.begin() + k0 + nk);
-    w0 += nw, k0 += nk;
-    const at::Tensor* s = step.data() + 6 * i;
-    x = layer(x, w, k, floats[3 * i], s[0], s[1], s[2], s[3], s[4], s[5], ints[3 * i],
-              ints[3 * i + 1], floats[3 * i + 1], ints[3 * i + 2], floats[3 * i + 2], nullptr);
+    const DecodePlan::Layer& l = plan->layers[i];
+    TORCH_CHECK(where[i] >= 0 && static_cast<size_t>(5 * where[i] + 5) <= shared.size(),
+                "decode_layers: step index out of range");
+    const at::Tensor* s = shared.data() + 5 * where[i];
+    x = layer(x, l.w, l.kinds, l.eps, s[0], s[1], kv_caches[i], s[2], s[3], s[4], l.heads,
+              l.kv_heads, l.scale, l.window, l.softcap, nullptr);
   }
   return x;
 }
@@ -289,9 +319,13 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "decode_layer(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, "
       "int kv_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<double>, std::vector<int64_t>>())
+      .def("size", &DecodePlan::size);
   m.def(
-      "decode_layers(Tensor h, Tensor[] weights, int[] counts, int[] kinds, float[] floats, "
-      "int[] ints, Tensor(a!)[] step) -> Tensor");
+      "decode_layers(Tensor h, __torch__.torch.classes.kvserve.DecodePlan plan, "
+      "Tensor(a!)[] kv_caches, Tensor[] shared, int[] where) -> Tensor");
   m.def(
       "decode_layer_lora(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
