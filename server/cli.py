@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
+import os
 import signal
 import sys
 import threading
@@ -31,6 +33,25 @@ if TYPE_CHECKING:
     from server.state import ServerConfig
 
 logger = logging.getLogger("kvserve")
+
+# libgomp's workers wait for the next parallel region spinning, by default ~300k times (milliseconds),
+# holding their core while the step's Python, the event loop or a neighbouring process needs it;
+# on a shared machine a descheduled worker then stalls every barrier of the step. A short spin
+# covers the gaps between the regions of one step, then the worker sleeps. Measured with
+# benchmarks/neighbours.py (README, "Threads that share the machine").
+GOMP_SPINCOUNT = "1000"
+
+
+def _openmp_wait_policy() -> str:
+    """Set the OpenMP workers' wait (before torch loads libgomp) unless the user chose one; return
+    a line for the log."""
+    chosen = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    if chosen:
+        return "OpenMP wait: " + " ".join(f"{k}={v}" for k, v in chosen.items()) + " (environment)"
+    if "torch" in sys.modules:
+        return "OpenMP wait: libgomp's default (torch was loaded before kvserve could set it)"
+    os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+    return f"OpenMP wait: GOMP_SPINCOUNT={GOMP_SPINCOUNT} (a short spin, then sleep)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.exit(2, f"kvserve serve: error: {e}\n")
     configure_logging(server_config.log_level)
+    logger.info("%s", _openmp_wait_policy())
     if ray_config.enabled:
         from server.distributed.launch import serve_on_ray
 
@@ -196,6 +218,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             server.should_exit = True
         else:
             state.engine = engine
+            # What start-up loaded lives as long as the server: frozen out of the collector's sight,
+            # a full collection no longer walks its ~300k objects (a 10-20 ms pause inside a step).
+            gc.collect()
+            gc.freeze()
             if engine.loras():
                 names = ", ".join(info.name for info in engine.loras())
                 logger.info("serving LoRA adapters: %s (select one by `model`)", names)

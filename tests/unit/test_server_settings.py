@@ -173,3 +173,35 @@ def test_bad_cli_values_say_what_was_expected_not_a_function_name(
     err = capsys.readouterr().err
     assert message in err
     assert "invalid" not in err.splitlines()[-1]  # no "invalid _optional_size value"
+
+
+def _policy_in_fresh_python(env: dict[str, str], first: str = "") -> list[str]:
+    """server.cli's OpenMP wait policy in a fresh interpreter: its log line, then GOMP_SPINCOUNT."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        f"{first}\nimport os, server.cli as c\nprint(c._openmp_wait_policy())\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'))"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.splitlines()
+
+
+def test_openmp_workers_spin_briefly_unless_the_user_chose() -> None:
+    line, spin = _policy_in_fresh_python({})
+    assert spin == "1000" and "GOMP_SPINCOUNT=1000" in line
+    line, spin = _policy_in_fresh_python({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert spin == "None" and "OMP_WAIT_POLICY=ACTIVE (environment)" in line
+    line, spin = _policy_in_fresh_python({"GOMP_SPINCOUNT": "50"})
+    assert spin == "50" and "(environment)" in line
+    line, spin = _policy_in_fresh_python({}, first="import torch")  # too late to change libgomp
+    assert spin == "None" and "libgomp's default" in line
