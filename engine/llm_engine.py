@@ -31,7 +31,7 @@ from engine.core.sampling_params import (
     resolve_max_tokens,
 )
 from engine.core.scheduler import Scheduler
-from engine.core.sequence_update import SequenceUpdater
+from engine.core.sequence_update import SequenceUpdater, finished_stats
 from engine.core.snapshot import (
     BlockHolders,
     EngineSnapshot,
@@ -42,7 +42,7 @@ from engine.core.snapshot import (
 )
 from engine.core.spec_config import DRAFT_METHODS
 from engine.core.speculator import Speculator
-from engine.core.stats import EngineTotals, StepStats
+from engine.core.stats import EngineTotals, FinishedRequestStats, StepStats
 from engine.core.step_budget import StepBudget, StepLoad, resolve_target_step_ms
 from engine.executor.draft_model import build_drafter
 from engine.executor.kv_store import TieredKVStore, model_fingerprint, open_kv_store
@@ -153,6 +153,9 @@ class LLMEngine:
         self._open_kv_tiers(quantization)
         self.groups: dict[str, RequestGroup] = {}
         self.totals = EngineTotals()
+        # Requests aborted since the last step: their records ride on the next step's stats.finished
+        # (so the metrics count finish_reason "abort"; with no step after them, at the next one).
+        self._aborted: list[FinishedRequestStats] = []
         self.last_step: StepStats | None = None
         self.recent_steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
         self.publish()
@@ -378,6 +381,7 @@ class LLMEngine:
         for seq in group.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self.adapters.release(group)
+        self._aborted.append(finished_stats(group, time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -428,6 +432,8 @@ class LLMEngine:
                         self.adapters.release(g)
 
         stats = update.stats  # the scheduler's own report of the step; its duration is timed here
+        if self._aborted:
+            stats.finished[:0], self._aborted = self._aborted, []
         stats.duration = time.monotonic() - t0
         self.scheduler.observe_step(sched, stats.duration)  # speculation's cost model learns too
         if self.scheduler.step_budget is not None:  # the step-time budget learns from each step

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig, EngineSnapshot, SamplingParams
+from engine import LLM, EngineConfig, EngineSnapshot, SamplingParams
 from engine.async_engine import AsyncLLMEngine
 from engine.executor.model_runner import ModelRunner
 from engine.faults import FAULT_INJECTION_ENV, NAN_AFTER_TOKENS, NAN_LOGITS, FaultInjectingRunner
@@ -146,3 +146,24 @@ def test_fault_hooks_are_chosen_at_construction(
     faulty = finals["faulty"]
     assert faulty.error is not None and "non-finite" in faulty.error
     assert not faulty.outputs or len(faulty.outputs[0].token_ids) <= NAN_AFTER_TOKENS
+
+
+def test_an_aborted_request_is_in_the_next_steps_finished_stats(tiny_llama_dir):
+    """An abort between steps reaches the metrics: its record (finish_reason "abort", its tokens so
+    far) rides on the next step's stats.finished, once, and counts in the engine's totals."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7, 8], params)
+    engine.add_request("b", [9, 10, 11], params)
+    for _ in range(3):
+        engine.step()
+    before = engine.totals.num_finished
+    engine.abort_request("a")
+    engine.step()
+    finished = [(f.request_id, f.finish_reason) for f in engine.last_step.finished]
+    assert finished == [("a", "abort")]
+    assert engine.last_step.finished[0].num_generation_tokens >= 2
+    assert engine.totals.num_finished == before + 1
+    engine.step()
+    assert engine.last_step.finished == []
