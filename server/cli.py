@@ -40,6 +40,7 @@ logger = logging.getLogger("kvserve")
 # covers the gaps between the regions of one step, then the worker sleeps. Measured with
 # benchmarks/neighbours.py (README, "Threads that share the machine").
 GOMP_SPINCOUNT = "1000"
+LOAD_THREAD = "kvserve-load"  # the daemon thread that loads the engine
 
 
 def _openmp_wait_policy() -> str:
@@ -108,7 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         from server.distributed.launch import serve_on_ray
 
         return serve_on_ray(values, ray_config, server_config)
-    return asyncio.run(serve(engine_config, server_config))
+    code = asyncio.run(serve(engine_config, server_config))
+    if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        # Stopped while the model still loads: the interpreter's own exit would tear down what the
+        # loading thread is using inside native code (C++ aborts the process: exit 134), so leave
+        # now; nothing was started that needs closing.
+        logger.info("exiting while the model was still loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _load_in_daemon_thread(engine_config: EngineConfig) -> asyncio.Future[EngineClient]:
@@ -134,7 +145,7 @@ def _load_in_daemon_thread(engine_config: EngineConfig) -> asyncio.Future[Engine
             return
         loop.call_soon_threadsafe(settle, engine, None)
 
-    threading.Thread(target=load, name="kvserve-load", daemon=True).start()
+    threading.Thread(target=load, name=LOAD_THREAD, daemon=True).start()
     return future
 
 

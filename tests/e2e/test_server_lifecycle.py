@@ -175,3 +175,20 @@ def test_default_server_greedy_chat_is_the_same_alone_and_concurrent(
     alone, together = asyncio.run(run_all())
     assert all(alone)
     assert together == alone
+
+
+def test_sigterm_while_the_model_loads_exits_0(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A stop during start-up (an orchestrator that gives up on a starting pod) is a clean exit 0,
+    not the C++ abort of tearing down the interpreter under the loading thread."""
+    log = tmp_path / "load.log"
+    server = ServerProcess(tiny_llama_dir, [*TINY_ARGS, "--log-level", "info"], log)
+    try:
+        deadline = time.monotonic() + 120
+        while "loading model" not in server.log() and time.monotonic() < deadline:
+            assert server.proc.poll() is None, server.log()
+            time.sleep(0.02)
+        time.sleep(0.3)  # into the load
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0, server.log()
+    finally:
+        server.stop()
