@@ -271,7 +271,6 @@ struct DecodePlan : torch::CustomClassHolder {
     }
     TORCH_CHECK(w0 == weights.size() && k0 == kinds.size(), "DecodePlan: weights or kinds left over");
   }
-  int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
 // Every layer of a step in one call (no LoRA rows): layer i runs decode_layer's ops with the
@@ -321,8 +320,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "int kv_heads, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<double>, std::vector<int64_t>>())
-      .def("size", &DecodePlan::size);
+                       std::vector<double>, std::vector<int64_t>>());
   m.def(
       "decode_layers(Tensor h, __torch__.torch.classes.kvserve.DecodePlan plan, "
       "Tensor(a!)[] kv_caches, Tensor[] shared, int[] where) -> Tensor");
