@@ -85,20 +85,25 @@ template <typename KT>
 KV_AVX2 void attend_item_avx2(const float* qf, const KT* const* kp, const KT* const* vp,
                               int64_t len, int64_t group, int64_t d, float softcap, float* scores,
                               float* out) {
-  constexpr int64_t kAhead = 16;  // keys asked for this many tokens ahead of their scores
+  // Keys asked for into L1 kAhead tokens ahead of their scores and into L2 4 kAhead ahead; values
+  // into L2 as the first head's scores pass them (P.V reads them after every head's softmax).
+  constexpr int64_t kAhead = 16;
   prefetch_rows(kp, 0, std::min(kAhead, len), d);
+  prefetch_rows<KT, _MM_HINT_T1>(kp, std::min(kAhead, len), std::min(4 * kAhead, len), d);
   for (int64_t g = 0; g < group; ++g) {  // scores, g-major: scores[g * len + t]
     const float* qg = qf + g * d;
     float* sg = scores + g * len;
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) {
-      if (g == 0) {  // the first head's pass brings the keys ahead and the values for P.V
+      if (g == 0) {
         prefetch_rows(kp, std::min(t + kAhead, len), std::min(t + kAhead + 8, len), d);
-        prefetch_rows(vp, t, t + 8, d);
+        prefetch_rows<KT, _MM_HINT_T1>(kp, std::min(t + 4 * kAhead, len),
+                                       std::min(t + 4 * kAhead + 8, len), d);
+        prefetch_rows<KT, _MM_HINT_T1>(vp, t, t + 8, d);
       }
       scores8_avx2(qg, kp + t, d, sg + t);
     }
-    if (g == 0) prefetch_rows(vp, t, len, d);
+    if (g == 0) prefetch_rows<KT, _MM_HINT_T1>(vp, t, len, d);
     for (; t < len; ++t) sg[t] = score1_avx2(qg, kp[t], d);
     softmax_row_avx2(sg, len, softcap);
   }
