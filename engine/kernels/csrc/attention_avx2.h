@@ -148,6 +148,35 @@ KV_AVX2 inline void scores8x2_avx2(const float* qa, const float* qb, const KT* c
   }
 }
 
+// scores8x2_avx2 for three query vectors (12 accumulators, 3 queries and 1 key in 16 ymm: each key
+// vector loaded once for the three), the same chains and tree, so the same bits.
+template <typename KT>
+KV_AVX2 inline void scores8x3_avx2(const float* qa, const float* qb, const float* qc,
+                                   const KT* const* kp, int64_t d, float* outa, float* outb,
+                                   float* outc) {
+  for (int h = 0; h < 8; h += 4) {
+    __m256 a[4], b[4], c[4];
+    for (int u = 0; u < 4; ++u)
+      a[u] = _mm256_setzero_ps(), b[u] = _mm256_setzero_ps(), c[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 va = _mm256_loadu_ps(qa + i), vb = _mm256_loadu_ps(qb + i),
+                   vc = _mm256_loadu_ps(qc + i);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 k = load8(kp[h + u] + i);
+        a[u] = _mm256_fmadd_ps(k, va, a[u]);
+        b[u] = _mm256_fmadd_ps(k, vb, b[u]);
+        c[u] = _mm256_fmadd_ps(k, vc, c[u]);
+      }
+    }
+    const __m256 ta = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 tb = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+    const __m256 tc = _mm256_hadd_ps(_mm256_hadd_ps(c[0], c[1]), _mm256_hadd_ps(c[2], c[3]));
+    _mm_storeu_ps(outa + h, _mm_add_ps(_mm256_castps256_ps128(ta), _mm256_extractf128_ps(ta, 1)));
+    _mm_storeu_ps(outb + h, _mm_add_ps(_mm256_castps256_ps128(tb), _mm256_extractf128_ps(tb, 1)));
+    _mm_storeu_ps(outc + h, _mm_add_ps(_mm256_castps256_ps128(tc), _mm256_extractf128_ps(tc, 1)));
+  }
+}
+
 // One score (the tail tokens after the last full run of 8): the same lane-wise dot, hsum1.
 template <typename KT>
 KV_AVX2 inline float score1_avx2(const float* q, const KT* k, int64_t d) {
