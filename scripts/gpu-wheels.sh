@@ -18,9 +18,13 @@ packages=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5
   annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.54.0 gguf==0.19.0
   pytest-asyncio==1.5.0 opentelemetry-api==1.45.2
+  pyzmq==27.3.0 cbor2==6.3.0  # imported by engine/ at start-up (KV events, block hashes)
+  llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
+  rpds-py==2026.9.1  # structured outputs
+  typing-extensions==4.16.0  # pydantic 2.14 needs >= 4.16
 )
 platforms=()
-for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64 \
+for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_26_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64 \
          manylinux_2_34_x86_64 manylinux_2_39_x86_64 manylinux1_x86_64 any; do
   platforms+=(--platform "$p")
 done
