@@ -10,13 +10,25 @@
 #   1. carry [".gpu/part1"]:                  scripts/gpu-check.sh stash
 #   2. carry [".gpu/part2", ".gpu/wheels"]:   scripts/gpu-check.sh          (within the warm window)
 # GPU_CHECK_DRY=1 runs every non-GPU piece on CPU with tiny workloads (syntax, Python pieces, table).
+# The device tool returns at most 8 files, so $OUT gets 5: table.txt, tests.log, server.log,
+# hf_baseline.log and results.tgz (every JSON); each step's timeout is cut to what is left of
+# GPU_CHECK_SECONDS (default 540, under one call's 600 s limit), so the files come back even when a
+# step hangs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry="${GPU_CHECK_DRY:-0}"
 # Outside the working tree, which each device call copies afresh; KVSERVE_GPU_STASH overrides it.
 stash="${KVSERVE_GPU_STASH:-$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/kvserve-gpu}"
 out="${OUT:-$PWD/gpu-check-out}"
+work=$(mktemp -d)  # JSONs and logs as they are written; collect() puts them in $out at exit
 mkdir -p "$out"
+deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-540} ))
+# left N: seconds a step may take, at most N, leaving 25 s for the baseline's table and collect()
+left() { local l=$(( deadline - $(date +%s) - 25 )); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
+collect() {
+  for f in table.txt tests.log server.log hf_baseline.log; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
+  tar czf "$out/results.tgz" -C "$work" . 2>/dev/null
+}
 py="${PYTHON:-python3}"
 log() { echo "== $(date +%H:%M:%S) $*"; }
 
@@ -25,6 +37,7 @@ if [ "${1:-}" = "stash" ]; then
   exit 1
 fi
 
+trap collect EXIT
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "$dry" = "1" ]; then
   device=cpu; levels="1,2,4"; in_len=16; out_len=8; reqs=(2 4 8); hf_reqs=2; hf_b1=1; hf_extra=(--cb-num-blocks 16)
@@ -54,15 +67,15 @@ echo "model folder: $model_dir"
 status=0
 if [ "$dry" != "1" ]; then
   log "CUDA tests: graphs, Triton attention, transformers parity (fp32 exact)"
-  timeout 240 "$py" -m pytest -q -s -p no:cacheprovider tests/model/test_cuda.py \
+  timeout "$(left 240)" "$py" -m pytest -q -s -p no:cacheprovider tests/model/test_cuda.py \
     tests/unit/test_triton_attention.py tests/unit/test_attention.py tests/unit/test_cuda_graphs.py \
-    tests/model/test_engine_vs_transformers.py 2>&1 | tee "$out/tests.log" \
+    tests/model/test_engine_vs_transformers.py 2>&1 | tee "$work/tests.log" \
     | grep -E "passed|failed|error|greedy match" || true
-  grep -qE "[0-9]+ failed|error" "$out/tests.log" && status=1
+  grep -qE "[0-9]+ failed|error" "$work/tests.log" && status=1
 fi
 
 log "device limits"
-"$py" -m benchmarks.gpu_check limits "${limit_args[@]}" --json-out "$out/limits.json" >/dev/null \
+"$py" -m benchmarks.gpu_check limits "${limit_args[@]}" --json-out "$work/limits.json" >/dev/null \
   || status=1
 
 log "serve on $device ($serve_dtype) and bench at concurrency $levels"
@@ -70,31 +83,32 @@ port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); pri
 max_seqs=${levels##*,}
 "$py" -m server.cli serve --device "$device" --dtype "$serve_dtype" --port "$port" \
   --max-num-seqs "$max_seqs" --max-num-batched-tokens 8192 --max-queued-requests 4096 \
-  > "$out/server.log" 2>&1 &
+  > "$work/server.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null' EXIT
-for _ in $(seq 300); do
+trap 'kill $server 2>/dev/null; collect' EXIT
+for _ in $(seq "$(left 300)"); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
   kill -0 $server 2>/dev/null || break
   sleep 1
 done
-grep -E "attention backend|CUDA graph|engine ready" "$out/server.log" | sed 's/^/  server: /'
+grep -E "attention backend|CUDA graph|engine ready" "$work/server.log" | sed 's/^/  server: /'
 i=0
 for c in ${levels//,/ }; do
-  timeout 120 "$py" -m server bench --base-url "http://127.0.0.1:$port" \
+  timeout "$(left 120)" "$py" -m server bench --base-url "http://127.0.0.1:$port" \
     --concurrency "$c" --num-requests "${reqs[$i]}" --input-len "$in_len" --output-len "$out_len" \
-    --max-seconds 90 --warmup 2 --no-progress --json-out "$out/bench_c$c.json" >/dev/null 2>&1 \
+    --max-seconds 90 --warmup 2 --no-progress --json-out "$work/bench_c$c.json" >/dev/null 2>&1 \
     || { echo "bench at concurrency $c failed"; status=1; }
   i=$((i + 1))
 done
 kill $server 2>/dev/null; wait $server 2>/dev/null
 
 log "transformers baseline (generate, continuous batching)"
-timeout 180 "$py" -m benchmarks.gpu_check baseline --model "$model_dir" --device "$device" \
+timeout "$(left 180)" "$py" -m benchmarks.gpu_check baseline --model "$model_dir" --device "$device" \
   --dtype "$serve_dtype" --input-len "$in_len" --output-len "$out_len" --num-requests "$hf_reqs" \
-  --batch1-requests "$hf_b1" "${hf_extra[@]}" --json-out "$out/hf_baseline.json" > "$out/hf_baseline.log" 2>&1 || status=1
+  --batch1-requests "$hf_b1" "${hf_extra[@]}" --json-out "$work/hf_baseline.json" > "$work/hf_baseline.log" 2>&1 || status=1
 
 log "table"
-"$py" -m benchmarks.gpu_check table --model "$model_dir" --results "$out" --levels "$levels" \
-  --dtype "$serve_dtype" | tee "$out/table.txt"
+"$py" -m benchmarks.gpu_check table --model "$model_dir" --results "$work" --levels "$levels" \
+  --dtype "$serve_dtype" | tee "$work/table.txt"
+collect
 exit $status
