@@ -34,6 +34,7 @@ _SOURCES = tuple(
         "block_paths.cpp",
         "decode_layer.cpp",
         "silu_mul.cpp",
+        "first_argmax.cpp",
     )
 )
 _HEADERS = (_CSRC / "block_matmul.h", _CSRC / "attention_avx2.h")
@@ -147,6 +148,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :inter]) * x[:, inter:] for x [n, 2 * inter] float32, in one pass per row."""
     return torch.ops.kvserve.silu_mul(x)
+
+
+def first_argmax(x: torch.Tensor, portable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.max(dim=-1) of x [rows, n] float32 (NaN counts as the maximum, ties keep the first index)
+    in one vectorized pass per row; portable=True: the element-by-element path."""
+    values, indices = torch.ops.kvserve.first_argmax(x, portable)
+    return values, indices
 
 
 def rope_write_kv(

@@ -14,6 +14,7 @@ from engine.executor.sampler import (
     first_argmax,
     make_generator,
 )
+from engine.kernels import cpu_kernels
 
 
 def row(
@@ -88,6 +89,40 @@ def test_fast_greedy_argmax_reports_nan_and_all_minus_inf_rows_like_max():
     with pytest.raises(RowError) as info:
         Sampler()(logits, [row() for _ in range(4)])
     assert info.value.row_index == 1
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    """Rows of every width the kernel's vector loop, lane merge and tail meet, with ties, NaNs,
+    infinities, signed zeros and strided rows."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for n in (1, 7, 8, 31, 63, 64, 65, 127, 200, 1000, 4099, 49152):
+        rows = 3
+        cases.append(torch.randn(rows, n, generator=gen))
+        cases.append(torch.randint(-2, 2, (rows, n), generator=gen).float())  # ties everywhere
+        nan = torch.randn(rows, n, generator=gen)
+        nan[torch.rand(rows, n, generator=gen) < 0.02] = float("nan")
+        nan[0, -1] = float("nan")  # at least one, in a tail or the last lane
+        cases.append(nan)
+        inf = torch.full((rows, n), float("-inf"))
+        inf[1, n // 2] = float("inf")
+        inf[2, torch.rand(n, generator=gen) < 0.3] = 5.0
+        cases.append(inf)
+        zeros = torch.where(torch.rand(rows, n, generator=gen) < 0.5, -0.0, 0.0)
+        cases.append(zeros)  # -0.0 == 0.0: the first one, with its sign
+        cases.append(torch.randn(rows, n + 5, generator=gen)[:, 2 : n + 2])  # strided rows
+    return cases
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C++ CPU kernels")
+@pytest.mark.parametrize("portable", [False, True], ids=["vectorized", "portable"])
+def test_first_argmax_kernel_is_bitwise_max_dim(portable):
+    """csrc/first_argmax.cpp, each path: the value bits and first index torch's max(dim) gives."""
+    for x in _argmax_cases():
+        expected_values, expected_ids = x.max(dim=-1)
+        values, ids = cpu_kernels.first_argmax(x, portable)
+        assert torch.equal(ids, expected_ids), (x.shape, ids, expected_ids)
+        assert torch.equal(values.view(torch.int32), expected_values.contiguous().view(torch.int32))
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy():
