@@ -10,10 +10,10 @@
 #   1. carry [".gpu/part1"]:                  scripts/gpu-check.sh stash
 #   2. carry [".gpu/part2", ".gpu/wheels"]:   scripts/gpu-check.sh          (within the warm window)
 # GPU_CHECK_DRY=1 runs every non-GPU piece on CPU with tiny workloads (syntax, Python pieces, table).
-# The device tool returns at most 8 files, so $OUT gets 5: table.txt, tests.log, server.log,
-# hf_baseline.log and results.tgz (every JSON); each step's timeout is cut to what is left of
-# GPU_CHECK_SECONDS (default 540, under one call's 600 s limit), so the files come back even when a
-# step hangs.
+# The device tool returns at most 8 files, so $OUT gets at most 5: table.txt, tests.log (GPU runs),
+# server.log, hf_baseline.log and results.tgz (every JSON); every step runs under a timeout cut to
+# what is left of GPU_CHECK_SECONDS (default 540, under one call's 600 s limit), so the files come
+# back even when a step hangs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry="${GPU_CHECK_DRY:-0}"
@@ -23,11 +23,13 @@ out="${OUT:-$PWD/gpu-check-out}"
 work=$(mktemp -d)  # JSONs and logs as they are written; collect() puts them in $out at exit
 mkdir -p "$out"
 deadline=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-540} ))
-# left N: seconds a step may take, at most N, leaving 25 s for the baseline's table and collect()
+# left N: seconds a step may take, at most N, leaving 25 s for the table and collect()
 left() { local l=$(( deadline - $(date +%s) - 25 )); [ "$l" -lt "$1" ] && echo $(( l > 5 ? l : 5 )) || echo "$1"; }
-collect() {
+collect() {  # once: the EXIT trap calls it again
+  [ -d "$work" ] || return 0
   for f in table.txt tests.log server.log hf_baseline.log; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
   tar czf "$out/results.tgz" -C "$work" . 2>/dev/null
+  rm -rf "$work"
 }
 py="${PYTHON:-python3}"
 log() { echo "== $(date +%H:%M:%S) $*"; }
@@ -53,14 +55,14 @@ else
   wheel="$stash/$(cat .gpu/part2/NAME)"
   cat "$stash/part00" "$stash/part01" > "$wheel"
   echo "$(cat .gpu/part2/SHA256)  $wheel" | sha256sum -c - || exit 1
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$stash/site" .gpu/wheels/*.whl "$wheel" || exit 1
+  timeout "$(left 120)" "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$stash/site" .gpu/wheels/*.whl "$wheel" || exit 1
   export PYTHONPATH="$PWD:$stash/site"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
-"$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
+timeout 60 "$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
   "cuda", torch.cuda.is_available()); import triton; print("triton", triton.__version__)' || true
-model_dir=$("$py" -c 'from engine.models.loader import resolve_model; print(resolve_model(None))') \
+model_dir=$(timeout "$(left 180)" "$py" -c 'from engine.models.loader import resolve_model; print(resolve_model(None))') \
   || { echo "cannot resolve the bundled model"; exit 1; }
 echo "model folder: $model_dir"
 
@@ -75,8 +77,8 @@ if [ "$dry" != "1" ]; then
 fi
 
 log "device limits"
-"$py" -m benchmarks.gpu_check limits "${limit_args[@]}" --json-out "$work/limits.json" >/dev/null \
-  || status=1
+timeout "$(left 60)" "$py" -m benchmarks.gpu_check limits "${limit_args[@]}" \
+  --json-out "$work/limits.json" >/dev/null || status=1
 
 log "serve on $device ($serve_dtype) and bench at concurrency $levels"
 port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -108,7 +110,7 @@ timeout "$(left 180)" "$py" -m benchmarks.gpu_check baseline --model "$model_dir
   --batch1-requests "$hf_b1" "${hf_extra[@]}" --json-out "$work/hf_baseline.json" > "$work/hf_baseline.log" 2>&1 || status=1
 
 log "table"
-"$py" -m benchmarks.gpu_check table --model "$model_dir" --results "$work" --levels "$levels" \
+timeout 20 "$py" -m benchmarks.gpu_check table --model "$model_dir" --results "$work" --levels "$levels" \
   --dtype "$serve_dtype" | tee "$work/table.txt"
 collect
 exit $status
