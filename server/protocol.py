@@ -41,21 +41,32 @@ def _non_empty_salt(value: str) -> str:
 CacheSalt = Annotated[str, AfterValidator(_non_empty_salt)]
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    """JSON may escape half a UTF-16 pair ("\\ud800"); such text cannot be tokenized or sent back."""
-    if isinstance(value, str):
-        if value.isascii():
-            return False
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list) and value and isinstance(value[0], (str, list, dict)):
-        return any(_has_lone_surrogate(v) for v in value)
-    return False
+# Deeper than this, a request's JSON is no structure a model can be asked for (llguidance refuses
+# schemas past ~127 levels) and would only exhaust recursion further on: a 400 names the depth.
+MAX_NESTING = 200
+
+
+def _text_problem(value: Any) -> str | None:
+    """What makes a field's value unusable, or None: text with an unpaired UTF-16 surrogate (JSON
+    may escape half a pair, "\\ud800"; such text cannot be tokenized or sent back), or nesting
+    deeper than MAX_NESTING. Walked with a stack, so any depth is safe to look at."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "the text is not valid Unicode: it contains an unpaired surrogate"
+        elif isinstance(item, dict) or (
+            isinstance(item, list) and item and isinstance(item[0], (str, list, dict))
+        ):
+            if depth >= MAX_NESTING:
+                return f"the value nests more than {MAX_NESTING} levels deep"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return None
 
 
 class PartError(ValueError):
@@ -74,8 +85,9 @@ class StrictModel(BaseModel):
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
-        if _has_lone_surrogate(value):
-            raise ValueError("the text is not valid Unicode: it contains an unpaired surrogate")
+        problem = _text_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 

@@ -53,6 +53,8 @@ def check_json_schema(schema: Any, param: str) -> str:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         why = f"{e.message} ({e.cause})" if e.cause is not None else e.message
         raise invalid_request(f"invalid JSON schema at {where}: {why}", param) from None
+    except RecursionError:  # jsonschema walks the schema recursively
+        raise invalid_request("the JSON schema nests too deeply to be checked", param) from None
     return json.dumps(schema, sort_keys=True)
 
 

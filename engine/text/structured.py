@@ -191,6 +191,17 @@ def _grammar_entries(constraint: StructuredOutputs) -> list[dict[str, Any]]:
 
 
 def _single_grammar_text(constraint: StructuredOutputs) -> str:
+    try:
+        return _build_grammar_text(constraint)
+    except SamplingParamsError:
+        raise
+    except (ValueError, RecursionError) as e:  # llguidance refuses it (e.g. nested too deeply)
+        raise SamplingParamsError(
+            f"the {_noun(constraint)} cannot be used: {e}", constraint.source
+        ) from None
+
+
+def _build_grammar_text(constraint: StructuredOutputs) -> str:
     from llguidance import LLMatcher, grammar_from
 
     if constraint.json is not None or constraint.json_object:

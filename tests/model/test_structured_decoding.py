@@ -291,6 +291,11 @@ def test_bad_constraints_raise_naming_their_source(tiny: LLM) -> None:
         assert info.value.param == constraint.source and words in str(info.value)
     with pytest.raises(SamplingParamsError):
         StructuredOutputs(regex="a", choice=("a",))
+    # Nested past llguidance's recursion limit: its ValueError is the request's error (was a 500).
+    deep = '{"a":' * 150 + "1" + "}" * 150
+    with pytest.raises(SamplingParamsError) as info:
+        tiny.engine.compile_constraint(StructuredOutputs(json=deep, source="guided_json"))
+    assert info.value.param == "guided_json" and "recursion limit" in str(info.value)
 
 
 def test_random_weights_under_tools_with_a_format_call_or_answer_validly(tiny: LLM) -> None:

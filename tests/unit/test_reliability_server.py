@@ -71,6 +71,48 @@ async def test_bad_values_are_400_naming_the_field(
         assert err["param"] and err["param"].startswith("messages[0]")
 
 
+def _nested_schema(levels: int) -> bytes:
+    """A JSON schema of `levels` nested objects, 2 JSON levels each (as text: too deep for json)."""
+    return b'{"type":"object","properties":{"a":' * levels + b'{"type":"integer"}' + b"}}" * levels
+
+
+@pytest.mark.parametrize("levels", [99, 150, 400])
+@pytest.mark.parametrize(
+    ("path", "head", "tail", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "response_format": '
+            b'{"type": "json_schema", "json_schema": {"name": "n", "schema": ',
+            b"}}}",
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+            b'"function": {"name": "t", "parameters": ',
+            b"}}]}",
+            "tools",
+        ),
+        (
+            "/v1/responses",
+            b'{"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": ',
+            b"}}}",
+            "text.format",
+        ),
+    ],
+)
+async def test_schemas_nested_past_any_use_are_400(
+    client: httpx.AsyncClient, path: str, head: bytes, tail: bytes, param: str, levels: int
+) -> None:
+    """Deeper than a grammar can take, the request is refused naming its field (was a 500: the
+    request checks and jsonschema recursed past Python's limit)."""
+    r = await client.post(path, content=head + _nested_schema(levels) + tail, headers=JSON)
+    err = _error(r, 400)
+    assert err["type"] == "invalid_request_error" and err["param"].startswith(param), err
+    assert "nest" in err["message"]
+
+
 @pytest.mark.parametrize(
     "body",
     [
