@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 # top-p first looks for its cut-off among this many best tokens (one topk instead of a full
 # sort, which is slow on CPU); rows whose candidates hold less than top_p mass fall back to a sort.
 _TOP_P_CANDIDATES = 256
-# Greedy argmax on CPU reduces chunks of this many logits with the vectorised amax first (see
-# first_argmax); max(dim) with indices is scalar code there, about 10x slower per element.
+# Without the C++ kernels, greedy argmax on CPU reduces chunks of this many logits with the
+# vectorised amax first (see first_argmax); max(dim) with indices is scalar code there, about 10x
+# slower per element.
 _ARGMAX_CHUNK = 128
 _ARGMAX_MIN_ROWS = 4
 

@@ -2,7 +2,7 @@
 // occurrence, exactly what torch's `x.max(dim=-1)` returns (a NaN counts as the maximum, so a row
 // with one gives NaN and its first NaN's index; equal values, -0.0 and 0.0 too, keep the first).
 // torch's CPU max(dim) walks a row one element at a time (80-140 us for 49152 logits on the AVX2
-// EPYC, where one vectorized pass takes a few), and the chunked torch version costs more than the
+// EPYC, where one vectorized pass takes about 10), and the chunked torch version costs more than the
 // walk after a forward, when each of its ops starts cache-cold. Each AVX2 lane keeps its own
 // running maximum over the indices it sees (index = lane mod 32), so the first occurrence in each
 // lane wins (4 sets of 8 lanes, so 4 compare-blend chains run side by side); the lanes are then
@@ -31,8 +31,8 @@ void first_argmax_row(const float* x, int64_t n, float* value, int64_t* index) {
 }
 
 #ifdef KV_HAVE_AVX2_ATTENTION
-// kSets independent (max, index) vectors: lane l of set s sees the indices = 8 s + l mod 8 kSets,
-// so the compare-blend chains run side by side.
+// kSets independent (max, index) vectors: lane l of set s sees the indices i with
+// i mod kWidth = 8 s + l, so the kSets compare-blend chains run side by side.
 constexpr int kSets = 4, kWidth = 8 * kSets;
 
 KV_AVX2 void first_argmax_row_avx2(const float* x, int64_t n, float* value, int64_t* index) {
