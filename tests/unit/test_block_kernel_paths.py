@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,11 +25,11 @@ from engine.models.block_quant import (
     quantize_q8_0,
 )
 from engine.models.cpu_features import BLOCK_KERNEL_PATHS, block_kernel_probe, detect_cpu
+from tests import repo_pythonpath
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
 )
-ROOT = Path(__file__).resolve().parents[2]
 VECTOR_PATHS = [p for p in BLOCK_KERNEL_PATHS if p != "portable"]
 
 
@@ -150,7 +149,7 @@ def test_kvserve_block_kernels_forces_a_path(value: str) -> None:
     to the automatic choice and says why."""
     if value == "avx2" and block_kernel_probe("avx2"):
         pytest.skip("avx2 does not run here")
-    env = {**os.environ, "KVSERVE_BLOCK_KERNELS": value, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "KVSERVE_BLOCK_KERNELS": value, "PYTHONPATH": repo_pythonpath()}
     result = subprocess.run(
         [sys.executable, "-c", _ENV_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )

@@ -30,11 +30,11 @@ from engine.models.block_quant import (
 )
 from engine.models.cpu_features import detect_cpu
 from engine.models.quantization import BlockEmbedding, linear, quantize_model
+from tests import repo_pythonpath
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
 )
-ROOT = Path(__file__).resolve().parents[2]
 GGUF_TYPES = {
     "Q8_0": GGMLQuantizationType.Q8_0,
     "Q4_0": GGMLQuantizationType.Q4_0,
@@ -354,7 +354,7 @@ def test_portable_loops_agree_with_the_vectorized_kernels(tmp_path: Path) -> Non
     values = {"q8_0": quantize_q8_0(w), "q4_1": quantize_q4_1(w)}
     data = {kind: (v.q, v.d, v.m) for kind, v in values.items()}
     torch.save({**data, "x": x}, tmp_path / "in.pt")
-    env = {**os.environ, "KVSERVE_BLOCK_KERNELS": "portable", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "KVSERVE_BLOCK_KERNELS": "portable", "PYTHONPATH": repo_pythonpath()}
     script = [sys.executable, "-c", _PORTABLE_SCRIPT]
     result = subprocess.run(
         [*script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],

@@ -270,10 +270,11 @@ def test_kernels_compile_for_hopper():
     prefill, the reduction) for sm_90 ahead of time, as the GPU would: no device needed."""
     import subprocess
     import sys
-    from pathlib import Path
+
+    from tests import repo_pythonpath
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = repo_pythonpath()
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE_FOR_HOPPER],
         env=env,
