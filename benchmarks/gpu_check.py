@@ -4,6 +4,7 @@ batching), and the final table of kvserve's `kvserve bench` results against both
 
     python -m benchmarks.gpu_check limits --device cuda --json-out limits.json
     python -m benchmarks.gpu_check baseline --model DIR --device cuda --json-out hf.json
+    python -m benchmarks.gpu_check engine --model DIR --device cuda --json-out engine.json
     python -m benchmarks.gpu_check table --model DIR --results DIR
 """
 
@@ -144,6 +145,58 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """kvserve's engine alone, in this process (no HTTP, no streaming): the same prompts as one
+    offline batch, `max_num_seqs` of them at a time. Its output rate over the server's at the same
+    concurrency splits the cost between the engine and the front end. With --profile, a second run
+    under cProfile writes the top functions by own time (the engine's Python per step)."""
+    import cProfile
+    import io
+    import pstats
+    import statistics
+
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm import LLM
+
+    model_dir = Path(args.model)
+    prompts = _prompts(model_dir, args.num_requests, args.input_len)
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=8192,
+    )
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts[:2], params)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    full = [
+        r.duration
+        for r in llm.engine.recent_steps
+        if r.num_prefill_tokens == 0 and r.num_decode_tokens == args.max_num_seqs
+    ]
+    out: dict[str, Any] = {
+        "num_requests": len(prompts),
+        "max_num_seqs": args.max_num_seqs,
+        "output_tok_s": tokens / seconds,
+        "seconds": seconds,
+        "full_decode_steps": len(full),
+        "full_decode_step_ms_p50": statistics.median(full) * 1e3 if full else None,
+    }
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        llm.generate(prompts, params)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
+        Path(args.profile).write_text(text.getvalue())
+    return out
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -161,6 +214,7 @@ def build_table(model_dir: Path, results: Path, levels: list[int], dtype: str) -
     config = json.loads((model_dir / "config.json").read_text())
     limits = _load(results / "limits.json") or {}
     hf = _load(results / "hf_baseline.json") or {}
+    alone = _load(results / "engine.json") or {}
     runs = {c: _load(results / f"bench_c{c}.json") for c in levels}
     bits = 32 if dtype == "float32" else 16
     lines = [TARGETS]
@@ -196,6 +250,17 @@ def build_table(model_dir: Path, results: Path, levels: list[int], dtype: str) -
             f"{c:>11} {_fmt(run['output_throughput']):>11} {_fmt(run['ttft_ms']['median'], 2):>12} "
             f"{_fmt(itl, 3):>11} {_fmt(run['itl_ms'].get('p99'), 3):>11} {note:>20}"
         )
+    top_run = runs.get(max(levels))
+    if alone.get("output_tok_s"):
+        step = alone.get("full_decode_step_ms_p50")
+        line = (
+            f"kvserve engine alone (no HTTP), {alone['max_num_seqs']} at a time: "
+            f"{_fmt(alone['output_tok_s'])} output tok/s"
+            + (f", full decode step p50 {step:.2f} ms" if step else "")
+        )
+        if top_run and top_run.get("output_throughput"):
+            line += f"; the server at c{max(levels)} reaches {top_run['output_throughput'] / alone['output_tok_s']:.0%} of it"
+        lines.append(line)
     if hf:
         b1 = hf.get("generate_batch1", {})
         cb = hf.get("continuous_batching", {})
@@ -236,6 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
     base.add_argument("--batch1-requests", type=int, default=3, help="sequential generate calls")
     base.add_argument("--cb-num-blocks", type=int, default=None, help="KV blocks (default: auto)")
     base.add_argument("--json-out", required=True)
+    eng = sub.add_parser("engine", help="kvserve's engine alone: offline generate, no HTTP")
+    eng.add_argument("--model", required=True)
+    eng.add_argument("--device", default="cuda")
+    eng.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    eng.add_argument("--input-len", type=int, default=128)
+    eng.add_argument("--output-len", type=int, default=128)
+    eng.add_argument("--num-requests", type=int, default=768)
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--profile", default=None, help="write a cProfile top-45 (own time) here")
+    eng.add_argument("--json-out", required=True)
     tab = sub.add_parser("table", help="print the final table from the results folder")
     tab.add_argument("--model", required=True)
     tab.add_argument("--results", required=True)
@@ -250,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         result = measure_limits(torch.device(args.device), args.bytes, args.square, args.repeats)
     elif args.command == "baseline":
         result = run_baseline(args)
+    elif args.command == "engine":
+        result = run_engine(args)
     else:
         levels = [int(c) for c in args.levels.split(",")]
         print(build_table(Path(args.model), Path(args.results), levels, args.dtype))

@@ -10,6 +10,10 @@
 #   1. carry [".gpu/part1"]:                  scripts/gpu-check.sh stash
 #   2. carry [".gpu/part2", ".gpu/wheels"]:   scripts/gpu-check.sh          (within the warm window)
 # GPU_CHECK_DRY=1 runs every non-GPU piece on CPU with tiny workloads (syntax, Python pieces, table).
+# GPU_CHECK_PARTS picks the parts (default all: "tests limits serve engine baseline"), e.g. a rerun
+# after the tests passed. GPU_CHECK_PROFILE=1 adds where the Python time goes: py-spy (from .gpu/wheels)
+# on the server during the top concurrency (profile.txt in results.tgz, raw collapsed stacks per
+# thread) and cProfile on the engine-alone run (engine_profile.txt).
 # The device tool returns at most 8 files, so $OUT gets at most 5: table.txt, tests.log (GPU runs),
 # server.log, hf_baseline.log and results.tgz (every JSON); every step runs under a timeout cut to
 # what is left of GPU_CHECK_SECONDS (default 540, under one call's 600 s limit), so the files come
@@ -17,6 +21,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry="${GPU_CHECK_DRY:-0}"
+parts=" ${GPU_CHECK_PARTS:-tests limits serve engine baseline} "
+part() { [[ "$parts" == *" $1 "* ]]; }
+profile="${GPU_CHECK_PROFILE:-0}"
 # Outside the working tree, which each device call copies afresh; KVSERVE_GPU_STASH overrides it.
 stash="${KVSERVE_GPU_STASH:-$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/kvserve-gpu}"
 out="${OUT:-$PWD/gpu-check-out}"
@@ -67,7 +74,7 @@ model_dir=$(timeout "$(left 180)" "$py" -c 'from engine.models.loader import res
 echo "model folder: $model_dir"
 
 status=0
-if [ "$dry" != "1" ]; then
+if [ "$dry" != "1" ] && part tests; then
   log "CUDA tests: graphs, Triton attention, transformers parity (fp32 exact)"
   timeout "$(left 240)" "$py" -m pytest -q -s -p no:cacheprovider tests/model/test_cuda.py \
     tests/unit/test_triton_attention.py tests/unit/test_attention.py tests/unit/test_cuda_graphs.py \
@@ -76,10 +83,23 @@ if [ "$dry" != "1" ]; then
   grep -qE "[0-9]+ failed|error" "$work/tests.log" && status=1
 fi
 
+if part limits; then
 log "device limits"
 timeout "$(left 60)" "$py" -m benchmarks.gpu_check limits "${limit_args[@]}" \
   --json-out "$work/limits.json" >/dev/null || status=1
+fi
 
+if part engine; then
+  log "kvserve's engine alone (no HTTP) at concurrency ${levels##*,}"
+  engine_profile=()
+  [ "$profile" = "1" ] && engine_profile=(--profile "$work/engine_profile.txt")
+  timeout "$(left 120)" "$py" -m benchmarks.gpu_check engine --model "$model_dir" --device "$device" \
+    --dtype "$serve_dtype" --input-len "$in_len" --output-len "$out_len" --num-requests "${reqs[2]}" \
+    --max-num-seqs "${levels##*,}" "${engine_profile[@]}" --json-out "$work/engine.json" \
+    > "$work/engine.log" 2>&1 || { echo "engine alone failed"; tail -5 "$work/engine.log"; status=1; }
+fi
+
+if part serve; then
 log "serve on $device ($serve_dtype) and bench at concurrency $levels"
 port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 max_seqs=${levels##*,}
@@ -96,18 +116,33 @@ done
 grep -E "attention backend|CUDA graph|engine ready" "$work/server.log" | sed 's/^/  server: /'
 i=0
 for c in ${levels//,/ }; do
+  spy=
+  if [ "$profile" = "1" ] && [ "$c" = "${levels##*,}" ]; then
+    pyspy=$(command -v py-spy || ls "$stash"/site/bin/py-spy 2>/dev/null)
+    if [ -n "$pyspy" ]; then
+      timeout "$(left 60)" "$pyspy" record -p "$server" -d 10 -r 250 --threads --format raw \
+        -o "$work/profile.txt" > "$work/pyspy.log" 2>&1 &
+      spy=$!
+    else
+      echo "no py-spy: no server profile"
+    fi
+  fi
   timeout "$(left 120)" "$py" -m server bench --base-url "http://127.0.0.1:$port" \
     --concurrency "$c" --num-requests "${reqs[$i]}" --input-len "$in_len" --output-len "$out_len" \
     --max-seconds 90 --warmup 2 --no-progress --json-out "$work/bench_c$c.json" >/dev/null 2>&1 \
     || { echo "bench at concurrency $c failed"; status=1; }
+  [ -n "$spy" ] && wait "$spy"
   i=$((i + 1))
 done
 kill $server 2>/dev/null; wait $server 2>/dev/null
+fi
 
+if part baseline; then
 log "transformers baseline (generate, continuous batching)"
 timeout "$(left 180)" "$py" -m benchmarks.gpu_check baseline --model "$model_dir" --device "$device" \
   --dtype "$serve_dtype" --input-len "$in_len" --output-len "$out_len" --num-requests "$hf_reqs" \
   --batch1-requests "$hf_b1" "${hf_extra[@]}" --json-out "$work/hf_baseline.json" > "$work/hf_baseline.log" 2>&1 || status=1
+fi
 
 log "table"
 timeout 20 "$py" -m benchmarks.gpu_check table --model "$model_dir" --results "$work" --levels "$levels" \

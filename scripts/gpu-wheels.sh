@@ -22,9 +22,10 @@ packages=(
   llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
   rpds-py==2026.9.1  # structured outputs
   typing-extensions==4.16.0  # pydantic 2.14 needs >= 4.16
+  py-spy==0.4.3  # GPU_CHECK_PROFILE=1: where the server's Python time goes at the top concurrency
 )
 platforms=()
-for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_26_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64 \
+for p in manylinux_2_5_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_26_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64 \
          manylinux_2_34_x86_64 manylinux_2_39_x86_64 manylinux1_x86_64 any; do
   platforms+=(--platform "$p")
 done
