@@ -468,39 +468,19 @@ class LLMEngine:
         return self.snapshot
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
-        """The state now, for readers on other threads; call it only where steps run (or between them)."""
-        running = waiting = 0
-        rows: list[RequestProgress] = []
+        """The state now, for readers on other threads; call it only where steps run (or between them).
+        Every step publishes one, so its cost is per running sequence, not per request field: one
+        progress row per request (`requests`) comes with `detail` only, as the KV block holders do."""
+        running_groups = {seq.group.request_id for seq in self.scheduler.running} & self.groups.keys()
+        running, waiting = len(running_groups), len(self.groups) - len(running_groups)
         running_loras: set[str] = set()
         waiting_loras: set[str] = set()
-        for group in self.groups.values():
-            state: RequestState = "waiting"
-            for seq in group.seqs:
-                if seq.status is SequenceStatus.RUNNING:
-                    state = "running"
-                    break
-                if seq.status is SequenceStatus.PREEMPTED:
-                    state = "preempted"
-            if state == "running":
-                running += 1
-            else:
-                waiting += 1
-            lead = group.seqs[0]
-            rows.append(
-                RequestProgress(
-                    group.request_id,
-                    state,
-                    len(group.seqs),
-                    lead.num_prompt_tokens,
-                    lead.num_computed_tokens,
-                    lead.num_cached_tokens,
-                    lead.num_output_tokens,
-                    group.metrics.arrival_time,
-                    group.lora_name,
-                )
-            )
-            if group.lora_name is not None:
-                (running_loras if state == "running" else waiting_loras).add(group.lora_name)
+        if self.adapters.by_id:  # only requests on an adapter name one
+            for group in self.groups.values():
+                if group.lora_name is not None:
+                    is_running = group.request_id in running_groups
+                    (running_loras if is_running else waiting_loras).add(group.lora_name)
+        rows = self._request_rows(running_groups) if detail else ()
         t, kv = self.totals, self.kv
         return EngineSnapshot(
             task=self.task,
@@ -527,10 +507,34 @@ class LLMEngine:
             running_loras=tuple(sorted(running_loras)),
             waiting_loras=tuple(sorted(waiting_loras - running_loras)),
             max_loras=self.config.lora.max_loras,
-            requests=tuple(rows),
+            requests=rows,
             detail=self._snapshot_detail() if detail else None,
             kv_events=self.kv_events.publisher.state() if self.kv_events is not None else None,
         )
+
+    def _request_rows(self, running_groups: set[str]) -> tuple[RequestProgress, ...]:
+        rows: list[RequestProgress] = []
+        for group in self.groups.values():
+            state: RequestState = "waiting"
+            if group.request_id in running_groups:
+                state = "running"
+            elif any(seq.status is SequenceStatus.PREEMPTED for seq in group.seqs):
+                state = "preempted"
+            lead = group.seqs[0]
+            rows.append(
+                RequestProgress(
+                    group.request_id,
+                    state,
+                    len(group.seqs),
+                    lead.num_prompt_tokens,
+                    lead.num_computed_tokens,
+                    lead.num_cached_tokens,
+                    lead.num_output_tokens,
+                    group.metrics.arrival_time,
+                    group.lora_name,
+                )
+            )
+        return tuple(rows)
 
     def _snapshot_detail(self) -> SnapshotDetail:
         pool = self.kv.pool.view  # read-only: the snapshot never touches the pool's structures

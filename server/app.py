@@ -245,9 +245,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 
 @router.get("/v1/internal/stats", include_in_schema=False)
 async def engine_stats(request: Request, detail: bool = False) -> dict[str, Any]:
-    """The engine's latest EngineSnapshot as JSON (counts, KV blocks, one progress row per request;
-    `?detail=true` adds who holds each KV block) and the HTTP requests in flight, for tests and
-    debugging."""
+    """The engine's latest EngineSnapshot as JSON (counts and KV blocks; `?detail=true` adds one
+    progress row per request and who holds each KV block) and the HTTP requests in flight, for tests
+    and debugging."""
     state = _state(request)
     engine = state.require_engine()
     snapshot = await engine.detailed_snapshot() if detail else engine.snapshot()

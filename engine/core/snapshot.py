@@ -1,8 +1,9 @@
 """Immutable views of engine state (no torch): the core builds one at the end of every step, in the
 thread that ran the step, and swaps it in whole, so readers on other threads (metrics, /health, the
-stats endpoint, the /engine page) never touch the scheduler's live lists. Cheap by default: counts and
-one progress row per request; the per-block detail and the recent-step timeline are built only when a
-caller asks for them (the /engine page, while someone watches it)."""
+stats endpoint, the /engine page) never touch the scheduler's live lists. Cheap by default: counts
+(built from the running sequences, so a step of 256 decodes does not pay for 256 request records);
+one progress row per request, the per-block detail and the recent-step timeline are built only when
+a caller asks for them (the /engine page, while someone watches it)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ class EngineSnapshot:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
-    requests: tuple[RequestProgress, ...] = ()
+    requests: tuple[RequestProgress, ...] = ()  # one row per request: detailed snapshots only
     detail: SnapshotDetail | None = None
 
 

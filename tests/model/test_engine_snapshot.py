@@ -35,10 +35,14 @@ def _core(model_dir: Path, **options: object) -> LLMEngine:
 
 def _check(snap: EngineSnapshot) -> None:
     """What must hold in every snapshot, whatever step it comes from."""
-    rows = snap.requests
-    assert snap.num_requests_running + snap.num_requests_waiting == len(rows)
-    assert sum(r.state == "running" for r in rows) == snap.num_requests_running
-    assert 0 <= snap.num_running <= MAX_NUM_SEQS
+    assert 0 <= snap.num_requests_running <= snap.num_running <= MAX_NUM_SEQS
+    assert snap.num_requests_waiting >= 0
+    rows = snap.requests  # one per request in a detailed snapshot, none in the per-step one
+    if snap.detail is None:
+        assert rows == ()
+    else:
+        assert snap.num_requests_running + snap.num_requests_waiting == len(rows)
+        assert sum(r.state == "running" for r in rows) == snap.num_requests_running
     assert 0 <= snap.num_free_blocks <= snap.num_total_blocks == 40
     assert snap.kv_cache_usage == pytest.approx(1 - snap.num_free_blocks / snap.num_total_blocks)
     assert snap.prefix_cache_hits <= snap.prefix_cache_queries
@@ -78,10 +82,22 @@ async def test_snapshot_reads_concurrent_with_steps_are_consistent(tiny_llama_di
         assert last is not None and last.finished
         return sum(len(c.token_ids) for c in last.outputs)
 
+    detailed_seen: list[int] = []
+
+    async def watch(runs: asyncio.Future) -> None:
+        """Detailed snapshots (built between two steps) while the requests run."""
+        while not runs.done():
+            snap = await engine.detailed_snapshot()
+            _check(snap)
+            detailed_seen.append(len(snap.requests))
+            await asyncio.sleep(0)
+
     reader = threading.Thread(target=hammer)
     reader.start()
     try:
-        counts = await asyncio.gather(*(run(i) for i in range(8)))
+        runs = asyncio.gather(*(run(i) for i in range(8)))
+        await asyncio.gather(runs, watch(runs))
+        counts = runs.result()
     finally:
         stop.set()
         reader.join(timeout=30)
@@ -91,6 +107,7 @@ async def test_snapshot_reads_concurrent_with_steps_are_consistent(tiny_llama_di
     assert steps_seen == sorted(steps_seen), "the step counter went backwards"
     assert generated_seen == sorted(generated_seen)
     assert len(set(steps_seen)) > 1, "the reader never saw the engine move"
+    assert any(detailed_seen), "no detailed snapshot saw a request"
     final = engine.snapshot()
     _check(final)
     assert final.num_generation_tokens == sum(counts)

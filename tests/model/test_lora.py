@@ -224,7 +224,8 @@ def test_snapshot_names_each_request_s_adapter(base, adapters, prompts):
     engine.add_request("b", prompts[1], GREEDY, lora="attn")
     engine.add_request("c", prompts[2], GREEDY)
     engine.step()
-    snap = engine.snapshot
+    assert engine.snapshot.requests == ()  # the per-step snapshot has counts only
+    snap = engine.publish(detail=True)
     assert {r.request_id: r.lora for r in snap.requests} == {"a": "all", "b": "attn", "c": None}
     assert snap.running_loras == ("all",) and snap.waiting_loras == ("attn",)
     assert snap.max_loras == 1
