@@ -68,8 +68,11 @@ class AsyncLLMEngine:
         self._num_posted = self._num_delivered = 0  # steps' outputs sent to / taken by the loop
         self.dead_error: BaseException | None = None
         self.step_listeners: list[Callable[[StepStats], None]] = []
-        self._last_log = time.monotonic()
-        self._log_window: list[StepStats] = []
+        # The stats log: at most one line per log_stats_interval, its rates over busy time only.
+        self._last_log = time.monotonic()  # when the last line was written
+        self._log_window: list[StepStats] = []  # the steps since
+        self._window_busy = 0.0  # seconds of the busy periods that ended since the last line
+        self._busy_since: float | None = time.monotonic()  # None while idle
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -391,12 +394,10 @@ class AsyncLLMEngine:
                     self._publish_detail()
                 if not self.core.has_unfinished_requests():
                     if not self._pending and not self._between:
-                        self._flush_log_window()  # the busy period's last stats line, then silence
                         self._wakeup.clear()
                         self.idle.set()
-                        await self._wakeup.wait()
+                        await self._wait_idle()
                         self.idle.clear()
-                        self._last_log = time.monotonic()  # rates cover busy time, not the idle gap
                     continue
                 await loop.run_in_executor(self._executor, self._step_while_running, loop)
         except asyncio.CancelledError:
@@ -459,12 +460,38 @@ class AsyncLLMEngine:
         if time.monotonic() - self._last_log >= self.config.log_stats_interval:
             self._flush_log_window()
 
+    async def _wait_idle(self) -> None:
+        """Wait for work. The busy period's last stats line is written once log_stats_interval has
+        passed since the line before (now, or while idle), so back-to-back short requests (one
+        client at a time) share a line instead of writing one each; then silence."""
+        assert self._wakeup is not None
+        now = time.monotonic()
+        if self._busy_since is not None:
+            self._window_busy += now - self._busy_since
+            self._busy_since = None
+        if self._log_window:
+            wait = self.config.log_stats_interval - (now - self._last_log)
+            try:
+                if wait > 0:
+                    await asyncio.wait_for(self._wakeup.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+            if not self._wakeup.is_set():
+                self._flush_log_window()
+        await self._wakeup.wait()
+        self._busy_since = time.monotonic()
+
     def _flush_log_window(self) -> None:
         now = time.monotonic()
+        busy = self._window_busy
+        if self._busy_since is not None:
+            busy += now - self._busy_since
+            self._busy_since = now
         if self._log_window and self.config.log_stats_interval > 0:
-            self._log_stats(max(now - self._last_log, 1e-6))
+            self._log_stats(max(busy, 1e-6))
         self._last_log = now
         self._log_window = []
+        self._window_busy = 0.0
 
     def _log_stats(self, elapsed: float) -> None:
         w = self._log_window
