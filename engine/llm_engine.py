@@ -471,7 +471,9 @@ class LLMEngine:
         """The state now, for readers on other threads; call it only where steps run (or between them).
         Every step publishes one, so its cost is per running sequence, not per request field: one
         progress row per request (`requests`) comes with `detail` only, as the KV block holders do."""
-        running_groups = {seq.group.request_id for seq in self.scheduler.running} & self.groups.keys()
+        running_groups = {
+            seq.group.request_id for seq in self.scheduler.running
+        } & self.groups.keys()
         running, waiting = len(running_groups), len(self.groups) - len(running_groups)
         running_loras: set[str] = set()
         waiting_loras: set[str] = set()
