@@ -34,6 +34,7 @@ from engine.core.errors import (
     QueueFullError,
     RequestError,
     SamplingParamsError,
+    ShuttingDownError,
     WrongTaskError,
 )
 from engine.core.kv_events import KVEventsConfig, KVEventsState
@@ -134,6 +135,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",
+    "ShuttingDownError",
     "SchedulerConfig",
     "SpeculativeConfig",
     "KVEventsConfig",

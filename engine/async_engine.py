@@ -246,6 +246,15 @@ class AsyncLLMEngine:
             return out
         raise RequestError("the engine returned no embedding")
 
+    def fail_all(self, error: BaseException) -> int:
+        """End every request in flight with `error`: each consumer raises it, and the core aborts
+        the requests between two steps (their KV blocks freed)."""
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(error)
+            self._pending.abort(request_id)
+        self._wake()
+        return len(self._queues)
+
     async def abort(self, request_id: str) -> None:
         self._pending.abort(request_id)
         self._wake()

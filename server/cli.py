@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from engine import LoRAError, model_id
-from engine.core.errors import StartupError
+from engine.core.errors import ShuttingDownError, StartupError
 from server.logging_setup import configure_logging
 from server.models_registry import check_adapter_names
 from server.settings import (
@@ -202,8 +202,20 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
             )
         while state.in_flight and time.monotonic() < deadline and not server.force_exit:
             await asyncio.sleep(0.05)
-        if state.in_flight:
-            logger.warning("shutdown timeout: cancelling %d request(s)", state.in_flight)
+        if state.in_flight and not server.force_exit:
+            # Each request ends as its API ends a failure (a 503, or an in-band error event once
+            # streaming), and its engine work is aborted; a short wait lets the responses go out.
+            ended = (
+                state.engine.fail_all(ShuttingDownError("drain time ran out"))
+                if state.engine
+                else 0
+            )
+            logger.warning(
+                "shutdown timeout: ending %d request(s) (%d in the engine)", state.in_flight, ended
+            )
+            stop = time.monotonic() + 2.0
+            while state.in_flight and time.monotonic() < stop and not server.force_exit:
+                await asyncio.sleep(0.05)
         server.should_exit = True
 
     def on_signal(sig: int) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,21 +68,26 @@ async def engine_stream(request: Request) -> Response:
         "max_queued_tokens": engine.max_queued_tokens,
     }
     return StreamingResponse(
-        _events(engine, request, limits),
+        _events(engine, request, limits, lambda: state.draining),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )
 
 
 async def _events(
-    engine: EngineClient, request: Request, limits: dict[str, Any]
+    engine: EngineClient,
+    request: Request,
+    limits: dict[str, Any],
+    draining: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[str]:
+    """The page's feed until the client leaves or the server starts shutting down (a watched page
+    must not hold the drain)."""
     interval = 1.0 / MAX_UPDATES_PER_SECOND
     loop = asyncio.get_running_loop()
     last_time: float | None = None
     last_step = 0
     yield "retry: 1000\n\n"
-    while not await request.is_disconnected():
+    while not draining() and not await request.is_disconnected():
         started = loop.time()
         snapshot = engine.snapshot()
         if snapshot.time != last_time:

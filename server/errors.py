@@ -24,6 +24,7 @@ from engine import (
     PromptError,
     QueueFullError,
     RequestError,
+    ShuttingDownError,
     WrongTaskError,
 )
 from server.field_map import COMPLETION_FIELDS, FieldMap
@@ -176,6 +177,8 @@ def to_api_error(exc: BaseException, fields: FieldMap = COMPLETION_FIELDS) -> AP
         )
     if isinstance(exc, EngineDeadError):
         return service_unavailable(f"The engine is not running: {exc}")
+    if isinstance(exc, ShuttingDownError):
+        return service_unavailable(f"The server is shutting down: {exc}; retry the request.")
     if isinstance(exc, ContextLengthError):
         return context_length_exceeded(context_length_message(exc), fields.prompt)
     if isinstance(exc, PromptError):
@@ -416,7 +419,14 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
-    for engine_error in (QueueFullError, EngineDeadError, RequestError, InvalidRequestError):
+    engine_errors = (
+        QueueFullError,
+        EngineDeadError,
+        ShuttingDownError,
+        RequestError,
+        InvalidRequestError,
+    )
+    for engine_error in engine_errors:
         app.add_exception_handler(engine_error, _unexpected_handler)
     # Anything else is a bug: answered as a 500 envelope (Starlette then re-raises it for the log).
     app.add_exception_handler(Exception, _unexpected_handler)

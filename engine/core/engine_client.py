@@ -87,6 +87,11 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    def fail_all(self, error: BaseException) -> int:
+        """End every request in flight with `error` (their engine work aborted), e.g. when the
+        server's shutdown drain time runs out; returns how many were ended."""
+        ...
+
     # -- LoRA adapters -----------------------------------------------------------------------------
     def loras(self) -> tuple[LoRAInfo, ...]:
         """The adapters served now."""

@@ -105,6 +105,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop died; no further requests can be served."""
 
 
+class ShuttingDownError(RuntimeError):
+    """The server ended this request while shutting down: its drain time ran out."""
+
+
 class QueueFullError(RuntimeError):
     """Admission control refused the request; retry after `retry_after` seconds."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import threading
@@ -126,6 +127,55 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(
         assert frames[-1] == "data: [DONE]", "the in-flight stream was cut off"
         chunks = [json.loads(f[6:]) for f in frames[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()
+
+
+def test_sigterm_past_the_drain_time_ends_requests_in_their_api_s_error(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """With no drain time left, in-flight requests end as failures of their own API (a stream's
+    in-band error event, a whole response's 503) and their engine work stops; a watched /engine page
+    does not hold the shutdown; the process exits 0 without a traceback."""
+    log = tmp_path / "drain.log"
+    server = ServerProcess(tiny_llama_dir, [*TINY_ARGS, "--shutdown-timeout", "0"], log)
+    try:
+        server.wait_ready()
+        frames: list[str] = []
+        whole: list[httpx.Response] = []
+        page_lines: list[str] = []
+
+        def stream() -> None:
+            body = {**LONG, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                frames.extend(line for line in r.iter_lines() if line)
+
+        def post() -> None:
+            whole.append(httpx.post(server.url + "/v1/completions", json=LONG, timeout=120))
+
+        def page() -> None:
+            with httpx.stream("GET", server.url + "/engine/stream", timeout=120) as r:
+                page_lines.extend(r.iter_lines())
+
+        threads = [threading.Thread(target=f) for f in (stream, post, page)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while server.stats()["num_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert server.proc.wait(timeout=60) == 0
+        error = json.loads(frames[-1][6:])["error"]
+        assert error["code"] == "service_unavailable" and "shutting down" in error["message"]
+        assert whole[0].status_code == 503
+        assert whole[0].json()["error"]["code"] == "service_unavailable"
+        assert page_lines, "the /engine feed sent nothing"
+        text = log.read_text()
+        assert "Traceback" not in text and "Exception in ASGI application" not in text
+        assert re.search(r"shutdown timeout: ending \d request\(s\) \(2 in the engine\)", text)
     finally:
         server.stop()
 

@@ -169,6 +169,11 @@ class FakeClientBase:
     async def abort(self, request_id: str) -> None:
         self.active.discard(request_id)
 
+    def fail_all(self, error: BaseException) -> int:
+        n = len(self.active)
+        self.active.clear()
+        return n
+
     # LoRA adapters: the fakes serve none (and load none).
     def loras(self) -> tuple[LoRAInfo, ...]:
         return ()
