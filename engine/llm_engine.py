@@ -39,6 +39,7 @@ from engine.core.snapshot import (
     RequestState,
     SnapshotDetail,
     StepRecord,
+    plain_snapshot,
 )
 from engine.core.spec_config import DRAFT_METHODS
 from engine.core.speculator import Speculator
@@ -463,9 +464,11 @@ class LLMEngine:
 
     def publish(self, detail: bool = False) -> EngineSnapshot:
         """Build the state now and publish it: the one writer of `snapshot` (one store, so readers
-        on other threads see the old or the new whole)."""
-        self.snapshot = self.build_snapshot(detail)
-        return self.snapshot
+        on other threads see the old or the new whole). A detailed build is returned to its caller;
+        the published one keeps its counts and time, without the rows and the detail."""
+        built = self.build_snapshot(detail)
+        self.snapshot = plain_snapshot(built)
+        return built
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         """The state now, for readers on other threads; call it only where steps run (or between them).

@@ -92,7 +92,7 @@ async def _events(
         snapshot = engine.snapshot()
         if snapshot.time != last_time:
             # Only a changed engine (a step, an add or an abort since the last event) pays for the
-            # detailed snapshot; the detailed one becomes the published one, so an idle engine stays put.
+            # detailed snapshot; the published one then carries its time, so an idle engine stays put.
             try:
                 snapshot = await engine.detailed_snapshot()
             except Exception as e:  # noqa: BLE001 - the engine died: say so and end the stream

@@ -7,6 +7,7 @@ a caller asks for them (the /engine page, while someone watches it)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -123,3 +124,11 @@ class EngineHealth:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+
+def plain_snapshot(snapshot: EngineSnapshot) -> EngineSnapshot:
+    """`snapshot` without what only detailed snapshots carry (the request rows, the block detail):
+    what a core publishes, so a reader of the published snapshot never gets a detailed one."""
+    if not snapshot.requests and snapshot.detail is None:
+        return snapshot
+    return dataclasses.replace(snapshot, requests=(), detail=None)

@@ -20,7 +20,7 @@ from engine.core.sampling_params import (
     check_input_length,
     check_token_ids,
 )
-from engine.core.snapshot import EngineSnapshot, RequestProgress
+from engine.core.snapshot import EngineSnapshot, RequestProgress, plain_snapshot
 from engine.core.stats import EngineTotals, FinishedRequestStats, StepStats
 from engine.embeddings.embedding_model import EmbeddingModel
 from engine.executor.lora_adapters import LoRAAdapters
@@ -140,9 +140,11 @@ class EmbeddingEngine:
         return True
 
     def publish(self, detail: bool = False) -> EngineSnapshot:
-        """Build the state now and publish it: the one writer of `snapshot`."""
-        self.snapshot = self.build_snapshot(detail)
-        return self.snapshot
+        """Build the state now and publish it: the one writer of `snapshot` (a detailed build, with
+        one row per input, is returned to its caller; the published one has the counts)."""
+        built = self.build_snapshot(detail)
+        self.snapshot = plain_snapshot(built)
+        return built
 
     def build_snapshot(self, detail: bool = False) -> EngineSnapshot:
         """Counts and rows of the waiting inputs (nothing stays running between steps; no KV)."""
@@ -164,7 +166,7 @@ class EmbeddingEngine:
             num_finished=t.num_finished,
             waiting_loras=tuple(sorted({r.lora for r in rows if r.lora is not None})),
             max_loras=self.config.lora.max_loras,
-            requests=rows,
+            requests=rows if detail else (),
         )
 
     def _schedule(self) -> list[_EmbedRequest]:

@@ -128,9 +128,13 @@ async def test_detailed_snapshot_names_the_holders_of_every_used_block(
         while started != {0, 1}:  # the second sample starts once the first has prefilled
             started |= {c.index for c in (await anext(gen)).outputs if c.token_ids}
         snap = await engine.detailed_snapshot()
+        published = engine.snapshot()  # the plain one: the detailed build stays its caller's
         await gen.aclose()
     finally:
         await engine.shutdown()
+    assert [r.request_id for r in snap.requests] == ["a"]
+    assert (published.requests, published.detail) == ((), None)
+    assert (published.time, published.num_requests_running) == (snap.time, 1)
     detail = snap.detail
     assert detail is not None
     assert len(detail.blocks) == snap.num_total_blocks - snap.num_free_blocks > 0
