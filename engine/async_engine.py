@@ -489,6 +489,8 @@ class AsyncLLMEngine:
                 self._flush_log_window()
         await self._wakeup.wait()
         self._busy_since = time.monotonic()
+        if not self._log_window:  # a new busy period: its first line one interval into it
+            self._last_log = self._busy_since
 
     def _flush_log_window(self) -> None:
         now = time.monotonic()

@@ -22,6 +22,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 dry="${GPU_CHECK_DRY:-0}"
 parts=" ${GPU_CHECK_PARTS:-tests limits serve engine baseline} "
+for p in $parts; do  # a misspelt part would spend the device's time on nothing
+  case "$p" in tests|limits|serve|engine|baseline) ;; *)
+    echo "GPU_CHECK_PARTS: unknown part '$p' (parts: tests limits serve engine baseline)"; exit 2;;
+  esac
+done
 part() { [[ "$parts" == *" $1 "* ]]; }
 profile="${GPU_CHECK_PROFILE:-0}"
 # Outside the working tree, which each device call copies afresh; KVSERVE_GPU_STASH overrides it.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine import LoRAError, model_id
 from engine.core.errors import ShuttingDownError, StartupError
+from engine.openmp_policy import set_openmp_wait_policy
 from server.logging_setup import configure_logging
 from server.models_registry import check_adapter_names
 from server.settings import (
@@ -34,25 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvserve")
 
-# libgomp's workers wait for the next parallel region spinning, by default ~300k times (milliseconds),
-# holding their core while the step's Python, the event loop or a neighbouring process needs it;
-# on a shared machine a descheduled worker then stalls every barrier of the step. A short spin
-# covers the gaps between the regions of one step, then the worker sleeps. Measured with
-# benchmarks/neighbours.py (README, "Threads that share the machine").
-GOMP_SPINCOUNT = "1000"
 LOAD_THREAD = "kvserve-load"  # the daemon thread that loads the engine
-
-
-def _openmp_wait_policy() -> str:
-    """Set the OpenMP workers' wait (before torch loads libgomp) unless the user chose one; return
-    a line for the log."""
-    chosen = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
-    if chosen:
-        return "OpenMP wait: " + " ".join(f"{k}={v}" for k, v in chosen.items()) + " (environment)"
-    if "torch" in sys.modules:
-        return "OpenMP wait: libgomp's default (torch was loaded before kvserve could set it)"
-    os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
-    return f"OpenMP wait: GOMP_SPINCOUNT={GOMP_SPINCOUNT} (a short spin, then sleep)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.exit(2, f"kvserve serve: error: {e}\n")
     configure_logging(server_config.log_level)
-    logger.info("%s", _openmp_wait_policy())
+    logger.info("%s", set_openmp_wait_policy())
     if ray_config.enabled:
         from server.distributed.launch import serve_on_ray
 

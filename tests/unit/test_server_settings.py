@@ -176,13 +176,15 @@ def test_bad_cli_values_say_what_was_expected_not_a_function_name(
 
 
 def _policy_in_fresh_python(env: dict[str, str], first: str = "") -> list[str]:
-    """server.cli's OpenMP wait policy in a fresh interpreter: its log line, then GOMP_SPINCOUNT."""
+    """The OpenMP wait policy (server.cli logs it at start-up) in a fresh interpreter: its log line,
+    then GOMP_SPINCOUNT."""
     import os
     import subprocess
     import sys
 
     code = (
-        f"{first}\nimport os, server.cli as c\nprint(c._openmp_wait_policy())\n"
+        f"{first}\nimport os, server.cli, engine.openmp_policy as c\n"
+        "print(c.set_openmp_wait_policy())\n"
         "print(os.environ.get('GOMP_SPINCOUNT'))"
     )
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
