@@ -35,6 +35,7 @@ from engine.core.errors import (
     RequestError,
     SamplingParamsError,
     ShuttingDownError,
+    StartupError,
     WrongTaskError,
 )
 from engine.core.kv_events import KVEventsConfig, KVEventsState
@@ -63,6 +64,7 @@ from engine.core.snapshot import (
 )
 from engine.core.spec_config import SpeculativeConfig
 from engine.embeddings.prompts import EmbeddingPrompts
+from engine.openmp_policy import set_openmp_wait_policy
 
 if TYPE_CHECKING:  # the lazy exports, spelled out for type checkers
     from engine.async_engine import AsyncLLMEngine
@@ -136,6 +138,8 @@ __all__ = [
     "SamplingParams",
     "SamplingParamsError",
     "ShuttingDownError",
+    "set_openmp_wait_policy",
+    "StartupError",
     "SchedulerConfig",
     "SpeculativeConfig",
     "KVEventsConfig",

@@ -16,9 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from engine import LoRAError, model_id
-from engine.core.errors import ShuttingDownError, StartupError
-from engine.openmp_policy import set_openmp_wait_policy
+from engine import (
+    LoRAError,
+    ShuttingDownError,
+    StartupError,
+    model_id,
+    set_openmp_wait_policy,
+)
 from server.logging_setup import configure_logging
 from server.models_registry import check_adapter_names
 from server.settings import (
