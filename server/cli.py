@@ -187,29 +187,34 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
                 server_config.shutdown_timeout,
                 state.in_flight,
             )
-        while state.in_flight and time.monotonic() < deadline and not server.force_exit:
+        while state.in_flight and time.monotonic() < deadline and not exiting_now:
             await asyncio.sleep(0.05)
-        if state.in_flight and not server.force_exit:
-            # Each request ends as its API ends a failure (a 503, or an in-band error event once
-            # streaming), and its engine work is aborted; a short wait lets the responses go out.
-            ended = (
-                state.engine.fail_all(ShuttingDownError("drain time ran out"))
-                if state.engine
-                else 0
-            )
-            logger.warning(
-                "shutdown timeout: ending %d request(s) (%d in the engine)", state.in_flight, ended
-            )
-            stop = time.monotonic() + 2.0
-            while state.in_flight and time.monotonic() < stop and not server.force_exit:
-                await asyncio.sleep(0.05)
+        if state.in_flight and not exiting_now:
+            await end_requests("drain time ran out", "shutdown timeout", 2.0)
         server.should_exit = True
 
+    async def end_requests(reason: str, why: str, wait: float) -> None:
+        """End what still runs as its API ends a failure (a 503, or an in-band error event once
+        streaming), its engine work aborted; wait up to `wait` s for those responses to go out."""
+        ended = state.engine.fail_all(ShuttingDownError(reason)) if state.engine else 0
+        logger.warning("%s: ending %d request(s) (%d in the engine)", why, state.in_flight, ended)
+        stop = time.monotonic() + wait
+        while state.in_flight and time.monotonic() < stop:
+            await asyncio.sleep(0.02)
+
+    async def exit_now(name: str) -> None:
+        await end_requests("stopped by a second signal", f"second {name}", 0.5)
+        server.force_exit = True
+        server.should_exit = True
+
+    exiting_now = False
+
     def on_signal(sig: int) -> None:
+        nonlocal exiting_now
         if state.draining:
-            logger.warning("second %s: exiting now", signal.Signals(sig).name)
-            server.force_exit = True
-            server.should_exit = True
+            if not exiting_now:
+                exiting_now = True
+                asyncio.ensure_future(exit_now(signal.Signals(sig).name))
             return
         logger.info("received %s: shutting down gracefully", signal.Signals(sig).name)
         state.draining = True

@@ -131,14 +131,23 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(
         server.stop()
 
 
-def test_sigterm_past_the_drain_time_ends_requests_in_their_api_s_error(
-    tiny_llama_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("drain_seconds", "signals", "why"),
+    [("0", 1, "shutdown timeout"), ("60", 2, "second SIGTERM")],
+    ids=["drain-time-ran-out", "second-signal"],
+)
+def test_shutdown_ends_running_requests_in_their_api_s_error(
+    tiny_llama_dir: Path, tmp_path: Path, drain_seconds: str, signals: int, why: str
 ) -> None:
-    """With no drain time left, in-flight requests end as failures of their own API (a stream's
-    in-band error event, a whole response's 503) and their engine work stops; a watched /engine page
-    does not hold the shutdown; the process exits 0 without a traceback."""
+    """When the drain time runs out (or a second signal cuts it short), in-flight requests end as
+    failures of their own API (a stream's in-band error event, a whole response's 503) and their
+    engine work stops; a watched /engine page does not hold the shutdown; the process exits 0
+    without a traceback."""
     log = tmp_path / "drain.log"
-    server = ServerProcess(tiny_llama_dir, [*TINY_ARGS, "--shutdown-timeout", "0"], log)
+    # Requests as long as the model allows (500 tokens; the later flags win).
+    longer = ["--max-model-len", "512", "--num-kv-blocks", "128", "--shutdown-timeout"]
+    server = ServerProcess(tiny_llama_dir, [*TINY_ARGS, *longer, drain_seconds], log)
+    long = {**LONG, "max_tokens": 500}
     try:
         server.wait_ready()
         frames: list[str] = []
@@ -146,12 +155,12 @@ def test_sigterm_past_the_drain_time_ends_requests_in_their_api_s_error(
         page_lines: list[str] = []
 
         def stream() -> None:
-            body = {**LONG, "stream": True}
+            body = {**long, "stream": True}
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
                 frames.extend(line for line in r.iter_lines() if line)
 
         def post() -> None:
-            whole.append(httpx.post(server.url + "/v1/completions", json=LONG, timeout=120))
+            whole.append(httpx.post(server.url + "/v1/completions", json=long, timeout=120))
 
         def page() -> None:
             with httpx.stream("GET", server.url + "/engine/stream", timeout=120) as r:
@@ -164,6 +173,9 @@ def test_sigterm_past_the_drain_time_ends_requests_in_their_api_s_error(
         while server.stats()["num_running"] < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
+        if signals == 2:
+            time.sleep(0.05)  # two signals, not one merged pending signal
+            server.proc.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(timeout=60)
         assert not any(thread.is_alive() for thread in threads)
@@ -175,7 +187,7 @@ def test_sigterm_past_the_drain_time_ends_requests_in_their_api_s_error(
         assert page_lines, "the /engine feed sent nothing"
         text = log.read_text()
         assert "Traceback" not in text and "Exception in ASGI application" not in text
-        assert re.search(r"shutdown timeout: ending \d request\(s\) \(2 in the engine\)", text)
+        assert re.search(why + r": ending \d request\(s\) \(2 in the engine\)", text)
     finally:
         server.stop()
 
