@@ -69,7 +69,7 @@ async def _run(
     async def consume() -> None:
         nonlocal events, payload_bytes
         limits = {"max_queued_requests": engine.max_queued_requests, "max_queued_tokens": None}
-        async for frame in _events(engine, watcher, limits):  # type: ignore[arg-type]
+        async for frame in _events(engine, watcher, limits, lambda: False):  # type: ignore[arg-type]
             if frame.startswith("data: "):
                 events += 1
                 payload_bytes += len(frame)

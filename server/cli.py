@@ -177,6 +177,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     server = _Server(uv_config)
     exit_code = 0
 
+    exiting_now = False  # a second signal came: end what runs and exit (exit_now)
+
     async def drain() -> None:
         """Stop taking requests (503), give in-flight ones up to shutdown_timeout, then stop uvicorn."""
         state.draining = True
@@ -206,8 +208,6 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         await end_requests("stopped by a second signal", f"second {name}", 0.5)
         server.force_exit = True
         server.should_exit = True
-
-    exiting_now = False
 
     def on_signal(sig: int) -> None:
         nonlocal exiting_now

@@ -78,7 +78,7 @@ async def _events(
     engine: EngineClient,
     request: Request,
     limits: dict[str, Any],
-    draining: Callable[[], bool] = lambda: False,
+    draining: Callable[[], bool],
 ) -> AsyncIterator[str]:
     """The page's feed until the client leaves or the server starts shutting down (a watched page
     must not hold the drain)."""

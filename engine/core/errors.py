@@ -106,7 +106,8 @@ class EngineDeadError(RuntimeError):
 
 
 class ShuttingDownError(RuntimeError):
-    """The server ended this request while shutting down: its drain time ran out."""
+    """The server ended this request while shutting down (its drain time ran out, or a second
+    signal cut the drain short)."""
 
 
 class QueueFullError(RuntimeError):

@@ -92,7 +92,7 @@ async def test_stream_is_rate_limited_and_skips_unchanged_snapshots() -> None:
 
     engine.detailed_snapshot = detailed  # type: ignore[method-assign]
     start = time.monotonic()
-    frames = [f async for f in _events(engine, _Watcher(5), {})]  # type: ignore[arg-type]
+    frames = [f async for f in _events(engine, _Watcher(5), {}, lambda: False)]  # type: ignore[arg-type]
     elapsed = time.monotonic() - start
     data = [f for f in frames if f.startswith("data: ")]
     assert len(data) == 1 and calls == 1  # nothing changed after the first: idle comments only
