@@ -80,7 +80,7 @@ def test_each_path_gives_the_portable_loops_bits(path: str, restore_path: None) 
     if why:
         pytest.skip(f"{path} does not run here: {why}")
     torch.manual_seed(3)
-    for n, k in ((24, 96), (40, 160), (8, 32)):
+    for n, k in ((24, 96), (40, 160), (48, 64), (8, 32)):
         weights = _formats(n, k)
         x = _activations(130, k)
         for kind, weight in weights.items():
