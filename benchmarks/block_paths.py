@@ -5,7 +5,7 @@ the measured peak of vpdpbusd, with the CPU flags and the automatic choice.
 
     PYTHONPATH=. python -m benchmarks.block_paths [--model DIR] [--rows 1,8,32,128] [--repeats 7]
 
-q8 = Q8_0 blocks everywhere; q4 = Q4_1 blocks for the layers (Q4_0 files run as Q4_1) with the
+q8 = Q8_0 blocks everywhere; q4 = Q4_1 blocks for the layers (--types times Q4_0 too) with the
 head in Q8_0, as --quantization int4 serves it. Paths whose probe fails here are skipped. A path
 faster than the automatic choice on this CPU is a bug in the choice: it is flagged.
 

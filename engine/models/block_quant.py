@@ -112,8 +112,8 @@ GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockValues:
     """A GGUF tensor's stored bytes ([N, K/32 * block bytes]) as blocks, exactly: Q8_0 and Q4_1 as
-    they are, Q4_0 (w = d * (q - 8)) as q4_0: Q4_1's arithmetic with m = -8 d (exact in float32),
-    which the kernels derive from d instead of storing it."""
+    they are, Q4_0 (w = d * (q - 8)) as q4_0: its values are Q4_1's with m = -8 d (exact in
+    float32), which nothing stores; the kernels sum each block's products with q - 8 in integers."""
     if kind not in GGUF_BLOCK_BYTES:
         raise ValueError(f"GGUF type {kind} is not stored as blocks kvserve runs directly")
     n, k = shape
@@ -228,7 +228,8 @@ class BlockQ8Weight(_BlockWeight):
 class BlockQ4Weight(_BlockWeight):
     """Q4_1 blocks, qs [N/8, K/32, 4, 32] uint8 (vector j, lane c: column c's values 4j..4j+3 in the
     low nibbles and 4j+16..4j+19 in the high ones); d, m [N/8, K/32, 8] fp16. Q4_0 (kind q4_0)
-    stores no m (empty): the kernels take m = -8 d, so it reads 18 bytes per block, as stored."""
+    stores no m (empty): the kernels take each block's weights as q - 8 in its integer sum (one fma
+    per block, as Q8_0), so it reads 18 bytes per block, as stored."""
 
     qs: torch.Tensor
 

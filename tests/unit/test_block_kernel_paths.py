@@ -46,7 +46,7 @@ def restore_path() -> Iterator[None]:
 
 def _formats(n: int, k: int) -> dict[str, BlockQ4Weight | BlockQ8Weight]:
     """Each format the kernels serve, with the extreme values each admits: Q8_0 (with -128), Q4_1,
-    and Q4_0 as a GGUF file stores it (run as Q4_1 with m = -8 d)."""
+    and Q4_0 as a GGUF file stores it (no m: its integer sums take the weights as q - 8)."""
     w = torch.randn(n, k) * 0.05
     w[0, :32] = 0.0  # an all-zero block
     q8 = quantize_q8_0(w)

@@ -236,7 +236,7 @@ def test_gguf_blocks_dequantize_as_the_gguf_package_does(kind: str) -> None:
     raw = _gguf_bytes(kind, w)
     values = from_gguf_blocks(kind, raw, (24, 96))
     expected = torch.from_numpy(gguf_dequantize(raw, GGUF_TYPES[kind]))
-    assert values.kind == kind.lower()  # Q4_0: Q4_1's arithmetic, m = -8 d derived, not stored
+    assert values.kind == kind.lower()  # Q4_0: Q4_1's values with m = -8 d, m not stored
     assert torch.equal(values.dequantize(), expected)
     # the kernels' layout keeps them exactly, N = 24 and all
     assert torch.equal(values.to_weight().dequantize(), expected)

@@ -2,7 +2,8 @@
 // interleaved by 8 output columns so each SIMD lane accumulates its own column (no horizontal sums,
 // and products of 4-bit weights sum in int16 over a whole block before one int32 widening):
 //   q4 (GGUF Q4_1): qs uint8 [N/8, K/32, 4, 32], d, m fp16 [N/8, K/32, 8]; w = d * q + m, q in 0..15.
-//       GGUF Q4_0 (w = d * (q - 8)) is q4 with m empty: the kernels take m = -8 d (exact).
+//       GGUF Q4_0 (w = d * (q - 8)) is q4 with m empty: each block's integer sum takes the weights
+//       as q - 8 (isum + QuantRows::n8, exact), then one fma per block, as Q8_0 (no m term).
 //       In block b, byte 4c + i of vector j holds, for column c of the group, k = 32b + 4j + i in its
 //       low nibble and k = 32b + 4(j + 4) + i in its high nibble.
 //   q8 (GGUF Q8_0): qs int8 [N/8, K/32, 8, 32], d fp16 [N/8, K/32, 8]; w = d * q; byte 4c + i of
@@ -84,10 +85,12 @@ void q4_groups_ref(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t
       }
     const int64_t at = (g * x.KB + b) * 8 + c;
     const float dd = static_cast<float>(w.d[at]) * x.d[r * x.KB + b];
-    // Q4_0 (no m stored): m = -8 d, exact in float32, the value a stored fp16 m would have
-    const float mw = w.m != nullptr ? static_cast<float>(w.m[at]) : static_cast<float>(w.d[at]) * -8.f;
+    if (w.m == nullptr) {  // Q4_0: the dot product with q - 8, exact in integers
+      acc = std::fma(dd, static_cast<float>(isum + x.n8[r * x.KB + b]), acc);
+      return;
+    }
     acc = std::fma(dd, static_cast<float>(isum), acc);
-    acc = std::fma(mw, x.s[r * x.KB + b], acc);
+    acc = std::fma(static_cast<float>(w.m[at]), x.s[r * x.KB + b], acc);
   });
 }
 
@@ -122,20 +125,23 @@ struct Scratch {
   std::vector<int8_t> q;
   std::vector<uint8_t> u, pk;
   std::vector<float> d, s, pd, ps;
-  std::vector<int32_t> h;
+  std::vector<int32_t> h, n8, pn8;
 };
 
 // Every path quantizes to the same bytes (the AVX2 quantizer rounds exactly as the portable one).
-// `kquant`: for the K-quant kernels, which read q, d, s and the half-block sums h only.
+// `kquant`: for the K-quant kernels, which read q, d, s and the half-block sums h only; `q4_0`: for
+// Q4_0 weights, which also read n8 (pn8 packed). Only q8 kernels read u.
 QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool q4,
-                        bool kquant = false) {
+                        bool kquant = false, bool q4_0 = false) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
-  const bool offset_u = path.offset_u && !kquant, packed = path.packed && !kquant;
+  const bool offset_u = path.offset_u && !kquant && !q4, packed = path.packed && !kquant;
   thread_local Scratch scratch;
   scratch.q.resize(M * K), scratch.d.resize(M * KB), scratch.s.resize(M * KB);
   if (offset_u) scratch.u.resize(M * K);
   if (packed) scratch.pk.resize(M * K), scratch.pd.resize(M * KB), scratch.ps.resize(M * KB);
   if (kquant) scratch.h.resize(M * 2 * KB);
+  if (q4_0) scratch.n8.resize(M * KB);
+  if (q4_0 && packed) scratch.pn8.resize(M * KB);
   const float* xp = x.data_ptr<float>();
   int8_t* q = scratch.q.data();
   uint8_t* u = offset_u ? scratch.u.data() : nullptr;
@@ -145,14 +151,18 @@ QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool 
   float* pd = packed ? scratch.pd.data() : nullptr;
   float* ps = packed ? scratch.ps.data() : nullptr;
   int32_t* h = kquant ? scratch.h.data() : nullptr;
+  int32_t* n8 = q4_0 ? scratch.n8.data() : nullptr;
+  int32_t* pn8 = q4_0 && packed ? scratch.pn8.data() : nullptr;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
       if (u != nullptr)  // q + 128 in 0..255, as two's complement bytes xor 0x80
         for (int64_t k = m * K; k < (m + 1) * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
+      if (n8 != nullptr) kvblock::q4_0_offsets(q + m * K, K, n8 + m * KB);
       if (packed) {
         const uint8_t* bytes = q4 ? reinterpret_cast<const uint8_t*>(q) + m * K : u + m * K;
-        kvblock::pack_row(m, M, K, bytes, d + m * KB, s + m * KB, pk, pd, ps);
+        kvblock::pack_row(m, M, K, bytes, d + m * KB, s + m * KB, pk, pd, ps,
+                          n8 != nullptr ? n8 + m * KB : nullptr, pn8);
       }
       if (h != nullptr)
         for (int64_t i = 2 * m * KB; i < 2 * (m + 1) * KB; ++i) {
@@ -164,6 +174,8 @@ QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool 
   });
   QuantRows rows{q, u, d, s, K, KB, pk, pd, ps};
   rows.h = h;
+  rows.n8 = n8;
+  rows.pn8 = pn8;
   return rows;
 }
 
@@ -173,7 +185,7 @@ at::Tensor run_groups(const at::Tensor& x, const BlockWeight& w, int64_t groups,
                       const std::optional<at::Tensor>& bias, bool q4) {
   const kvblock::PathFns& path = kvblock::current_path();
   const kvblock::GroupsFn run = q4 ? path.q4 : path.q8;
-  const QuantRows rows = quantize_rows(x, path, q4);
+  const QuantRows rows = quantize_rows(x, path, q4, false, q4 && w.m == nullptr);
   const int64_t M = x.size(0), N = 8 * groups;
   at::Tensor out = at::empty({M, N}, x.options());
   float* o = out.data_ptr<float>();
@@ -222,7 +234,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                   qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "q4_linear: qs must be uint8 [N/8, K/32, 4, 32]");
   check_scales(d, qs, "q4_linear");
-  const bool q4_0 = m.numel() == 0;  // Q4_0: m = -8 d, derived in the kernels (2 bytes less)
+  const bool q4_0 = m.numel() == 0;  // Q4_0: no m (the weights taken as q - 8 in the sums)
   if (!q4_0) check_scales(m, qs, "q4_linear");
   const at::Tensor xc = check_input(x, qs.size(1) * kBlock);
   const BlockWeight w{qs.data_ptr<uint8_t>(), nullptr, d.data_ptr<c10::Half>(),

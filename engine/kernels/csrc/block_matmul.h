@@ -31,19 +31,36 @@ struct QuantRows {
   // For the K-quant kernels only (else null): each row's integer sums of its int8 activations per
   // half block of 16, h [M, 2 KB].
   const int32_t* h = nullptr;
+  // For Q4_0 weights (q4 with no m; else null): -8 times each block's sum of int8 activations,
+  // n8 [M, KB], and tile-packed as pd (pn8, for the zmm kernels): the block's integer dot product
+  // with the weights' q - 8 is isum + n8.
+  const int32_t* n8 = nullptr;
+  const int32_t* pn8 = nullptr;
 };
 
 constexpr int64_t kPackRows = 8;
 
-// Writes row m's blocks (bytes src [K], scales d, s [KB]) into the tile-packed arrays of M rows.
+// Writes row m's blocks (bytes src [K], scales d, s [KB], and n8 [KB] when given) into the
+// tile-packed arrays of M rows.
 inline void pack_row(int64_t m, int64_t M, int64_t K, const uint8_t* src, const float* d,
-                     const float* s, uint8_t* pk, float* pd, float* ps) {
+                     const float* s, uint8_t* pk, float* pd, float* ps,
+                     const int32_t* n8 = nullptr, int32_t* pn8 = nullptr) {
   const int64_t KB = K / kBlock, i = m % kPackRows, t = m - i;
   const int64_t n = M - t < kPackRows ? M - t : kPackRows;
   for (int64_t b = 0; b < KB; ++b) {
     for (int64_t k = 0; k < kBlock; ++k) pk[t * K + (b * n + i) * kBlock + k] = src[b * kBlock + k];
     pd[t * KB + b * n + i] = d[b];
     ps[t * KB + b * n + i] = s[b];
+    if (n8 != nullptr) pn8[t * KB + b * n + i] = n8[b];
+  }
+}
+
+// n8 [KB] of one row's int8 activations q [K]: -8 times each block's sum (QuantRows::n8).
+inline void q4_0_offsets(const int8_t* q, int64_t K, int32_t* n8) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) sum += q[b * kBlock + k];
+    n8[b] = -8 * sum;
   }
 }
 
@@ -83,7 +100,9 @@ using Q5GroupsFn = void (*)(const Q5Weight& w, const QuantRows& x, int64_t r0, i
 
 // Rows [r0, r1) x column groups [g0, g1) of out [M, N]: every element computed as
 //   acc = 0; for b in 0..KB: acc = fma(d_w * d_x, float(isum_b), acc) [; acc = fma(m_w, s_x, acc)]
-// with isum_b the exact integer dot product of block b, so every path gives the same bits.
+// with isum_b the exact integer dot product of block b (the second fma for q4 with m, Q4_1; for
+// Q4_0, isum_b is the dot product with q - 8, isum + n8, and there is no second fma), so every path
+// gives the same bits.
 using GroupsFn = void (*)(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t r1,
                           int64_t g0, int64_t g1, int64_t N, float* out);
 

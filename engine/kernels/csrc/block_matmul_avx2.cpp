@@ -92,9 +92,10 @@ KV_AVX2 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // RM rows x one group of 8 columns, q4. Per block: 8 vpmaddubsw (4-bit w x int8 x, pairs) summed in
 // int16 (16 products of at most 15 * 127 each: exact), one widening to int32, then per lane
-// acc = fma(d_w d_x, sum, acc) and acc = fma(m_w, s_x, acc). Same instructions for every lane and
-// every row, whatever RM is, so tiling and batching never change a value.
-template <int RM, bool PF>
+// acc = fma(d_w d_x, sum, acc) and acc = fma(m_w, s_x, acc); Q4_0 (Q40: no m) adds n8 to the int32
+// sum instead (the dot product with q - 8) and has no second fma. Same instructions for every lane
+// and every row, whatever RM is, so tiling and batching never change a value.
+template <int RM, bool PF, bool Q40>
 KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict wd,
                       const c10::Half* __restrict wm, const QuantRows& x, int64_t r0,
                       float* __restrict out, int64_t N) {
@@ -103,13 +104,16 @@ KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict 
   const int64_t KB = x.KB, K = x.K;
   const int8_t* xq[RM];
   const float *xd[RM], *xs[RM];
-  for (int r = 0; r < RM; ++r)
+  const int32_t* xn[RM];
+  for (int r = 0; r < RM; ++r) {
     xq[r] = x.q + (r0 + r) * K, xd[r] = x.d + (r0 + r) * KB, xs[r] = x.s + (r0 + r) * KB;
+    xn[r] = Q40 ? x.n8 + (r0 + r) * KB : nullptr;
+  }
   __m256 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* wb = qs + b * 128;
-    if constexpr (PF) prefetch_ahead(wb, 128, wd + b * 8, wm != nullptr ? wm + b * 8 : nullptr);
+    if constexpr (PF) prefetch_ahead(wb, 128, wd + b * 8, Q40 ? nullptr : wm + b * 8);
     __m256i isum[RM];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -126,13 +130,15 @@ KV_AVX2 void q4_group(const uint8_t* __restrict qs, const c10::Half* __restrict 
       }
     }
     const __m256 dw = load_half8(wd + b * 8);
-    const __m256 mw = wm != nullptr ? load_half8(wm + b * 8)  // Q4_0: m = -8 d (exact)
-                                    : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (!Q40) mw = load_half8(wm + b * 8);
 #pragma GCC unroll 4
     for (int r = 0; r < RM; ++r) {
-      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
+      __m256i wide = _mm256_madd_epi16(isum[r], ones);
+      if constexpr (Q40) wide = _mm256_add_epi32(wide, _mm256_set1_epi32(xn[r][b]));
+      const __m256 sum = _mm256_cvtepi32_ps(wide);
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xd[r] + b)), sum, acc[r]);
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs[r] + b), acc[r]);
+      if constexpr (!Q40) acc[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs[r] + b), acc[r]);
     }
   }
   for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);
@@ -211,7 +217,10 @@ KV_AVX2 void q4_groups_avx2_impl(const BlockWeight& w, const QuantRows& x, int64
     const uint8_t* qs = w.q4 + g * x.KB * 128;
     const c10::Half *d = w.d + g * x.KB * 8, *m = w.m != nullptr ? w.m + g * x.KB * 8 : nullptr;
     row_tiles(r0, r1, [&](auto rm, auto pf, int64_t r) {
-      q4_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);
+      if (m == nullptr)
+        q4_group<decltype(rm)::value, decltype(pf)::value, true>(qs, d, m, x, r, out + 8 * g, N);
+      else
+        q4_group<decltype(rm)::value, decltype(pf)::value, false>(qs, d, m, x, r, out + 8 * g, N);
     });
   }
 }

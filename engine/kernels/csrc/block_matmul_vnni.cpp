@@ -95,8 +95,9 @@ KV_VNNI512 inline void store_pair(float* out, __m512 v, bool two) {
 }
 
 // RM rows x 16 columns, q4: per block 8 vpdpbusd per row (low and high nibbles), then per lane
-// acc = fma(d_w d_x, sum, acc) and acc = fma(m_w, s_x, acc).
-template <int RM, bool PF>
+// acc = fma(d_w d_x, sum, acc) and acc = fma(m_w, s_x, acc); Q4_0 (Q40) starts each sum at n8 (the
+// dot product with q - 8) and has no second fma.
+template <int RM, bool PF, bool Q40>
 KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* out, int64_t N) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t KB = x.KB, K = x.K;
@@ -104,6 +105,7 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
   const uint8_t* qb = static_cast<const uint8_t*>(p.qb);
   const int8_t* xt = reinterpret_cast<const int8_t*>(x.pk) + r0 * K;  // this tile, packed
   const float *dt = x.pd + r0 * KB, *st = x.ps + r0 * KB;
+  const int32_t* nt = Q40 ? x.pn8 + r0 * KB : nullptr;
   __m512 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -112,11 +114,12 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
       constexpr int64_t ahead = kAheadBytes512 / 128;
       prefetch(wa + ahead * 128, 128), prefetch(wb + ahead * 128, 128);
       prefetch(p.da + (b + ahead) * 8, 16), prefetch(p.db + (b + ahead) * 8, 16);
-      if (p.ma != nullptr)
+      if constexpr (!Q40)
         prefetch(p.ma + (b + ahead) * 8, 16), prefetch(p.mb + (b + ahead) * 8, 16);
     }
     __m512i isum[RM];
-    for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
+    for (int r = 0; r < RM; ++r)
+      isum[r] = Q40 ? _mm512_set1_epi32(nt[b * RM + r]) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = load_pair(wa + 32 * j, wb + 32 * j);
@@ -131,14 +134,13 @@ KV_VNNI512 void q4_pair(const Pair& p, const QuantRows& x, int64_t r0, float* ou
       }
     }
     const __m512 dw = load_half_pair(p.da + b * 8, p.db + b * 8);
-    const __m512 mw = p.ma != nullptr ? load_half_pair(p.ma + b * 8, p.mb + b * 8)
-                                      : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));  // Q4_0
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (!Q40) mw = load_half_pair(p.ma + b * 8, p.mb + b * 8);
 #pragma GCC unroll 8
     for (int r = 0; r < RM; ++r) {
       const __m512 dx = _mm512_set1_ps(dt[b * RM + r]);
-      const __m512 sx = _mm512_set1_ps(st[b * RM + r]);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, sx, acc[r]);
+      if constexpr (!Q40) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(st[b * RM + r]), acc[r]);
     }
   }
   for (int r = 0; r < RM; ++r) store_pair(out + (r0 + r) * N, acc[r], p.two);
@@ -204,10 +206,16 @@ KV_VNNI512 void groups_512(const BlockWeight& w, const QuantRows& x, int64_t r0,
                  Q4 && w.m != nullptr ? w.m + h * scales : nullptr,
                  two};
     row_tiles<kRows512>(r0, r1, [&](auto rm, auto pf, int64_t r) {
-      if constexpr (Q4)
-        q4_pair<decltype(rm)::value, decltype(pf)::value>(p, x, r, out + 8 * g, N);
-      else
-        q8_pair<decltype(rm)::value, decltype(pf)::value>(p, x, r, out + 8 * g, N);
+      constexpr int R = decltype(rm)::value;
+      constexpr bool F = decltype(pf)::value;
+      if constexpr (Q4) {
+        if (p.ma == nullptr)
+          q4_pair<R, F, true>(p, x, r, out + 8 * g, N);
+        else
+          q4_pair<R, F, false>(p, x, r, out + 8 * g, N);
+      } else {
+        q8_pair<R, F>(p, x, r, out + 8 * g, N);
+      }
     });
   }
 }
@@ -231,11 +239,12 @@ ATTR inline void prefetch256(const void* p, int64_t bytes) {                    
     _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);                                   \
 }                                                                                                   \
                                                                                                     \
-template <int RM, bool PF>                                                                          \
+template <int RM, bool PF, bool Q40>                                                                \
 ATTR void q4_group(const uint8_t* qs, const c10::Half* wd, const c10::Half* wm,                     \
                          const QuantRows& x, int64_t r0, float* out, int64_t N) {                   \
   const __m256i low = _mm256_set1_epi8(0x0F);                                                       \
   const int64_t KB = x.KB, K = x.K;                                                                 \
+  const int32_t* n8 = Q40 ? x.n8 : nullptr;                                                         \
   __m256 acc[RM];                                                                                   \
   for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();                                        \
   for (int64_t b = 0; b < KB; ++b) {                                                                \
@@ -243,10 +252,11 @@ ATTR void q4_group(const uint8_t* qs, const c10::Half* wd, const c10::Half* wm, 
     if constexpr (PF) {                                                                             \
       prefetch256(wb + kPrefetch * 128, 128);                                                       \
       prefetch256(wd + (b + kPrefetch) * 8, 16);                                                    \
-      if (wm != nullptr) prefetch256(wm + (b + kPrefetch) * 8, 16);                                 \
+      if constexpr (!Q40) prefetch256(wm + (b + kPrefetch) * 8, 16);                                \
     }                                                                                               \
     __m256i isum[RM];                                                                               \
-    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                  \
+    for (int r = 0; r < RM; ++r)                                                                    \
+      isum[r] = Q40 ? _mm256_set1_epi32(n8[(r0 + r) * KB + b]) : _mm256_setzero_si256();            \
 _Pragma("GCC unroll 4")                                                                             \
     for (int j = 0; j < 4; ++j) {                                                                   \
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));          \
@@ -261,14 +271,14 @@ _Pragma("GCC unroll 4")                                                         
       }                                                                                             \
     }                                                                                               \
     const __m256 dw = load_half8(wd + b * 8);                                                       \
-    const __m256 mw = wm != nullptr ? load_half8(wm + b * 8)  /* Q4_0: m = -8 d */                  \
-                                    : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));                      \
+    __m256 mw = _mm256_setzero_ps();                                                                \
+    if constexpr (!Q40) mw = load_half8(wm + b * 8);                                                \
 _Pragma("GCC unroll 4")                                                                             \
     for (int r = 0; r < RM; ++r) {                                                                  \
       const __m256 dx = _mm256_set1_ps(x.d[(r0 + r) * KB + b]);                                     \
-      const __m256 sx = _mm256_set1_ps(x.s[(r0 + r) * KB + b]);                                     \
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);         \
-      acc[r] = _mm256_fmadd_ps(mw, sx, acc[r]);                                                     \
+      if constexpr (!Q40)                                                                           \
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[(r0 + r) * KB + b]), acc[r]);               \
     }                                                                                               \
   }                                                                                                 \
   for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);                        \
@@ -316,7 +326,10 @@ ATTR void q4_groups(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_
     const uint8_t* qs = w.q4 + g * x.KB * 128;                                                      \
     const c10::Half *d = w.d + g * x.KB * 8, *m = w.m ? w.m + g * x.KB * 8 : nullptr;               \
     row_tiles<kRows256>(r0, r1, [&](auto rm, auto pf, int64_t r) {                                  \
-      q4_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);           \
+      if (m == nullptr)                                                                             \
+        q4_group<decltype(rm)::value, decltype(pf)::value, true>(qs, d, m, x, r, out + 8 * g, N);   \
+      else                                                                                          \
+        q4_group<decltype(rm)::value, decltype(pf)::value, false>(qs, d, m, x, r, out + 8 * g, N);  \
     });                                                                                             \
   }                                                                                                 \
 }                                                                                                   \

@@ -80,6 +80,7 @@ struct ProbeCase {
   std::vector<float> expect4 = std::vector<float>(M * N), expect8 = expect4, expect40 = expect4;
   std::vector<uint8_t> pk4 = u, pk8 = u;  // tile-packed q (for q4) and u (for q8)
   std::vector<float> pd = d, ps = s;
+  std::vector<int32_t> n8 = std::vector<int32_t>(M * KB), pn8 = n8;  // for Q4_0
 
   ProbeCase() {
     uint32_t state = 12345;
@@ -90,9 +91,10 @@ struct ProbeCase {
       kvblock::quantize_row_ref(&x[m * K], K, &q[m * K], &d[m * KB], &s[m * KB]);
     for (int64_t k = 0; k < M * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
     const auto* bytes = reinterpret_cast<const uint8_t*>(q.data());
+    for (int64_t m = 0; m < M; ++m) kvblock::q4_0_offsets(&q[m * K], K, &n8[m * KB]);
     for (int64_t m = 0; m < M; ++m) {
       kvblock::pack_row(m, M, K, bytes + m * K, &d[m * KB], &s[m * KB], pk4.data(), pd.data(),
-                        ps.data());
+                        ps.data(), &n8[m * KB], pn8.data());
       kvblock::pack_row(m, M, K, &u[m * K], &d[m * KB], &s[m * KB], pk8.data(), pd.data(),
                         ps.data());
     }
@@ -106,8 +108,9 @@ struct ProbeCase {
   }
 
   void run(const PathFns& p, float* out4, float* out8, float* out40) const {
-    const kvblock::QuantRows x4{q.data(), u.data(), d.data(), s.data(), K, KB,
-                                pk4.data(), pd.data(), ps.data()};
+    kvblock::QuantRows x4{q.data(), u.data(), d.data(), s.data(), K, KB,
+                          pk4.data(), pd.data(), ps.data()};
+    x4.n8 = n8.data(), x4.pn8 = pn8.data();  // read by the Q4_0 weight only
     const kvblock::QuantRows x8{q.data(), u.data(), d.data(), s.data(), K, KB,
                                 pk8.data(), pd.data(), ps.data()};
     const kvblock::BlockWeight b4{w4.data(), nullptr, wd.data(), wm.data()};
