@@ -1,6 +1,6 @@
 """GGUF's Q5_0 and Q5_1 blocks served as stored (32 values of 5 bits per block: Q5_1 w = d q + m
-with fp16 d, m; Q5_0 w = d (q - 16), run as Q5_1's arithmetic with m = -16 d, exact in float32 and
-derived in the kernels, not stored), read from a file's bytes exactly, dequantized bit for bit as
+with fp16 d, m; Q5_0 w = d (q - 16), no m stored: the kernels sum each block's products with
+q - 16 in integers, then one fma per block), read from a file's bytes exactly, dequantized bit for bit as
 the `gguf` package does, and interleaved by 8 output columns for the q5_linear kernels
 (engine/kernels/csrc/block_q5.cpp): the values in the K-quants' 5-bit planes, the scales as Q4_1's."""
 
@@ -61,8 +61,8 @@ def from_gguf_q5blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Q5
 
 class BlockQ5Weight(_BlockWeight):
     """Q5 blocks interleaved for q5_linear: qs [N/8, K/32, 5, 32] uint8 (kquant.interleave's
-    planes), d, m [N/8, K/32, 8] fp16 (m empty for q5_0: the kernels take m = -16 d, so it reads
-    its 22 bytes per block, as stored)."""
+    planes), d, m [N/8, K/32, 8] fp16 (m empty for q5_0: the kernels take its weights as q - 16 in
+    the integer sums, so it reads its 22 bytes per block, as stored)."""
 
     qs: torch.Tensor
 

@@ -2,7 +2,7 @@
 a SmolLM2 Q4_K_M keeps its 576-wide rows as Q5_0, a Q5_K_M as Q5_1): blocks parsed bitwise as
 `gguf.quants.dequantize` reads them; the q5_linear kernels within tolerance of a float matmul and
 bitwise equal on every ISA path this CPU runs, alone or in any batch, on 1 or 2 threads; Q5_0 (no
-m stored) bitwise Q5_1 with m = -16 d; and a tiny random Llama whose tensors are Q5_0 and Q5_1
+m stored) summing q - 16 in integers, nearer the exact product than Q5_1 with m = -16 d; and a tiny random Llama whose tensors are Q5_0 and Q5_1
 (beside Q8_0, Q4_K and Q6_K parts of the same fused weights) served with every matmul as stored,
 each weight gguf's dequantization of the file, greedy tokens following the same model on its
 dequantized float32 weights, decode steps in one C++ call per layer."""
@@ -134,17 +134,29 @@ def test_every_path_is_thread_invariant(kind: str, restore_path: None) -> None:
     assert all(torch.equal(r, results[0]) for r in results)
 
 
-def test_q5_0_is_q5_1_with_m_derived_from_22_bytes_per_block(restore_path: None) -> None:
-    """Q5_0 (w = d (q - 16)) stores no minimum: the kernels derive m = -16 d (exact), so on every
-    path it computes bitwise what Q5_1 blocks with that m stored compute, from fewer bytes."""
+def test_q5_0_reads_22_bytes_per_block_and_sums_q_minus_16(restore_path: None) -> None:
+    """Q5_0 (w = d (q - 16)) stores no minimum: each block's integer dot product takes the weights as
+    q - 16 (exact), then one fma per block, from 22 bytes per block; every path gives the same bits,
+    close to Q5_1's arithmetic with m = -16 d stored and no farther from the exact product."""
     values = from_gguf_q5blocks("Q5_0", _raw("Q5_0", 20, 96, 4), (20, 96))
     q5_0 = BlockQ5Weight(values)
     as_q5_1 = BlockQ5Weight(Q5Values("q5_1", values.q, values.d, values.m))
     assert q5_0.m.numel() == 0 and q5_0.nbytes == 24 * 3 * 22 and as_q5_1.nbytes == 24 * 3 * 24
     x = _activations(13, 96)
+    _ops().block_kernels_select("portable")
+    expected, with_m = q5_0.matmul(x), as_q5_1.matmul(x)
     for path in _paths():
         _ops().block_kernels_select(path)
-        assert torch.equal(q5_0.matmul(x), as_q5_1.matmul(x)), path
+        assert torch.equal(q5_0.matmul(x), expected), path
+        assert torch.equal(q5_0.matmul(x[:1]), expected[:1]), path
+    # The exact product of the dequantized weights and the int8 activations the kernels use.
+    blocks = x.view(13, 3, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    xq = torch.where(amax > 0, torch.round(blocks * (127.0 / amax)) * (amax / 127.0), 0.0)
+    exact = xq.view(13, 96).double() @ values.dequantize().double().T
+    scale = exact.abs().max()
+    assert torch.allclose(expected.double(), exact, rtol=1e-5, atol=1e-5 * float(scale))
+    assert (expected.double() - exact).abs().sum() <= (with_m.double() - exact).abs().sum()
 
 
 # ---------------------------------------------------------------- a Q5 file end to end

@@ -158,7 +158,7 @@ QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool 
       path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
       if (u != nullptr)  // q + 128 in 0..255, as two's complement bytes xor 0x80
         for (int64_t k = m * K; k < (m + 1) * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
-      if (n8 != nullptr) kvblock::q4_0_offsets(q + m * K, K, n8 + m * KB);
+      if (n8 != nullptr) kvblock::offset_sums(q + m * K, K, 8, n8 + m * KB);
       if (packed) {
         const uint8_t* bytes = q4 ? reinterpret_cast<const uint8_t*>(q) + m * K : u + m * K;
         kvblock::pack_row(m, M, K, bytes, d + m * KB, s + m * KB, pk, pd, ps,

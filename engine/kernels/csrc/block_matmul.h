@@ -36,6 +36,9 @@ struct QuantRows {
   // with the weights' q - 8 is isum + n8.
   const int32_t* n8 = nullptr;
   const int32_t* pn8 = nullptr;
+  // For Q5_0 weights (else null): -16 times each block's sum, n16 [M, KB] (the dot product with
+  // the weights' q - 16 is isum + n16).
+  const int32_t* n16 = nullptr;
 };
 
 constexpr int64_t kPackRows = 8;
@@ -55,12 +58,13 @@ inline void pack_row(int64_t m, int64_t M, int64_t K, const uint8_t* src, const 
   }
 }
 
-// n8 [KB] of one row's int8 activations q [K]: -8 times each block's sum (QuantRows::n8).
-inline void q4_0_offsets(const int8_t* q, int64_t K, int32_t* n8) {
+// out [KB] of one row's int8 activations q [K]: -offset times each block's sum (QuantRows::n8 with
+// offset 8, n16 with 16).
+inline void offset_sums(const int8_t* q, int64_t K, int32_t offset, int32_t* out) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     int32_t sum = 0;
     for (int64_t k = 0; k < kBlock; ++k) sum += q[b * kBlock + k];
-    n8[b] = -8 * sum;
+    out[b] = -offset * sum;
   }
 }
 

@@ -91,7 +91,7 @@ struct ProbeCase {
       kvblock::quantize_row_ref(&x[m * K], K, &q[m * K], &d[m * KB], &s[m * KB]);
     for (int64_t k = 0; k < M * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
     const auto* bytes = reinterpret_cast<const uint8_t*>(q.data());
-    for (int64_t m = 0; m < M; ++m) kvblock::q4_0_offsets(&q[m * K], K, &n8[m * KB]);
+    for (int64_t m = 0; m < M; ++m) kvblock::offset_sums(&q[m * K], K, 8, &n8[m * KB]);
     for (int64_t m = 0; m < M; ++m) {
       kvblock::pack_row(m, M, K, bytes + m * K, &d[m * KB], &s[m * KB], pk4.data(), pd.data(),
                         ps.data(), &n8[m * KB], pn8.data());
@@ -167,14 +167,17 @@ struct Q5ProbeCase {
   std::vector<uint8_t> qs = std::vector<uint8_t>(G * KB * 160);
   std::vector<c10::Half> wd = std::vector<c10::Half>(G * KB * 8), wm = wd;
   std::vector<float> expect = std::vector<float>(2 * M * N);
+  std::vector<int32_t> n16 = std::vector<int32_t>(M * KB);  // for Q5_0
 
   Q5ProbeCase() {
     uint32_t state = 4242;
     auto next = [&] { return state = state * 1664525u + 1013904223u, state >> 8; };
     std::vector<float> x(M * K);
     for (auto& v : x) v = static_cast<float>(static_cast<int>(next() % 2001) - 1000) / 31.f;
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < M; ++m) {
       kvblock::quantize_row_ref(&x[m * K], K, &q[m * K], &d[m * KB], &s[m * KB]);
+      kvblock::offset_sums(&q[m * K], K, 16, &n16[m * KB]);
+    }
     for (auto& v : qs) v = static_cast<uint8_t>(next());
     for (size_t i = 0; i < wd.size(); ++i) {
       wd[i] = static_cast<float>(next() % 1000) / 3000.f;
@@ -184,7 +187,8 @@ struct Q5ProbeCase {
   }
 
   void run(const PathFns& p, float* out) const {
-    const kvblock::QuantRows x{q.data(), nullptr, d.data(), s.data(), K, KB};
+    kvblock::QuantRows x{q.data(), nullptr, d.data(), s.data(), K, KB};
+    x.n16 = n16.data();  // read by the Q5_0 weight only
     p.q5(kvblock::Q5Weight{qs.data(), wd.data(), wm.data()}, x, 0, M, 0, G, N, out);
     p.q5(kvblock::Q5Weight{qs.data(), wd.data(), nullptr}, x, 0, M, 0, G, N, out + M * N);
   }

@@ -3,11 +3,12 @@
 // vectors 0..3 as q4's (byte 4c + i of vector j: column c's k = 4j + i in the low nibble, k = 4j +
 // 16 + i in the high one), then one vector of fifth bits (byte 4c + i, bit 2j + half: the fifth bit
 // of k = 4j + 16 half + i), as Q5_K's (block_kquants.cpp); d, m fp16 per block and column as q4's.
-// Q5_0 stores no m: the kernels take m = -16 d (exact in float32). Per output element, block by
-// block, q4's fixed order (block_matmul.h):
+// Per output element, block by block, q4's fixed order (block_matmul.h):
 //   acc = fma(d_w * d_x, isum_b, acc); acc = fma(m_w, s_x, acc)
-// with isum_b the exact integer dot product of the unsigned 5-bit q with the int8 activations, so
-// every path (portable, AVX2, AVX-VNNI, AVX-512 VNNI) gives the same bits, alone or in any batch.
+// with isum_b the exact integer dot product of the unsigned 5-bit q with the int8 activations; Q5_0
+// stores no m: its isum_b is the dot product with q - 16 (isum + QuantRows::n16, exact) and there is
+// no second fma, as Q4_0. Every path (portable, AVX2, AVX-VNNI, AVX-512 VNNI) gives the same bits,
+// alone or in any batch.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -46,10 +47,13 @@ void q5_groups_ref(const Q5Weight& w, const QuantRows& x, int64_t r0, int64_t r1
           }
           const int64_t at = (g * x.KB + b) * 8 + c;
           const float dw = static_cast<float>(w.d[at]);
-          // Q5_0 (no m stored): m = -16 d, exact in float32, the value a stored fp16 m would have
-          const float mw = w.m != nullptr ? static_cast<float>(w.m[at]) : dw * -16.f;
+          if (w.m == nullptr) {  // Q5_0: the dot product with q - 16, exact in integers
+            acc = std::fma(dw * x.d[r * x.KB + b], static_cast<float>(isum + x.n16[r * x.KB + b]),
+                           acc);
+            continue;
+          }
           acc = std::fma(dw * x.d[r * x.KB + b], static_cast<float>(isum), acc);
-          acc = std::fma(mw, x.s[r * x.KB + b], acc);
+          acc = std::fma(static_cast<float>(w.m[at]), x.s[r * x.KB + b], acc);
         }
         out[r * N + 8 * g + c] = acc;
       }
@@ -139,7 +143,7 @@ ATTR inline __m256 load_half8(const c10::Half* p) {                             
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));                  \
 }                                                                                                \
                                                                                                  \
-template <int RM, bool PF>                                                                       \
+template <int RM, bool PF, bool Q50>                                                             \
 ATTR void q5_group(const uint8_t* qs, const c10::Half* wd, const c10::Half* wm,                  \
                    const QuantRows& x, int64_t r0, float* out, int64_t N) {                      \
   const int64_t KB = x.KB;                                                                       \
@@ -148,25 +152,26 @@ ATTR void q5_group(const uint8_t* qs, const c10::Half* wd, const c10::Half* wm, 
   for (int64_t b = 0; b < KB; ++b) {                                                             \
     const uint8_t* qb = qs + b * 160;                                                            \
     if constexpr (PF) {                                                                          \
-      const char* p = reinterpret_cast<const char*>(qb + kPrefetch * 160);                      \
+      const char* p = reinterpret_cast<const char*>(qb + kPrefetch * 160);                       \
       for (int off = 0; off < 160; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);                \
       _mm_prefetch(reinterpret_cast<const char*>(wd + (b + kPrefetch) * 8), _MM_HINT_T0);        \
-      if (wm != nullptr)                                                                         \
+      if constexpr (!Q50)                                                                        \
         _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kPrefetch) * 8), _MM_HINT_T0);      \
     }                                                                                            \
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 128));            \
     __m256i isum[RM];                                                                            \
-    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                               \
+    for (int r = 0; r < RM; ++r)                                                                 \
+      isum[r] = Q50 ? _mm256_set1_epi32(x.n16[(r0 + r) * KB + b]) : _mm256_setzero_si256();      \
     DP<RM>(qb, h, x, r0, b, isum);                                                               \
     const __m256 dw = load_half8(wd + b * 8);                                                    \
-    const __m256 mw = wm != nullptr ? load_half8(wm + b * 8) /* Q5_0: m = -16 d */               \
-                                    : _mm256_mul_ps(dw, _mm256_set1_ps(-16.f));                  \
+    __m256 mw = _mm256_setzero_ps();                                                             \
+    if constexpr (!Q50) mw = load_half8(wm + b * 8);                                             \
 _Pragma("GCC unroll 4")                                                                          \
     for (int r = 0; r < RM; ++r) {                                                               \
       const __m256 dx = _mm256_set1_ps(x.d[(r0 + r) * KB + b]);                                  \
-      const __m256 sx = _mm256_set1_ps(x.s[(r0 + r) * KB + b]);                                  \
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);      \
-      acc[r] = _mm256_fmadd_ps(mw, sx, acc[r]);                                                  \
+      if constexpr (!Q50)                                                                        \
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[(r0 + r) * KB + b]), acc[r]);            \
     }                                                                                            \
   }                                                                                              \
   for (int r = 0; r < RM; ++r) _mm256_storeu_ps(out + (r0 + r) * N, acc[r]);                     \
@@ -178,7 +183,10 @@ ATTR void q5_groups(const Q5Weight& w, const QuantRows& x, int64_t r0, int64_t r
     const uint8_t* qs = w.qs + g * x.KB * 160;                                                   \
     const c10::Half *d = w.d + g * x.KB * 8, *m = w.m ? w.m + g * x.KB * 8 : nullptr;            \
     row_tiles<4>(r0, r1, [&](auto rm, auto pf, int64_t r) {                                      \
-      q5_group<decltype(rm)::value, decltype(pf)::value>(qs, d, m, x, r, out + 8 * g, N);        \
+      if (m == nullptr)                                                                          \
+        q5_group<decltype(rm)::value, decltype(pf)::value, true>(qs, d, m, x, r, out + 8 * g, N);\
+      else                                                                                       \
+        q5_group<decltype(rm)::value, decltype(pf)::value, false>(qs, d, m, x, r, out + 8 * g, N);\
     });                                                                                          \
   }                                                                                              \
 }                                                                                                \
@@ -279,7 +287,7 @@ struct Q5Pair {
   bool two;
 };
 
-template <int RM, bool PF>
+template <int RM, bool PF, bool Q50>
 Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* out, int64_t N) {
   const int64_t KB = x.KB, K = x.K;
   const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
@@ -295,7 +303,8 @@ Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* 
     }
     const __m512i h = load_pair(qa + 128, qb + 128);
     __m512i isum[RM];
-    for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
+    for (int r = 0; r < RM; ++r)
+      isum[r] = Q50 ? _mm512_set1_epi32(x.n16[(r0 + r) * KB + b]) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
@@ -315,14 +324,13 @@ Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* 
       }
     }
     const __m512 dw = half_pair(p.da + b * 8, p.db + b * 8);
-    const __m512 mw = p.ma != nullptr ? half_pair(p.ma + b * 8, p.mb + b * 8)
-                                      : _mm512_mul_ps(dw, _mm512_set1_ps(-16.f));  // Q5_0
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (!Q50) mw = half_pair(p.ma + b * 8, p.mb + b * 8);
 #pragma GCC unroll 8
     for (int r = 0; r < RM; ++r) {
       const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * KB + b]);
-      const __m512 sx = _mm512_set1_ps(x.s[(r0 + r) * KB + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, sx, acc[r]);
+      if constexpr (!Q50) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[(r0 + r) * KB + b]), acc[r]);
     }
   }
   for (int r = 0; r < RM; ++r) {
@@ -342,7 +350,10 @@ Q5_VNNI512 void q5_pairs(const Q5Weight& w, const QuantRows& x, int64_t r0, int6
     const Q5Pair p{w.qs + g * qstride, w.qs + h * qstride, w.d + g * sstride, w.d + h * sstride,
                    w.m ? w.m + g * sstride : nullptr, w.m ? w.m + h * sstride : nullptr, two};
     row_tiles<kRows512>(r0, r1, [&](auto rm, auto pf, int64_t r) {
-      q5_pair<decltype(rm)::value, decltype(pf)::value>(p, x, r, out + 8 * g, N);
+      if (p.ma == nullptr)
+        q5_pair<decltype(rm)::value, decltype(pf)::value, true>(p, x, r, out + 8 * g, N);
+      else
+        q5_pair<decltype(rm)::value, decltype(pf)::value, false>(p, x, r, out + 8 * g, N);
     });
   }
 }
@@ -384,25 +395,33 @@ constexpr int64_t kRowPanel = 64;  // rows whose int8 activations stay in cache 
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> n16;
 };
 
-// The activations as every block kernel quantizes them (QuantRows' q, d, s), on the path's
-// quantizer (all paths round to the same bytes).
-QuantRows quantize(const at::Tensor& x, const kvblock::PathFns& path) {
+// The activations as every block kernel quantizes them (QuantRows' q, d, s, and n16 for Q5_0), on
+// the path's quantizer (all paths round to the same bytes).
+QuantRows quantize(const at::Tensor& x, const kvblock::PathFns& path, bool q5_0) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
   thread_local Scratch scratch;
   scratch.q.resize(M * K), scratch.d.resize(M * KB), scratch.s.resize(M * KB);
+  if (q5_0) scratch.n16.resize(M * KB);
   const float* xp = x.data_ptr<float>();
   int8_t* q = scratch.q.data();
   float *d = scratch.d.data(), *s = scratch.s.data();
+  int32_t* n16 = q5_0 ? scratch.n16.data() : nullptr;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
+    for (int64_t m = m0; m < m1; ++m) {
+      path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
+      if (n16 != nullptr) kvblock::offset_sums(q + m * K, K, 16, n16 + m * KB);
+    }
   });
-  return QuantRows{q, nullptr, d, s, K, KB};
+  QuantRows rows{q, nullptr, d, s, K, KB};
+  rows.n16 = n16;
+  return rows;
 }
 
 // Q5 blocks (block_matmul.h's Q5Weight): qs uint8 [N/8, K/32, 5, 32], d fp16 [N/8, K/32, 8], m
-// the same (Q5_1) or empty (Q5_0: m = -16 d). Column groups split across threads (each output
+// the same (Q5_1) or empty (Q5_0: the sums take q - 16). Column groups split across threads (each output
 // element wholly on one thread), rows in panels, as the q4 / q8 / K-quant ops.
 at::Tensor q5_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                      const at::Tensor& m, const std::optional<at::Tensor>& bias) {
@@ -424,7 +443,7 @@ at::Tensor q5_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const kvblock::PathFns& path = kvblock::current_path();
   const kvblock::Q5Weight w{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
                             q5_0 ? nullptr : m.data_ptr<c10::Half>()};
-  const QuantRows rows = quantize(xc, path);
+  const QuantRows rows = quantize(xc, path, q5_0);
   const int64_t M = xc.size(0), groups = qs.size(0), N = 8 * groups;
   at::Tensor out = at::empty({M, N}, xc.options());
   float* o = out.data_ptr<float>();
