@@ -1,7 +1,8 @@
 """Tiny random Llamas written as llama.cpp-style GGUF files with the `gguf` package's GGUFWriter
 (SmolLM2's tokenizer from the bundled file, any mix of tensor types per layer), and the `gguf`
 package's own dequantization of a file's tensors in HF row order: the shared writer of the
-served-as-stored tests (test_gguf_blocks, test_gguf_kquants, test_gguf_q5)."""
+served-as-stored tests (test_gguf_blocks, test_gguf_kquants, test_gguf_q5); and the int8
+activations the block kernels compute with, for exact reference products."""
 
 from __future__ import annotations
 
@@ -120,3 +121,12 @@ def gguf_rows(reader: GGUFReader, name: str, heads: int | None = None) -> torch.
         np.ascontiguousarray(gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type))
     )
     return w if heads is None else w[hf_row_order(w.shape[0], heads)]
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [n, K] as the block kernels quantize it (per row and block of 32: d = max|x| / 127,
+    q = round-half-even(x * 127 / max|x|); an all-zero block stays zero), back in float32."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * (127.0 / amax)) * (amax / 127.0)
+    return torch.where(amax > 0, q, 0.0).view_as(x)

@@ -25,7 +25,7 @@ from engine.models.block_parts import BlockParts
 from engine.models.cpu_features import BLOCK_KERNEL_PATHS, block_kernel_probe
 from engine.models.kquant import BlockKWeight, from_gguf_kblocks
 from engine.models.kquant import synthetic_kblocks as random_kblocks
-from tests.model.gguf_files import FUSED, TinyLlama, gguf_rows, write_tiny_llama
+from tests.model.gguf_files import FUSED, TinyLlama, gguf_rows, int8_activations, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
@@ -210,10 +210,10 @@ def test_the_served_formats_key_tells_k_quants_as_stored_apart(
 
 
 def test_q4_0_is_served_in_its_own_18_bytes_per_block() -> None:
-    """Q4_0 (w = d (q - 8)) stores no minimum: each block's integer dot product takes the weights as
-    q - 8 (exact), then one fma per block, so it reads 18 bytes per block, gives the same bits on every
-    path and batch size, and lands nearer the exact product than Q4_1's arithmetic with m = -8 d
-    stored (one rounding per block fewer)."""
+    """Q4_0 (w = d (q - 8)) stores no minimum: each block's integer dot product takes the
+    weights as q - 8 (exact), then one fma per block, so it reads 18 bytes per block, gives the same
+    bits on every path and batch size, and lands nearer the exact product than Q4_1's arithmetic
+    with m = -8 d stored (one rounding per block fewer)."""
     from engine.models.block_quant import BlockQ4Weight, BlockValues, from_gguf_blocks
 
     rng = np.random.default_rng(4)
@@ -239,10 +239,7 @@ def test_q4_0_is_served_in_its_own_18_bytes_per_block() -> None:
     finally:
         ops.block_kernels_select(auto)
     # The exact product of the dequantized weights and the int8 activations the kernels use.
-    blocks = x.view(13, 3, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    xq = torch.round(blocks * (127.0 / amax)) * (amax / 127.0)
-    exact = xq.view(13, 96).double() @ torch.from_numpy(theirs).double().T
+    exact = int8_activations(x).double() @ torch.from_numpy(theirs).double().T
     assert torch.allclose(expected.double(), exact, rtol=1e-5, atol=1e-4)
     error = (expected.double() - exact).abs().sum()
     assert error <= (with_m.double() - exact).abs().sum()

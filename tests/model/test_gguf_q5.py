@@ -2,10 +2,11 @@
 a SmolLM2 Q4_K_M keeps its 576-wide rows as Q5_0, a Q5_K_M as Q5_1): blocks parsed bitwise as
 `gguf.quants.dequantize` reads them; the q5_linear kernels within tolerance of a float matmul and
 bitwise equal on every ISA path this CPU runs, alone or in any batch, on 1 or 2 threads; Q5_0 (no
-m stored) summing q - 16 in integers, nearer the exact product than Q5_1 with m = -16 d; and a tiny random Llama whose tensors are Q5_0 and Q5_1
-(beside Q8_0, Q4_K and Q6_K parts of the same fused weights) served with every matmul as stored,
-each weight gguf's dequantization of the file, greedy tokens following the same model on its
-dequantized float32 weights, decode steps in one C++ call per layer."""
+m stored) summing q - 16 in integers, nearer the exact product than Q5_1 with m = -16 d; and a tiny
+random Llama whose tensors are Q5_0 and Q5_1 (beside Q8_0, Q4_K and Q6_K parts of the same fused
+weights) served with every matmul as stored, each weight gguf's dequantization of the file, greedy
+tokens following the same model on its dequantized float32 weights, decode steps in one C++ call
+per layer."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from engine.kernels import cpu_kernels
 from engine.models.block_parts import BlockParts
 from engine.models.block_q5 import Q5_BLOCK_BYTES, BlockQ5Weight, Q5Values, from_gguf_q5blocks
 from engine.models.cpu_features import BLOCK_KERNEL_PATHS, block_kernel_probe
-from tests.model.gguf_files import FUSED, TinyLlama, gguf_rows, write_tiny_llama
+from tests.model.gguf_files import FUSED, TinyLlama, gguf_rows, int8_activations, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
@@ -135,9 +136,10 @@ def test_every_path_is_thread_invariant(kind: str, restore_path: None) -> None:
 
 
 def test_q5_0_reads_22_bytes_per_block_and_sums_q_minus_16(restore_path: None) -> None:
-    """Q5_0 (w = d (q - 16)) stores no minimum: each block's integer dot product takes the weights as
-    q - 16 (exact), then one fma per block, from 22 bytes per block; every path gives the same bits,
-    close to Q5_1's arithmetic with m = -16 d stored and no farther from the exact product."""
+    """Q5_0 (w = d (q - 16)) stores no minimum: each block's integer dot product takes the
+    weights as q - 16 (exact), then one fma per block, from 22 bytes per block; every path gives the
+    same bits, close to Q5_1's arithmetic with m = -16 d stored and no farther from the exact
+    product."""
     values = from_gguf_q5blocks("Q5_0", _raw("Q5_0", 20, 96, 4), (20, 96))
     q5_0 = BlockQ5Weight(values)
     as_q5_1 = BlockQ5Weight(Q5Values("q5_1", values.q, values.d, values.m))
@@ -150,10 +152,7 @@ def test_q5_0_reads_22_bytes_per_block_and_sums_q_minus_16(restore_path: None) -
         assert torch.equal(q5_0.matmul(x), expected), path
         assert torch.equal(q5_0.matmul(x[:1]), expected[:1]), path
     # The exact product of the dequantized weights and the int8 activations the kernels use.
-    blocks = x.view(13, 3, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    xq = torch.where(amax > 0, torch.round(blocks * (127.0 / amax)) * (amax / 127.0), 0.0)
-    exact = xq.view(13, 96).double() @ values.dequantize().double().T
+    exact = int8_activations(x).double() @ values.dequantize().double().T
     scale = exact.abs().max()
     assert torch.allclose(expected.double(), exact, rtol=1e-5, atol=1e-5 * float(scale))
     assert (expected.double() - exact).abs().sum() <= (with_m.double() - exact).abs().sum()

@@ -6,8 +6,8 @@
 // Per output element, block by block, q4's fixed order (block_matmul.h):
 //   acc = fma(d_w * d_x, isum_b, acc); acc = fma(m_w, s_x, acc)
 // with isum_b the exact integer dot product of the unsigned 5-bit q with the int8 activations; Q5_0
-// stores no m: its isum_b is the dot product with q - 16 (isum + QuantRows::n16, exact) and there is
-// no second fma, as Q4_0. Every path (portable, AVX2, AVX-VNNI, AVX-512 VNNI) gives the same bits,
+// stores no m: its isum_b is the dot product with q - 16 (isum + QuantRows::n16, exact) and there
+// is no second fma, as Q4_0. Every path (portable, AVX2, AVX-VNNI, AVX-512 VNNI) gives the same bits,
 // alone or in any batch.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -330,7 +330,8 @@ Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* 
     for (int r = 0; r < RM; ++r) {
       const __m512 dx = _mm512_set1_ps(x.d[(r0 + r) * KB + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-      if constexpr (!Q50) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[(r0 + r) * KB + b]), acc[r]);
+      if constexpr (!Q50)
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[(r0 + r) * KB + b]), acc[r]);
     }
   }
   for (int r = 0; r < RM; ++r) {
