@@ -164,6 +164,8 @@ def test_a_long_context_decodes_bitwise_alone_as_in_a_batch(
     together = cpu_kernels.paged_decode_attention(q, cache, tables, lens, scale, window, softcap)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)  # the split path runs below 2 (sequence, KV head) items per thread
+    # on, whichever this CPU would choose (without AVX-512 it runs by default, with it never)
+    mode = torch.ops.kvserve.decode_split_select(1)
     try:
         for i in range(len(seq_lens)):  # each alone (batch 1): the split path where it is long
             alone = cpu_kernels.paged_decode_attention(
@@ -173,7 +175,14 @@ def test_a_long_context_decodes_bitwise_alone_as_in_a_batch(
         pair = cpu_kernels.paged_decode_attention(
             q[:2], cache, tables[:2], lens[:2], scale, window, softcap
         )
+        torch.ops.kvserve.decode_split_select(0)  # and the per-item path for each alone
+        for i in range(len(seq_lens)):
+            alone = cpu_kernels.paged_decode_attention(
+                q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], scale, window, softcap
+            )
+            assert torch.equal(alone[0], together[i]), seq_lens[i]
     finally:
+        torch.ops.kvserve.decode_split_select(mode)
         torch.set_num_threads(threads)
     assert torch.equal(pair, together[:2])
     fast = cpu_kernels.paged_prefill_attention(

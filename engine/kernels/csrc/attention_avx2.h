@@ -220,14 +220,28 @@ KV_AVX2 inline void softmax_row_avx2(float* sg, int64_t len, float softcap) {
 }
 
 // out[a, i0:i0+32] = sum_t p[a, t] v[t, i0:i0+32] for GN heads (p rows `len` apart, out rows d
-// apart): one fma chain per output value over the keys in increasing t.
-template <int GN, typename KT>
+// apart): one fma chain per output value over the keys in increasing t. PF: asks for the values
+// 16 rows ahead into L1 (for callers whose rows nobody prefetched; no value changes).
+template <int GN, typename KT, bool PF = false>
 KV_AVX2 inline void pv_chunk(const float* p, const KT* const* vp, int64_t len, int64_t d,
                              int64_t i0, float* out) {
   __m256 acc[GN][4];
   for (int a = 0; a < GN; ++a)
     for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
+  constexpr int64_t kNear = 16, kFar = 128;  // rows ahead into L1, into L2
+  constexpr int64_t kBytes = 32 * static_cast<int64_t>(sizeof(KT));
+  if (PF)
+    for (int64_t t = 0; t < std::min(kFar, len); ++t)
+      for (int64_t o = 0; o < kBytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vp[t] + i0) + o,
+                     t < kNear ? _MM_HINT_T0 : _MM_HINT_T1);
   for (int64_t t = 0; t < len; ++t) {
+    if (PF) {
+      for (int64_t o = 0; o < kBytes && t + kNear < len; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vp[t + kNear] + i0) + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < kBytes && t + kFar < len; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vp[t + kFar] + i0) + o, _MM_HINT_T1);
+    }
     __m256 v[4];
     for (int b = 0; b < 4; ++b) v[b] = load8(vp[t] + i0 + 8 * b);
     for (int a = 0; a < GN; ++a) {

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -130,7 +131,33 @@ KV_AVX2 void attend_item_avx2(const float* qf, const KT* const* kp, const KT* co
 // Context tokens per score task of the split path (a multiple of the 8-token runs, so every run
 // lies in one task), and the context length from which the split path runs.
 constexpr int64_t kSplitTile = 256;
+constexpr int64_t kSplitAhead = 16;  // context rows the split path asks for ahead of use
 constexpr int64_t kSplitFrom = 768;
+
+// Whether the split path runs at all: -1 by the CPU, 0 never, 1 where it applies
+// (kvserve::decode_split_select, for tests and benchmarks). By the CPU: on without AVX-512F, where it
+// was measured faster in situ (AVX2 EPYC: one token over 4096 keys of SmolLM2, 16.1 vs 19.9 ms);
+// off with it: on the AVX-512 EPYC the per-item path took 0.55-0.7x the split path's time at 1000-4000
+// keys with the layer's rows cold, as in a decode step (about equal with them in cache). Either way
+// the same bits.
+std::atomic<int> split_mode{-1};
+
+bool split_on() {
+  const int mode = split_mode.load(std::memory_order_relaxed);
+  if (mode >= 0) return mode == 1;
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool by_cpu = !__builtin_cpu_supports("avx512f");
+#else
+  static const bool by_cpu = true;
+#endif
+  return by_cpu;
+}
+
+// Sets the split path's mode (-1 by the CPU, 0 off, 1 on); returns the one it replaces.
+int64_t decode_split_select(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "decode_split_select: mode must be -1, 0 or 1, not ", mode);
+  return split_mode.exchange(static_cast<int>(mode));
+}
 
 // The split path: for (sequence, KV head) items too few to keep the threads busy with long contexts,
 // where one item per thread would read its keys and values alone (and query heads as items would
@@ -155,13 +182,34 @@ KV_AVX2 void attend_split_avx2(const float* qf, const KT* const* kp, const KT* c
       const int64_t b = std::upper_bound(tiles.begin(), tiles.end(), tile) - tiles.begin() - 1;
       const int64_t lo = (tile - tiles[b]) * kSplitTile, hi = std::min(len[b], lo + kSplitTile);
       const KT* const* k = kp + rows(b, h);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
+      const int64_t n_len = len[b];
+      // As attend_item_avx2: up to 3 query heads a pass share each key load, keys asked for into
+      // L1 kSplitAhead tokens ahead and into L2 4 kSplitAhead ahead (without it the tile's rows arrive one
+      // latency after another: 2.4x the per-item path's time at 4096 keys on the AVX-512 EPYC).
+      prefetch_rows(k, lo, std::min(lo + kSplitAhead, hi), d);
+      prefetch_rows<KT, _MM_HINT_T1>(k, std::min(lo + kSplitAhead, hi), std::min(lo + 8 * kSplitAhead, hi), d);
+      for (int64_t g = 0; g < group;) {
+        const int64_t n = std::min<int64_t>(3, group - g), head = h * group + g;
         const float* qg = qf + (b * heads + head) * d;
-        float* sg = scores + sc[b] + head * len[b];
+        float* sg = scores + sc[b] + head * n_len;
         int64_t t = lo;
-        for (; t + 8 <= hi; t += 8) scores8_avx2(qg, k + t, d, sg + t);
-        for (; t < hi; ++t) sg[t] = score1_avx2(qg, k[t], d);
+        for (; t + 8 <= hi; t += 8) {
+          if (g == 0) {
+            prefetch_rows(k, std::min(t + kSplitAhead, hi), std::min(t + kSplitAhead + 8, hi), d);
+            prefetch_rows<KT, _MM_HINT_T1>(k, std::min(t + 8 * kSplitAhead, hi),
+                                           std::min(t + 8 * kSplitAhead + 8, hi), d);
+          }
+          if (n == 3)
+            scores8x3_avx2(qg, qg + d, qg + 2 * d, k + t, d, sg + t, sg + n_len + t,
+                           sg + 2 * n_len + t);
+          else if (n == 2)
+            scores8x2_avx2(qg, qg + d, k + t, d, sg + t, sg + n_len + t);
+          else
+            scores8_avx2(qg, k + t, d, sg + t);
+        }
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t u = t; u < hi; ++u) sg[j * n_len + u] = score1_avx2(qg + j * d, k[u], d);
+        g += n;
       }
     }
   });
@@ -182,9 +230,9 @@ KV_AVX2 void attend_split_avx2(const float* qf, const KT* const* kp, const KT* c
         const float* p = scores + sc[b] + head * len[b];
         float* o = out + (b * heads + head) * d;
         if (group - g0 >= 2)
-          pv_chunk<2>(p, v, len[b], d, i0, o);
+          pv_chunk<2, KT, true>(p, v, len[b], d, i0, o);
         else
-          pv_chunk<1>(p, v, len[b], d, i0, o);
+          pv_chunk<1, KT, true>(p, v, len[b], d, i0, o);
       }
     }
   });
@@ -224,7 +272,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       const bool few = batch * kv_heads < 2 * at::get_num_threads();
       int64_t longest = 0;
       for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_pos(lens[b]));
-      if (few && longest >= kSplitFrom) {
+      if (few && longest >= kSplitFrom && split_on()) {
         std::vector<int64_t> len(batch), ctx(batch + 1, 0), sc(batch + 1, 0);
         for (int64_t b = 0; b < batch; ++b) {
           len[b] = lens[b] - first_pos(lens[b]);
@@ -233,18 +281,27 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         }
         std::vector<float> qf(batch * heads * d), scores(sc[batch]);
         std::vector<const KT*> kp(ctx[batch] * kv_heads), vp(ctx[batch] * kv_heads);
-        for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t b = 0; b < batch; ++b)
           for (int64_t i = 0; i < heads * d; ++i)
             qf[b * heads * d + i] = qp[b * q_row + (i / d) * q_head + i % d] * fscale;
-          const int32_t* table = tables + b * table_width;
-          const int64_t start = first_pos(lens[b]);
-          for (int64_t h = 0; h < kv_heads; ++h)
-            for (int64_t t = 0; t < len[b]; ++t) {
-              const int64_t pos = start + t, at = ctx[b] * kv_heads + h * len[b] + t;
-              kp[at] = key_row(table, pos, h);
-              vp[at] = kp[at] + s_kv;
+        // The row pointers, per (sequence, KV head) on the threads (serial, they took a quarter of
+        // the time at 4096 keys), block by block (no division per row).
+        at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t item = begin; item < end; ++item) {
+            const int64_t b = item / kv_heads, h = item % kv_heads;
+            const int32_t* table = tables + b * table_width;
+            const int64_t start = first_pos(lens[b]), at = ctx[b] * kv_heads + h * len[b];
+            for (int64_t t = 0; t < len[b];) {
+              const int64_t pos = start + t, off = pos % block_size;
+              const int64_t run = std::min(block_size - off, len[b] - t);
+              const KT* row = cache + table[pos / block_size] * s_block + off * s_tok + h * d;
+              for (int64_t i = 0; i < run; ++i, ++t, row += s_tok) {
+                kp[at + t] = row;
+                vp[at + t] = row + s_kv;
+              }
             }
-        }
+          }
+        });
         attend_split_avx2(qf.data(), kp.data(), vp.data(), len.data(), ctx.data(), sc.data(),
                           batch, heads, kv_heads, d, fsoftcap, scores.data(), op);
         return;
@@ -475,6 +532,7 @@ TORCH_LIBRARY(kvserve, m) {
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("decode_split_select", &decode_split_select);
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
       "Tensor slot_mapping, int heads, int kv_heads) -> ()");
