@@ -164,7 +164,7 @@ def test_a_long_context_decodes_bitwise_alone_as_in_a_batch(
     together = cpu_kernels.paged_decode_attention(q, cache, tables, lens, scale, window, softcap)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)  # the split path runs below 2 (sequence, KV head) items per thread
-    # on, whichever this CPU would choose (without AVX-512 it runs by default, with it never)
+    # on, whatever the cache's element type would choose (by default over float32 only)
     mode = torch.ops.kvserve.decode_split_select(1)
     try:
         for i in range(len(seq_lens)):  # each alone (batch 1): the split path where it is long

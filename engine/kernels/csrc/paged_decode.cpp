@@ -134,23 +134,19 @@ constexpr int64_t kSplitTile = 256;
 constexpr int64_t kSplitAhead = 16;  // context rows the split path asks for ahead of use
 constexpr int64_t kSplitFrom = 768;
 
-// Whether the split path runs at all: -1 by the CPU, 0 never, 1 where it applies
-// (kvserve::decode_split_select, for tests and benchmarks). By the CPU: on without AVX-512F, where it
-// was measured faster in situ (AVX2 EPYC: one token over 4096 keys of SmolLM2, 16.1 vs 19.9 ms);
-// off with it: on the AVX-512 EPYC the per-item path took 0.55-0.7x the split path's time at 1000-4000
-// keys with the layer's rows cold, as in a decode step (about equal with them in cache). Either way
-// the same bits.
+// Whether the split path runs at all: -1 by the KV cache's element type, 0 never, 1 where it applies
+// (kvserve::decode_split_select, for tests and benchmarks). By the element type: on over a float32
+// cache, where it was measured faster (AVX-512 EPYC, quiet, one token over 4096 keys of SmolLM2:
+// 16.1 vs 19.9 ms); off over float16 (the CPU default since), where the per-item path was faster on
+// the same machine kind: a whole decode step of one sequence 7.5 vs 9.4 ms at 1024 keys and 13.0 vs
+// 18.1 ms at 4000 (in situ, the paths alternated in one process). Either way the same bits.
 std::atomic<int> split_mode{-1};
 
+template <typename KT>
 bool split_on() {
   const int mode = split_mode.load(std::memory_order_relaxed);
   if (mode >= 0) return mode == 1;
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool by_cpu = !__builtin_cpu_supports("avx512f");
-#else
-  static const bool by_cpu = true;
-#endif
-  return by_cpu;
+  return std::is_same_v<KT, float>;
 }
 
 // Sets the split path's mode (-1 by the CPU, 0 off, 1 on); returns the one it replaces.
@@ -272,7 +268,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       const bool few = batch * kv_heads < 2 * at::get_num_threads();
       int64_t longest = 0;
       for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_pos(lens[b]));
-      if (few && longest >= kSplitFrom && split_on()) {
+      if (few && longest >= kSplitFrom && split_on<KT>()) {
         std::vector<int64_t> len(batch), ctx(batch + 1, 0), sc(batch + 1, 0);
         for (int64_t b = 0; b < batch; ++b) {
           len[b] = lens[b] - first_pos(lens[b]);
