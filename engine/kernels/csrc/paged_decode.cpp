@@ -134,12 +134,13 @@ constexpr int64_t kSplitTile = 256;
 constexpr int64_t kSplitAhead = 16;  // context rows the split path asks for ahead of use
 constexpr int64_t kSplitFrom = 768;
 
-// Whether the split path runs at all: -1 by the KV cache's element type, 0 never, 1 where it applies
-// (kvserve::decode_split_select, for tests and benchmarks). By the element type: on over a float32
-// cache, where it was measured faster (AVX-512 EPYC, quiet, one token over 4096 keys of SmolLM2:
-// 16.1 vs 19.9 ms); off over float16 (the CPU default since), where the per-item path was faster on
-// the same machine kind: a whole decode step of one sequence 7.5 vs 9.4 ms at 1024 keys and 13.0 vs
-// 18.1 ms at 4000 (in situ, the paths alternated in one process). Either way the same bits.
+// Whether the split path runs at all: -1 by the KV cache's element type, 0 never, 1 where it
+// applies (kvserve::decode_split_select, for tests and benchmarks). By the element type: on over a
+// float32 cache, where it was measured faster (AVX-512 EPYC, quiet, one token over 4096 keys of
+// SmolLM2: 16.1 vs 19.9 ms); off over float16 (the CPU default since), where the per-item path was
+// faster on the same machine kind: a whole decode step of one sequence 7.5 vs 9.4 ms at 1024 keys
+// and 13.0 vs 18.1 ms at 4000 (in situ, the paths alternated in one process). Either way the same
+// bits.
 std::atomic<int> split_mode{-1};
 
 template <typename KT>
@@ -149,7 +150,8 @@ bool split_on() {
   return std::is_same_v<KT, float>;
 }
 
-// Sets the split path's mode (-1 by the CPU, 0 off, 1 on); returns the one it replaces.
+// Sets the split path's mode (-1 by the cache's element type, 0 off, 1 on); returns the one it
+// replaces.
 int64_t decode_split_select(int64_t mode) {
   TORCH_CHECK(mode >= -1 && mode <= 1, "decode_split_select: mode must be -1, 0 or 1, not ", mode);
   return split_mode.exchange(static_cast<int>(mode));
@@ -179,11 +181,12 @@ KV_AVX2 void attend_split_avx2(const float* qf, const KT* const* kp, const KT* c
       const int64_t lo = (tile - tiles[b]) * kSplitTile, hi = std::min(len[b], lo + kSplitTile);
       const KT* const* k = kp + rows(b, h);
       const int64_t n_len = len[b];
-      // As attend_item_avx2: up to 3 query heads a pass share each key load, keys asked for into
-      // L1 kSplitAhead tokens ahead and into L2 4 kSplitAhead ahead (without it the tile's rows arrive one
-      // latency after another: 2.4x the per-item path's time at 4096 keys on the AVX-512 EPYC).
+      // As attend_item_avx2: up to 3 query heads a pass share each key load; keys asked for into
+      // L1 kSplitAhead tokens ahead and into L2 8 kSplitAhead ahead (without it the tile's rows
+      // arrive one latency after another).
       prefetch_rows(k, lo, std::min(lo + kSplitAhead, hi), d);
-      prefetch_rows<KT, _MM_HINT_T1>(k, std::min(lo + kSplitAhead, hi), std::min(lo + 8 * kSplitAhead, hi), d);
+      prefetch_rows<KT, _MM_HINT_T1>(k, std::min(lo + kSplitAhead, hi),
+                                     std::min(lo + 8 * kSplitAhead, hi), d);
       for (int64_t g = 0; g < group;) {
         const int64_t n = std::min<int64_t>(3, group - g), head = h * group + g;
         const float* qg = qf + (b * heads + head) * d;
