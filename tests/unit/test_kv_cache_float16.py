@@ -50,8 +50,9 @@ def test_decode_and_prefill_over_float16_are_bitwise_the_widened_float32_cache(
 @needs_kernels
 @pytest.mark.parametrize("window,softcap", [(None, None), (700, 30.0)])
 def test_long_contexts_split_over_threads_read_float16_alike(window, softcap):
-    """A lone long sequence splits its attention over the threads: the same bits over float16 as
-    over the widened float32 cache, and as the same sequence in a batch."""
+    """A lone long sequence, its attention split over the threads (the split path, forced on) or
+    not: the same bits over float16 as over the widened float32 cache, and as the same sequence in
+    a batch."""
     rng = random.Random(7)
     torch.manual_seed(7)
     seq_lens = [2049, 1500, 9, 1100]
@@ -62,14 +63,18 @@ def test_long_contexts_split_over_threads_read_float16_alike(window, softcap):
     together = cpu_kernels.paged_decode_attention(q, half, tables, lens, 0.125, window, softcap)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
+    mode = torch.ops.kvserve.decode_split_select(1)
     try:
-        for i in range(len(seq_lens)):
-            args = (tables[i : i + 1], lens[i : i + 1], 0.125, window, softcap)
-            alone16 = cpu_kernels.paged_decode_attention(q[i : i + 1], half, *args)
-            alone32 = cpu_kernels.paged_decode_attention(q[i : i + 1], widened, *args)
-            assert torch.equal(alone16, alone32), seq_lens[i]
-            assert torch.equal(alone16[0], together[i]), seq_lens[i]
+        for split in (1, 0):
+            torch.ops.kvserve.decode_split_select(split)
+            for i in range(len(seq_lens)):
+                args = (tables[i : i + 1], lens[i : i + 1], 0.125, window, softcap)
+                alone16 = cpu_kernels.paged_decode_attention(q[i : i + 1], half, *args)
+                alone32 = cpu_kernels.paged_decode_attention(q[i : i + 1], widened, *args)
+                assert torch.equal(alone16, alone32), (split, seq_lens[i])
+                assert torch.equal(alone16[0], together[i]), (split, seq_lens[i])
     finally:
+        torch.ops.kvserve.decode_split_select(mode)
         torch.set_num_threads(threads)
 
 

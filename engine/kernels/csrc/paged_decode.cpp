@@ -134,26 +134,20 @@ constexpr int64_t kSplitTile = 256;
 constexpr int64_t kSplitAhead = 16;  // context rows the split path asks for ahead of use
 constexpr int64_t kSplitFrom = 768;
 
-// Whether the split path runs at all: -1 by the KV cache's element type, 0 never, 1 where it
-// applies (kvserve::decode_split_select, for tests and benchmarks). By the element type: on over a
-// float32 cache, where it was measured faster (AVX-512 EPYC, quiet, one token over 4096 keys of
-// SmolLM2: 16.1 vs 19.9 ms); off over float16 (the CPU default since), where the per-item path was
-// faster on the same machine kind: a whole decode step of one sequence 7.5 vs 9.4 ms at 1024 keys
-// and 13.0 vs 18.1 ms at 4000 (in situ, the paths alternated in one process). Either way the same
-// bits.
-std::atomic<int> split_mode{-1};
+// Whether the split path runs: 0 never (the default), 1 where it applies (kvserve::
+// decode_split_select, for tests and for measuring it on other machines). It was measured faster
+// when it landed (AVX-512 EPYC, float32 KV cache, one token over 4096 keys of SmolLM2: 16.1 vs
+// 19.9 ms), against the per-item path of then. Against today's per-item path, on the same machine
+// kind, a whole decode step of one sequence (in situ, the paths alternated in one process, medians
+// of 6 rounds) took longer with it: float16 cache 9.4 vs 7.5 ms at 1024 keys, 18.1 vs 13.0 ms at
+// 4000; float32 cache 8.9 vs 8.6 ms and 20.3 vs 19.4 ms. Either way the same bits.
+std::atomic<int> split_mode{0};
 
-template <typename KT>
-bool split_on() {
-  const int mode = split_mode.load(std::memory_order_relaxed);
-  if (mode >= 0) return mode == 1;
-  return std::is_same_v<KT, float>;
-}
+bool split_on() { return split_mode.load(std::memory_order_relaxed) == 1; }
 
-// Sets the split path's mode (-1 by the cache's element type, 0 off, 1 on); returns the one it
-// replaces.
+// Sets the split path's mode (0 off, 1 on); returns the one it replaces.
 int64_t decode_split_select(int64_t mode) {
-  TORCH_CHECK(mode >= -1 && mode <= 1, "decode_split_select: mode must be -1, 0 or 1, not ", mode);
+  TORCH_CHECK(mode == 0 || mode == 1, "decode_split_select: mode must be 0 or 1, not ", mode);
   return split_mode.exchange(static_cast<int>(mode));
 }
 
@@ -271,7 +265,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       const bool few = batch * kv_heads < 2 * at::get_num_threads();
       int64_t longest = 0;
       for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_pos(lens[b]));
-      if (few && longest >= kSplitFrom && split_on<KT>()) {
+      if (few && longest >= kSplitFrom && split_on()) {
         std::vector<int64_t> len(batch), ctx(batch + 1, 0), sc(batch + 1, 0);
         for (int64_t b = 0; b < batch; ++b) {
           len[b] = lens[b] - first_pos(lens[b]);
