@@ -177,6 +177,20 @@ KV_AVX2 inline void scores8x3_avx2(const float* qa, const float* qb, const float
   }
 }
 
+// The scores of n (1..3) query vectors (d apart, from q) against the run of 8 keys at kp, written
+// to out, out + stride, out + 2 stride: the vectors share each key load, every score the bits of
+// scores8_avx2.
+template <typename KT>
+KV_AVX2 inline void scores8_heads(int64_t n, const float* q, const KT* const* kp, int64_t d,
+                                  float* out, int64_t stride) {
+  if (n == 3)
+    scores8x3_avx2(q, q + d, q + 2 * d, kp, d, out, out + stride, out + 2 * stride);
+  else if (n == 2)
+    scores8x2_avx2(q, q + d, kp, d, out, out + stride);
+  else
+    scores8_avx2(q, kp, d, out);
+}
+
 // One score (the tail tokens after the last full run of 8): the same lane-wise dot, hsum1.
 template <typename KT>
 KV_AVX2 inline float score1_avx2(const float* q, const KT* k, int64_t d) {

@@ -1,9 +1,10 @@
 // kvserve's CPU kernels. Paged decode attention: each decode sequence's single query attends over
 // its context read straight from the paged KV cache (no gathered or padded copy); one work item per
 // (sequence, KV head), so a sequence's result never depends on which other sequences share the step.
-// A few sequences over long contexts (fewer items than threads could share) split each item's three
-// phases over the threads instead (attend_split_avx2): the same arithmetic in the same order, so the
-// same bits, with every key and value read once.
+// A split path for a few sequences over long contexts (each item's three phases over the threads,
+// attend_split_avx2: the same arithmetic in the same order, so the same bits) is off by default:
+// slower than the per-item path where measured (split_on below); kvserve::decode_split_select(1)
+// turns it on.
 // A sliding window starts the context at max(0, len - window) (nothing before it is read); a logit
 // softcap maps each scaled score s to softcap * tanh(s / softcap) before the softmax.
 // Fused per-row layer ops (RMSNorm; rotary + KV-cache write) that round like the torch ops they
@@ -105,12 +106,7 @@ KV_AVX2 void attend_item_avx2(const float* qf, const KT* const* kp, const KT* co
                                        std::min(t + 4 * kAhead + 8, len), d);
         prefetch_rows<KT, _MM_HINT_T1>(vp, t, t + 8, d);
       }
-      if (n == 3)
-        scores8x3_avx2(qg, qg + d, qg + 2 * d, kp + t, d, sg + t, sg + len + t, sg + 2 * len + t);
-      else if (n == 2)
-        scores8x2_avx2(qg, qg + d, kp + t, d, sg + t, sg + len + t);
-      else
-        scores8_avx2(qg, kp + t, d, sg + t);
+      scores8_heads(n, qg, kp + t, d, sg + t, len);
     }
     if (g == 0) prefetch_rows<KT, _MM_HINT_T1>(vp, t, len, d);
     for (int64_t j = 0; j < n; ++j) {
@@ -192,13 +188,7 @@ KV_AVX2 void attend_split_avx2(const float* qf, const KT* const* kp, const KT* c
             prefetch_rows<KT, _MM_HINT_T1>(k, std::min(t + 8 * kSplitAhead, hi),
                                            std::min(t + 8 * kSplitAhead + 8, hi), d);
           }
-          if (n == 3)
-            scores8x3_avx2(qg, qg + d, qg + 2 * d, k + t, d, sg + t, sg + n_len + t,
-                           sg + 2 * n_len + t);
-          else if (n == 2)
-            scores8x2_avx2(qg, qg + d, k + t, d, sg + t, sg + n_len + t);
-          else
-            scores8_avx2(qg, k + t, d, sg + t);
+          scores8_heads(n, qg, k + t, d, sg + t, n_len);
         }
         for (int64_t j = 0; j < n; ++j)
           for (int64_t u = t; u < hi; ++u) sg[j * n_len + u] = score1_avx2(qg + j * d, k[u], d);
