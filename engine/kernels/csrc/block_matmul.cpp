@@ -107,6 +107,96 @@ void q8_groups_ref(const BlockWeight& w, const QuantRows& x, int64_t r0, int64_t
   });
 }
 
+// ---------------------------------------------------------------- quantized activations
+
+ActNeeds needs_of(const PathFns& path, const AnyWeight& w) {
+  ActNeeds n;
+  if (w.kind == kWeightQ4) {
+    n.pack_q = path.packed;
+    n.n8 = w.b.m == nullptr;  // Q4_0
+  } else if (w.kind == kWeightQ8) {
+    n.u = path.offset_u;
+    n.pack_u = path.packed;
+  } else if (w.kind == kWeightKQ) {
+    n.h = true;
+  } else if (w.kind == kWeightQ5) {
+    n.n16 = w.q5.m == nullptr;  // Q5_0
+  }
+  return n;
+}
+
+void Activations::size(int64_t M, int64_t K, const ActNeeds& needs) {
+  const int64_t KB = K / kBlock;
+  M_ = M, K_ = K, needs_ = needs;
+  // u also backs pack_u's bytes
+  q_.resize(M * K), d_.resize(M * KB), s_.resize(M * KB);
+  if (needs.u || needs.pack_u) u_.resize(M * K);
+  if (needs.pack_q) pk_q_.resize(M * K);
+  if (needs.pack_u) pk_u_.resize(M * K);
+  if (needs.pack_q || needs.pack_u) pd_.resize(M * KB), ps_.resize(M * KB);
+  if (needs.h) h_.resize(M * 2 * KB);
+  if (needs.n8) n8_.resize(M * KB);
+  if (needs.n8 && needs.pack_q) pn8_.resize(M * KB);
+  if (needs.n16) n16_.resize(M * KB);
+}
+
+void Activations::quantize_row(const PathFns& path, int64_t m, const float* x) {
+  const int64_t K = K_, KB = K / kBlock;
+  int8_t* q = q_.data() + m * K;
+  float *d = d_.data() + m * KB, *s = s_.data() + m * KB;
+  path.quantize_row(x, K, q, d, s);
+  if (needs_.u || needs_.pack_u) {  // q + 128 in 0..255, as two's complement bytes xor 0x80
+    uint8_t* u = u_.data() + m * K;
+    for (int64_t k = 0; k < K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
+  }
+  int32_t* n8 = needs_.n8 ? n8_.data() + m * KB : nullptr;
+  if (n8 != nullptr) offset_sums(q, K, 8, n8);
+  if (needs_.n16) offset_sums(q, K, 16, n16_.data() + m * KB);
+  if (needs_.pack_q)
+    pack_row(m, M_, K, reinterpret_cast<const uint8_t*>(q), d, s, pk_q_.data(), pd_.data(),
+             ps_.data(), n8, n8 != nullptr ? pn8_.data() : nullptr);
+  if (needs_.pack_u)
+    pack_row(m, M_, K, u_.data() + m * K, d, s, pk_u_.data(), pd_.data(), ps_.data());
+  if (needs_.h)
+    for (int64_t i = 2 * m * KB; i < 2 * (m + 1) * KB; ++i) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kBlock / 2; ++k) sum += q_[i * (kBlock / 2) + k];
+      h_[i] = sum;
+    }
+}
+
+QuantRows Activations::rows_for(const PathFns& path, const AnyWeight& w) const {
+  const ActNeeds n = needs_of(path, w);
+  QuantRows rows{q_.data(), n.u ? u_.data() : nullptr, d_.data(), s_.data(), K_, K_ / kBlock};
+  if (n.pack_q || n.pack_u) {
+    rows.pk = n.pack_q ? pk_q_.data() : pk_u_.data();
+    rows.pd = pd_.data(), rows.ps = ps_.data();
+  }
+  if (n.n8) rows.n8 = n8_.data(), rows.pn8 = n.pack_q ? pn8_.data() : nullptr;
+  if (n.h) rows.h = h_.data();
+  if (n.n16) rows.n16 = n16_.data();
+  return rows;
+}
+
+QuantRows quantize_rows(const PathFns& path, const AnyWeight& w, const float* x, int64_t M,
+                        int64_t K) {
+  thread_local Activations act;
+  act.size(M, K, needs_of(path, w));
+  Activations* a = &act;  // (inside the workers, `act` names each worker's own)
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) a->quantize_row(path, m, x + m * K);
+  });
+  return act.rows_for(path, w);
+}
+
+void run_weight(const PathFns& path, const AnyWeight& w, const QuantRows& x, int64_t r0,
+                int64_t r1, int64_t g0, int64_t g1, int64_t N, float* out) {
+  if (w.kind == kWeightQ4) path.q4(w.b, x, r0, r1, g0, g1, N, out);
+  else if (w.kind == kWeightQ8) path.q8(w.b, x, r0, r1, g0, g1, N, out);
+  else if (w.kind == kWeightKQ) path.kq(w.k, x, r0, r1, g0, g1, N, out);
+  else path.q5(w.q5, x, r0, r1, g0, g1, N, out);
+}
+
 }  // namespace kvblock
 
 // ---------------------------------------------------------------- ops
@@ -117,99 +207,21 @@ using kvblock::BlockWeight;
 using kvblock::kBlock;
 using kvblock::QuantRows;
 
-constexpr int64_t kRowPanel = 64;  // rows whose int8 activations stay in cache while columns stream
-
-// The calling thread's scratch for quantized activations (reused across calls: no allocation per
-// matmul); the workers of one call only read it.
-struct Scratch {
-  std::vector<int8_t> q;
-  std::vector<uint8_t> u, pk;
-  std::vector<float> d, s, pd, ps;
-  std::vector<int32_t> h, n8, pn8;
-};
-
-// Every path quantizes to the same bytes (the AVX2 quantizer rounds exactly as the portable one).
-// `kquant`: for the K-quant kernels, which read q, d, s and the half-block sums h only; `q4_0`: for
-// Q4_0 weights, which also read n8 (pn8 packed). Only q8 kernels read u.
-QuantRows quantize_rows(const at::Tensor& x, const kvblock::PathFns& path, bool q4,
-                        bool kquant = false, bool q4_0 = false) {
-  const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
-  const bool offset_u = path.offset_u && !kquant && !q4, packed = path.packed && !kquant;
-  thread_local Scratch scratch;
-  scratch.q.resize(M * K), scratch.d.resize(M * KB), scratch.s.resize(M * KB);
-  if (offset_u) scratch.u.resize(M * K);
-  if (packed) scratch.pk.resize(M * K), scratch.pd.resize(M * KB), scratch.ps.resize(M * KB);
-  if (kquant) scratch.h.resize(M * 2 * KB);
-  if (q4_0) scratch.n8.resize(M * KB);
-  if (q4_0 && packed) scratch.pn8.resize(M * KB);
-  const float* xp = x.data_ptr<float>();
-  int8_t* q = scratch.q.data();
-  uint8_t* u = offset_u ? scratch.u.data() : nullptr;
-  float *d = scratch.d.data(), *s = scratch.s.data();
-  // (pointers taken here: inside the workers, `scratch` names each worker's own thread_local)
-  uint8_t* pk = packed ? scratch.pk.data() : nullptr;
-  float* pd = packed ? scratch.pd.data() : nullptr;
-  float* ps = packed ? scratch.ps.data() : nullptr;
-  int32_t* h = kquant ? scratch.h.data() : nullptr;
-  int32_t* n8 = q4_0 ? scratch.n8.data() : nullptr;
-  int32_t* pn8 = q4_0 && packed ? scratch.pn8.data() : nullptr;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
-      if (u != nullptr)  // q + 128 in 0..255, as two's complement bytes xor 0x80
-        for (int64_t k = m * K; k < (m + 1) * K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
-      if (n8 != nullptr) kvblock::offset_sums(q + m * K, K, 8, n8 + m * KB);
-      if (packed) {
-        const uint8_t* bytes = q4 ? reinterpret_cast<const uint8_t*>(q) + m * K : u + m * K;
-        kvblock::pack_row(m, M, K, bytes, d + m * KB, s + m * KB, pk, pd, ps,
-                          n8 != nullptr ? n8 + m * KB : nullptr, pn8);
-      }
-      if (h != nullptr)
-        for (int64_t i = 2 * m * KB; i < 2 * (m + 1) * KB; ++i) {
-          int32_t sum = 0;
-          for (int64_t k = 0; k < kBlock / 2; ++k) sum += q[i * (kBlock / 2) + k];
-          h[i] = sum;
-        }
-    }
-  });
-  QuantRows rows{q, u, d, s, K, KB, pk, pd, ps};
-  rows.h = h;
-  rows.n8 = n8;
-  rows.pn8 = pn8;
-  return rows;
-}
+using kvblock::kRowPanel;
 
 // Column groups split across threads (each output element wholly on one thread); rows in panels so
 // a panel's int8 activations stay in cache while the thread's weight groups stream past.
-at::Tensor run_groups(const at::Tensor& x, const BlockWeight& w, int64_t groups,
-                      const std::optional<at::Tensor>& bias, bool q4) {
+at::Tensor run_any(const at::Tensor& x, const kvblock::AnyWeight& w,
+                   const std::optional<at::Tensor>& bias) {
   const kvblock::PathFns& path = kvblock::current_path();
-  const kvblock::GroupsFn run = q4 ? path.q4 : path.q8;
-  const QuantRows rows = quantize_rows(x, path, q4, false, q4 && w.m == nullptr);
-  const int64_t M = x.size(0), N = 8 * groups;
+  const QuantRows rows = kvblock::quantize_rows(path, w, x.data_ptr<float>(), x.size(0), x.size(1));
+  const int64_t M = x.size(0), groups = w.groups, N = 8 * groups;
   at::Tensor out = at::empty({M, N}, x.options());
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(2, groups / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowPanel)
-      run(w, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
-  });
-  if (bias.has_value()) out.add_(*bias);
-  return out;
-}
-
-// The K-quant matmul (block_kquants.cpp), split across threads as run_groups does.
-at::Tensor run_kquant(const at::Tensor& x, const kvblock::KWeight& w, int64_t groups,
-                      const std::optional<at::Tensor>& bias) {
-  const kvblock::PathFns& path = kvblock::current_path();
-  const QuantRows rows = quantize_rows(x, path, true, true);
-  const int64_t M = x.size(0), N = 8 * groups;
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* o = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(2, groups / (4 * std::max(1, at::get_num_threads())));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowPanel)
-      path.kq(w, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
+      kvblock::run_weight(path, w, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
   });
   if (bias.has_value()) out.add_(*bias);
   return out;
@@ -237,9 +249,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const bool q4_0 = m.numel() == 0;  // Q4_0: no m (the weights taken as q - 8 in the sums)
   if (!q4_0) check_scales(m, qs, "q4_linear");
   const at::Tensor xc = check_input(x, qs.size(1) * kBlock);
-  const BlockWeight w{qs.data_ptr<uint8_t>(), nullptr, d.data_ptr<c10::Half>(),
-                      q4_0 ? nullptr : m.data_ptr<c10::Half>()};
-  return run_groups(xc, w, qs.size(0), bias, true);
+  kvblock::AnyWeight w;
+  w.kind = kvblock::kWeightQ4, w.groups = qs.size(0), w.K = xc.size(1);
+  w.b = BlockWeight{qs.data_ptr<uint8_t>(), nullptr, d.data_ptr<c10::Half>(),
+                    q4_0 ? nullptr : m.data_ptr<c10::Half>()};
+  return run_any(xc, w, bias);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
@@ -249,8 +263,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
               "q8_linear: qs must be int8 [N/8, K/32, 8, 32]");
   check_scales(d, qs, "q8_linear");
   const at::Tensor xc = check_input(x, qs.size(1) * kBlock);
-  const BlockWeight w{nullptr, qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), nullptr};
-  return run_groups(xc, w, qs.size(0), bias, false);
+  kvblock::AnyWeight w;
+  w.kind = kvblock::kWeightQ8, w.groups = qs.size(0), w.K = xc.size(1);
+  w.b = BlockWeight{nullptr, qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), nullptr};
+  return run_any(xc, w, bias);
 }
 
 // K-quants (block_matmul.h's KWeight): qs uint8 [N/8, K/32, bits, 32], sc uint8 [N/8, K/32, 2, 8],
@@ -269,9 +285,11 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                   dm.size(3) == 8,
               "kq_linear: dm must be float16 [N/8, K/256, 2, 8]");
   const at::Tensor xc = check_input(x, qs.size(1) * kBlock);
-  const kvblock::KWeight w{qs.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
-                           dm.data_ptr<c10::Half>(), static_cast<int>(qs.size(2))};
-  return run_kquant(xc, w, qs.size(0), bias);
+  kvblock::AnyWeight w;
+  w.kind = kvblock::kWeightKQ, w.groups = qs.size(0), w.K = xc.size(1);
+  w.k = kvblock::KWeight{qs.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(),
+                         static_cast<int>(qs.size(2))};
+  return run_any(xc, w, bias);
 }
 
 }  // namespace

@@ -7,10 +7,12 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace kvblock {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kRowPanel = 64;  // rows whose int8 activations stay in cache while columns stream
 
 // Activations of one call, quantized: q [M, K] int8, u [M, K] = q + 128 as uint8 (for the
 // u8 x s8 dot products of VNNI; only set for those paths), d [M, KB] scales, s [M, KB] =
@@ -138,6 +140,55 @@ struct PathFns {
 // The path matmuls run on now (block_paths.cpp): chosen once from KVSERVE_BLOCK_KERNELS and what
 // the CPU runs, changed only by the block_kernels_select op (tests, benchmarks).
 const PathFns& current_path();
+
+// One block weight of any format (the kinds of csrc/decode_layer.cpp), for callers that quantize
+// the activations once and run the weight's column groups in their own ranges (the decode layer's
+// thread team): the same kernels, so the same bits, as the q4/q8/kq/q5 ops.
+enum WeightKind : int { kWeightQ4 = 1, kWeightQ8 = 2, kWeightKQ = 3, kWeightQ5 = 5 };
+
+struct AnyWeight {
+  int kind = 0;
+  BlockWeight b{};  // kWeightQ4 (m null: Q4_0), kWeightQ8
+  KWeight k{};      // kWeightKQ
+  Q5Weight q5{};    // kWeightQ5 (m null: Q5_0)
+  int64_t groups = 0, K = 0;
+};
+
+// What a weight's kernels on a path read of the activations beyond q, d and s.
+struct ActNeeds {
+  bool u = false, pack_q = false, pack_u = false, h = false, n8 = false, n16 = false;
+  void add(const ActNeeds& o) {
+    u |= o.u, pack_q |= o.pack_q, pack_u |= o.pack_u, h |= o.h, n8 |= o.n8, n16 |= o.n16;
+  }
+};
+ActNeeds needs_of(const PathFns& path, const AnyWeight& w);
+
+// Quantized activations in buffers kept across calls: size() for M rows of K and what the weights
+// need, then quantize_row() for every row (rows are independent: any thread, any order), then
+// rows_for(w) is the view w's kernels read. Every path quantizes to the same bytes.
+class Activations {
+ public:
+  void size(int64_t M, int64_t K, const ActNeeds& needs);
+  void quantize_row(const PathFns& path, int64_t m, const float* x);
+  QuantRows rows_for(const PathFns& path, const AnyWeight& w) const;
+
+ private:
+  int64_t M_ = 0, K_ = 0;
+  ActNeeds needs_;
+  std::vector<int8_t> q_;
+  std::vector<uint8_t> u_, pk_q_, pk_u_;
+  std::vector<float> d_, s_, pd_, ps_;
+  std::vector<int32_t> h_, n8_, pn8_, n16_;
+};
+
+// x [M, K] quantized for w into the calling thread's buffers (reused across calls; rows over the
+// threads), valid until its next call: the block ops' activations.
+QuantRows quantize_rows(const PathFns& path, const AnyWeight& w, const float* x, int64_t M,
+                        int64_t K);
+
+// Rows [r0, r1) x column groups [g0, g1) of w into out (row stride N), on the path's kernel for w.
+void run_weight(const PathFns& path, const AnyWeight& w, const QuantRows& x, int64_t r0,
+                int64_t r1, int64_t g0, int64_t g1, int64_t N, float* out);
 
 #if defined(__x86_64__) && defined(__GNUC__)
 void quantize_row_avx2(const float* x, int64_t K, int8_t* q, float* d, float* s);

@@ -390,36 +390,7 @@ namespace {
 using kvblock::kBlock;
 using kvblock::QuantRows;
 
-constexpr int64_t kRowPanel = 64;  // rows whose int8 activations stay in cache while columns stream
-
-// The calling thread's quantized activations (reused across calls); the workers only read them.
-struct Scratch {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> n16;
-};
-
-// The activations as every block kernel quantizes them (QuantRows' q, d, s, and n16 for Q5_0), on
-// the path's quantizer (all paths round to the same bytes).
-QuantRows quantize(const at::Tensor& x, const kvblock::PathFns& path, bool q5_0) {
-  const int64_t M = x.size(0), K = x.size(1), KB = K / kBlock;
-  thread_local Scratch scratch;
-  scratch.q.resize(M * K), scratch.d.resize(M * KB), scratch.s.resize(M * KB);
-  if (q5_0) scratch.n16.resize(M * KB);
-  const float* xp = x.data_ptr<float>();
-  int8_t* q = scratch.q.data();
-  float *d = scratch.d.data(), *s = scratch.s.data();
-  int32_t* n16 = q5_0 ? scratch.n16.data() : nullptr;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      path.quantize_row(xp + m * K, K, q + m * K, d + m * KB, s + m * KB);
-      if (n16 != nullptr) kvblock::offset_sums(q + m * K, K, 16, n16 + m * KB);
-    }
-  });
-  QuantRows rows{q, nullptr, d, s, K, KB};
-  rows.n16 = n16;
-  return rows;
-}
+using kvblock::kRowPanel;
 
 // Q5 blocks (block_matmul.h's Q5Weight): qs uint8 [N/8, K/32, 5, 32], d fp16 [N/8, K/32, 8], m
 // the same (Q5_1) or empty (Q5_0: the sums take q - 16). Column groups split across threads (each output
@@ -442,16 +413,18 @@ at::Tensor q5_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   TORCH_CHECK(x.size(1) == K, "q5_linear: x has ", x.size(1), " features, the weight ", K);
   const at::Tensor xc = x.contiguous();
   const kvblock::PathFns& path = kvblock::current_path();
-  const kvblock::Q5Weight w{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
-                            q5_0 ? nullptr : m.data_ptr<c10::Half>()};
-  const QuantRows rows = quantize(xc, path, q5_0);
+  kvblock::AnyWeight w;
+  w.kind = kvblock::kWeightQ5, w.groups = qs.size(0), w.K = K;
+  w.q5 = kvblock::Q5Weight{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
+                           q5_0 ? nullptr : m.data_ptr<c10::Half>()};
+  const QuantRows rows = kvblock::quantize_rows(path, w, xc.data_ptr<float>(), xc.size(0), K);
   const int64_t M = xc.size(0), groups = qs.size(0), N = 8 * groups;
   at::Tensor out = at::empty({M, N}, xc.options());
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(2, groups / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowPanel)
-      path.q5(w, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
+      path.q5(w.q5, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
   });
   if (bias.has_value()) out.add_(*bias);
   return out;

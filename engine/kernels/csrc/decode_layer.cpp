@@ -3,12 +3,22 @@
 // (engine/models/decoder_cpu.py, fused_layer), so its values are bitwise the same; only the Python
 // dispatch between ~20 small ops per layer is gone. window / softcap (0: off) go to the attention.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
+
+#include "block_matmul.h"
+#include "layer_rows.h"
 
 namespace {
 
@@ -240,6 +250,216 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
                kv_heads, scale, window, softcap, nullptr);
 }
 
+// ------------------------------------------------------------------ the thread team path
+//
+// decode_layers for block-quantized float32 layers without the per-op dispatch: the layers' small
+// ops and matmuls run in parallel regions (one before each attention call, one between two, one
+// after the last), each thread taking its share of every phase (rows of the row-wise ops, column
+// groups of the matmuls) and the phases separated by a spinning barrier. Every value is computed by
+// the same function as on the per-op path (layer_rows.h, the block kernels on their column groups,
+// float adds), so the bits are the same; what goes is ~20 dispatched ops, 4 allocations and 4
+// fork/joins of a thread pool per layer. decode_team_select(0) turns it off (the per-op path).
+
+std::atomic<int> team_mode{1};
+
+// Sets the team path's mode (0 off; 1 where it can run; 2 required: a step it cannot run raises,
+// for tests); returns the one it replaces.
+int64_t decode_team_select(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "decode_team_select: mode must be 0, 1 or 2, not ", mode);
+  return team_mode.exchange(static_cast<int>(mode));
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spins until done(); after kSpins rounds (~0.1 ms) yields the core each round, since a busy
+// neighbour may be holding the core of the thread being waited for.
+constexpr int kSpins = 4096;
+
+template <typename Done>
+void spin_until(Done&& done) {
+  for (int i = 0; !done(); ++i) {
+    if (i < kSpins)
+      cpu_relax();
+    else
+      sched_yield();
+  }
+}
+
+struct TeamState {
+  std::atomic<int64_t> covered{0};
+  std::atomic<int> joined{0};
+  alignas(64) std::atomic<int> arrived{0};
+  alignas(64) std::atomic<int> phase{0};
+};
+
+// One thread's place in a region: its rank among `size` threads and the shared barrier.
+struct Team {
+  int rank, size;
+  TeamState* state;
+
+  void sync() const {
+    if (size == 1) return;
+    const int ph = state->phase.load(std::memory_order_acquire);
+    if (state->arrived.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
+      state->arrived.store(0, std::memory_order_relaxed);
+      state->phase.store(ph + 1, std::memory_order_release);
+    } else {
+      spin_until([&] { return state->phase.load(std::memory_order_acquire) != ph; });
+    }
+  }
+
+  // This thread's share [first, second) of n items.
+  std::pair<int64_t, int64_t> share(int64_t n) const {
+    return {n * rank / size, n * (rank + 1) / size};
+  }
+};
+
+// Runs body(team) on every thread of one at::parallel_for region. The threads first count
+// themselves (the region may have fewer threads than asked for, or run inline as one), so the
+// barrier waits for exactly the threads there are. body must not throw.
+template <typename Body>
+void run_team(Body&& body) {
+  TeamState state;
+  const int64_t want = std::max(1, at::get_num_threads());
+  at::parallel_for(0, want, 1, [&](int64_t begin, int64_t end) {
+    const int rank = state.joined.fetch_add(1);
+    state.covered.fetch_add(end - begin);
+    spin_until([&] { return state.covered.load() == want; });
+    body(Team{rank, state.joined.load(), &state});
+  });
+}
+
+// One matmul of a layer as the team runs it: its weights (parts of one format each, side by side
+// in the output), each writing 8 * groups columns from its first column.
+struct TeamLinear {
+  std::vector<kvblock::AnyWeight> parts;
+  std::vector<int64_t> cols;
+  int64_t width = 0, K = 0, groups = 0;
+  const float* bias = nullptr;  // [width] or none
+};
+
+// A layer as the team runs it (raw pointers into the plan's tensors); ok false when the layer has
+// what the team path does not run (a float matmul, padded widths, other dtypes): the plan then
+// takes the per-op path, which also reports what is wrong with bad tensors.
+struct TeamLayer {
+  bool ok = false;
+  TeamLinear lin[4];
+  const float *norm0 = nullptr, *norm1 = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  int64_t q_norm_size = 0, k_norm_size = 0;
+};
+
+bool is_half_scales(const at::Tensor& t, const at::Tensor& qs, int64_t last = 8) {
+  return t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 &&
+         t.size(0) == qs.size(0) && t.size(1) == qs.size(1) && t.size(2) == last;
+}
+
+bool is_floats(const at::Tensor& t, int64_t n) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
+         t.is_contiguous() && t.size(0) == n;
+}
+
+// The block weight of `kind` at w[next] (advancing next), with the checks of its op; false if not.
+bool team_weight(int64_t kind, const std::vector<at::Tensor>& w, size_t& next,
+                 kvblock::AnyWeight& out) {
+  const size_t count = kind == kQ8 ? 2 : 3;
+  if (next + count > w.size()) return false;
+  const at::Tensor& qs = w[next];
+  if (!qs.device().is_cpu() || !qs.is_contiguous() || qs.dim() != 4 || qs.size(3) != 32)
+    return false;
+  out.kind = static_cast<int>(kind), out.groups = qs.size(0), out.K = qs.size(1) * kvblock::kBlock;
+  if (kind == kQ4 || kind == kQ5) {
+    const at::Tensor &d = w[next + 1], &m = w[next + 2];
+    const bool no_m = m.numel() == 0;
+    if (qs.scalar_type() != at::kByte || qs.size(2) != (kind == kQ4 ? 4 : 5) ||
+        !is_half_scales(d, qs) || (!no_m && !is_half_scales(m, qs)))
+      return false;
+    const auto* mp = no_m ? nullptr : m.data_ptr<c10::Half>();
+    if (kind == kQ4)
+      out.b = kvblock::BlockWeight{qs.data_ptr<uint8_t>(), nullptr, d.data_ptr<c10::Half>(), mp};
+    else
+      out.q5 = kvblock::Q5Weight{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), mp};
+  } else if (kind == kQ8) {
+    const at::Tensor& d = w[next + 1];
+    if (qs.scalar_type() != at::kChar || qs.size(2) != 8 || !is_half_scales(d, qs)) return false;
+    out.b = kvblock::BlockWeight{nullptr, qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), nullptr};
+  } else if (kind == kKQ) {
+    const at::Tensor &sc = w[next + 1], &dm = w[next + 2];
+    if (qs.scalar_type() != at::kByte || qs.size(2) < 4 || qs.size(2) > 6 || qs.size(1) % 8 ||
+        sc.scalar_type() != at::kByte || !sc.is_contiguous() || sc.dim() != 4 ||
+        sc.size(0) != qs.size(0) || sc.size(1) != qs.size(1) || sc.size(2) != 2 ||
+        sc.size(3) != 8 || dm.scalar_type() != at::kHalf || !dm.is_contiguous() ||
+        dm.dim() != 4 || dm.size(0) != qs.size(0) || dm.size(1) * 8 != qs.size(1) ||
+        dm.size(2) != 2 || dm.size(3) != 8)
+      return false;
+    out.k = kvblock::KWeight{qs.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
+                             dm.data_ptr<c10::Half>(), static_cast<int>(qs.size(2))};
+  } else {
+    return false;
+  }
+  next += count;
+  return true;
+}
+
+// Matmul i of the layer (as `linear` reads it), or false.
+bool team_linear(const std::vector<at::Tensor>& w, size_t& next, const std::vector<int64_t>& kinds,
+                 int i, size_t& tail, TeamLinear& out) {
+  const int64_t kind = kinds[3 * i], has_bias = kinds[3 * i + 1], width = kinds[3 * i + 2];
+  std::vector<std::pair<int64_t, int64_t>> parts;  // (kind, width)
+  if (kind == kParts) {
+    if (tail >= kinds.size()) return false;
+    const int64_t count = kinds[tail++];
+    for (int64_t p = 0; p < count; ++p, tail += 2) {
+      if (tail + 1 >= kinds.size()) return false;
+      parts.emplace_back(kinds[tail], kinds[tail + 1]);
+    }
+  } else {
+    parts.emplace_back(kind, width);
+  }
+  for (const auto& [part_kind, part_width] : parts) {
+    kvblock::AnyWeight weight;
+    if (!team_weight(part_kind, w, next, weight) || 8 * weight.groups != part_width) return false;
+    if (out.K != 0 && weight.K != out.K) return false;
+    out.K = weight.K;
+    out.cols.push_back(out.width);
+    out.width += part_width, out.groups += weight.groups;
+    out.parts.push_back(weight);
+  }
+  if (out.width != width) return false;
+  if (has_bias) {
+    if (next >= w.size() || !is_floats(w[next], width)) return false;
+    out.bias = w[next++].data_ptr<float>();
+  }
+  return true;
+}
+
+TeamLayer team_layer(const std::vector<at::Tensor>& w, const std::vector<int64_t>& kinds) {
+  TeamLayer l;
+  if (kinds.size() < 12 || w.size() < 6) return l;
+  const bool qk_norm = kinds.size() >= 13 && kinds[12] != 0;
+  size_t next = qk_norm ? 4 : 2, tail = 13;
+  for (int i = 0; i < 4; ++i)
+    if (!team_linear(w, next, kinds, i, tail, l.lin[i])) return l;
+  const int64_t H = l.lin[0].K;
+  if (next != w.size() || !is_floats(w[0], H) || !is_floats(w[1], H) || l.lin[1].width != H ||
+      l.lin[2].K != H || l.lin[2].width % 2 || l.lin[3].K != l.lin[2].width / 2 ||
+      l.lin[3].width != H)
+    return l;
+  if (qk_norm) {
+    if (w[2].scalar_type() != at::kFloat || !w[2].is_contiguous() || w[2].dim() != 1 ||
+        w[3].scalar_type() != at::kFloat || !w[3].is_contiguous() || w[3].dim() != 1)
+      return l;
+    l.q_norm = w[2].data_ptr<float>(), l.k_norm = w[3].data_ptr<float>();
+    l.q_norm_size = w[2].size(0), l.k_norm_size = w[3].size(0);
+  }
+  l.norm0 = w[0].data_ptr<float>(), l.norm1 = w[1].data_ptr<float>();
+  l.ok = true;
+  return l;
+}
+
 // decode_layers' per-model arguments, built once per model (engine/models/decoder.py, _decode_plan)
 // and kept here, so that a step converts only its own few tensors: per layer i, counts[2i] of
 // `weights` and counts[2i + 1] of `kinds` (what decode_layer takes, in layer order), floats[3i..]
@@ -252,6 +472,7 @@ struct DecodePlan : torch::CustomClassHolder {
     int64_t heads, kv_heads, window;
   };
   std::vector<Layer> layers;
+  std::vector<TeamLayer> team;  // the same layers as the team path runs them
 
   DecodePlan(std::vector<at::Tensor> weights, std::vector<int64_t> counts,
              std::vector<int64_t> kinds, std::vector<double> floats, std::vector<int64_t> ints) {
@@ -270,8 +491,235 @@ struct DecodePlan : torch::CustomClassHolder {
       w0 += nw, k0 += nk;
     }
     TORCH_CHECK(w0 == weights.size() && k0 == kinds.size(), "DecodePlan: weights or kinds left over");
+    for (const Layer& l : layers) team.push_back(team_layer(l.w, l.kinds));
   }
 };
+// The team path's buffers, kept by the calling thread across steps (the team's threads write into
+// them through pointers).
+struct TeamScratch {
+  std::vector<float> x, mid, y, act;  // normed rows [M, H]; h + attention [M, H]; matmul outputs;
+                                      // the MLP activation [M, inter]
+  kvblock::Activations a[4];          // each matmul's quantized input
+};
+
+// One step of the team path over the plan's layers; see decode_layers for the arguments.
+class TeamStep {
+ public:
+  TeamStep(const DecodePlan& plan, const std::vector<at::Tensor>& kv_caches,
+           const std::vector<at::Tensor>& shared, const std::vector<int64_t>& where, int64_t M,
+           int64_t H)
+      : plan_(plan), kv_(kv_caches), shared_(shared), where_(where), M_(M), H_(H),
+        path_(kvblock::current_path()), s_(scratch()) {}
+
+  // "" when every layer can run here, else why not (the per-op path then runs the step, and
+  // reports what is wrong with bad tensors).
+  std::string ready() const {
+    for (size_t i = 0; i < plan_.layers.size(); ++i) {
+      const DecodePlan::Layer& l = plan_.layers[i];
+      const TeamLayer& t = plan_.team[i];
+      const std::string layer = "layer " + std::to_string(i) + ": ";
+      if (!t.ok) return layer + "a float matmul, padded widths or other dtypes";
+      if (t.lin[0].K != H_) return layer + "the hidden size differs from the input's";
+      if (where_[i] < 0 || static_cast<size_t>(5 * where_[i] + 5) > shared_.size())
+        return layer + "step index out of range";
+      const at::Tensor& kv = kv_[i];
+      if (!kv.device().is_cpu() || kv.dim() != 5 || !kv.is_contiguous() || kv.size(0) != 2 ||
+          (kv.scalar_type() != at::kFloat && kv.scalar_type() != at::kHalf) ||
+          kv.size(3) != l.kv_heads || l.kv_heads <= 0 || l.heads % l.kv_heads)
+        return layer + "not a contiguous float32 or float16 KV cache of its KV heads";
+      const int64_t d = kv.size(4);
+      if (d % 2 || d > 512 || t.lin[0].width != (l.heads + 2 * l.kv_heads) * d ||
+          t.lin[1].K != l.heads * d)
+        return layer + "head size and matmul widths do not agree";
+      if (t.q_norm != nullptr && (t.q_norm_size != d || t.k_norm_size != d))
+        return layer + "q/k norm weights are not of the head size";
+      const at::Tensor* s = shared_.data() + 5 * where_[i];
+      const at::Tensor &cos = s[0], &sin = s[1], &slots = s[2];
+      if (cos.scalar_type() != at::kFloat || cos.dim() != 2 || cos.stride(1) != 1 ||
+          cos.size(0) != M_ || cos.size(1) != d / 2 || sin.sizes() != cos.sizes() ||
+          sin.strides() != cos.strides() || sin.scalar_type() != at::kFloat ||
+          slots.scalar_type() != at::kLong || !slots.is_contiguous() || slots.dim() != 1 ||
+          slots.size(0) != M_)
+        return layer + "cos, sin or slot mapping not float32 [n, d / 2] and int64 [n]";
+    }
+    return "";
+  }
+
+  at::Tensor run(const at::Tensor& h) {
+    const size_t L = plan_.layers.size();
+    const at::Tensor input = h.contiguous();
+    const at::Tensor outs[2] = {at::empty({M_, H_}, input.options()),
+                                at::empty({M_, H_}, input.options())};
+    int64_t y_width = H_, inter = 0;
+    for (const TeamLayer& t : plan_.team)
+      y_width = std::max(y_width, t.lin[2].width), inter = std::max(inter, t.lin[3].K);
+    s_.x.resize(M_ * H_), s_.mid.resize(M_ * H_);
+    s_.y.resize(M_ * y_width), s_.act.resize(M_ * inter);
+    const float* hin = input.data_ptr<float>();
+    prepare(0, 0);
+    run_team([&](const Team& t) { pre_attention(t, 0, hin); });
+    for (size_t i = 0; i < L; ++i) {
+      const at::Tensor att = attention(i);
+      float* hout = outs[i % 2].data_ptr<float>();
+      for (int slot = 1; slot < 4; ++slot) prepare(i, slot);
+      const bool more = i + 1 < L;
+      if (more) prepare(i + 1, 0);  // (qkv_ of layer i is read: its attention ran)
+      run_team([&](const Team& t) {
+        post_attention(t, i, att.data_ptr<float>(), hin, hout);
+        if (!more) return;
+        t.sync();
+        pre_attention(t, i + 1, hout);
+      });
+      hin = hout;
+    }
+    return outs[(L - 1) % 2];
+  }
+
+ private:
+  static TeamScratch& scratch() {
+    thread_local TeamScratch s;
+    return s;
+  }
+
+  // Sizes matmul `slot`'s quantized input for layer i (and, for slot 0, its qkv output).
+  void prepare(size_t i, int slot) {
+    const TeamLinear& lin = plan_.team[i].lin[slot];
+    kvblock::ActNeeds needs;
+    for (const kvblock::AnyWeight& w : lin.parts) needs.add(kvblock::needs_of(path_, w));
+    s_.a[slot].size(M_, lin.K, needs);
+    if (slot == 0 && (!qkv_.defined() || qkv_.size(1) != lin.width))
+      qkv_ = at::empty({M_, lin.width}, at::TensorOptions().dtype(at::kFloat));
+  }
+
+  const at::Tensor* step_tensors(size_t i) const { return shared_.data() + 5 * where_[i]; }
+
+  // Matmul `slot` of layer i on this thread's share of its column groups into out (row stride N);
+  // then after(c0, c1) for each run of columns done.
+  template <typename After>
+  void matmul(const Team& t, size_t i, int slot, float* out, int64_t N, After&& after) const {
+    const TeamLinear& lin = plan_.team[i].lin[slot];
+    const kvblock::Activations& act = s_.a[slot];
+    const auto [g0, g1] = t.share(lin.groups);
+    int64_t base = 0;
+    for (size_t p = 0; p < lin.parts.size(); ++p) {
+      const kvblock::AnyWeight& w = lin.parts[p];
+      const int64_t lo = std::max(g0, base) - base, hi = std::min(g1, base + w.groups) - base;
+      base += w.groups;
+      if (lo >= hi) continue;
+      const kvblock::QuantRows rows = act.rows_for(path_, w);
+      for (int64_t r0 = 0; r0 < M_; r0 += kvblock::kRowPanel)
+        kvblock::run_weight(path_, w, rows, r0, std::min(M_, r0 + kvblock::kRowPanel), lo, hi, N,
+                            out + lin.cols[p]);
+      after(lin.cols[p] + 8 * lo, lin.cols[p] + 8 * hi);
+    }
+  }
+
+  // dst = src + (y + bias) on columns [c0, c1) of every row (the residual adds).
+  void residual(int64_t c0, int64_t c1, const float* y, const float* bias, const float* src,
+                float* dst) const {
+    for (int64_t r = 0; r < M_; ++r)
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = bias != nullptr ? y[r * H_ + c] + bias[c] : y[r * H_ + c];
+        dst[r * H_ + c] = src[r * H_ + c] + v;
+      }
+  }
+
+  // Layer i up to its attention: input norm, qkv, its bias, q/k norms, rotary and the KV write.
+  void pre_attention(const Team& t, size_t i, const float* hin) const {
+    const DecodePlan::Layer& l = plan_.layers[i];
+    const TeamLayer& tl = plan_.team[i];
+    TeamScratch& s = s_;
+    const auto [r0, r1] = t.share(M_);
+    const float eps = static_cast<float>(l.eps);
+    for (int64_t r = r0; r < r1; ++r) {
+      kvrows::rms_norm(hin + r * H_, tl.norm0, H_, eps, s.x.data() + r * H_);
+      s.a[0].quantize_row(path_, r, s.x.data() + r * H_);
+    }
+    t.sync();
+    const int64_t W = tl.lin[0].width;
+    float* qkv = qkv_.data_ptr<float>();
+    matmul(t, i, 0, qkv, W, [](int64_t, int64_t) {});
+    t.sync();
+    const at::Tensor& kv = kv_[i];
+    const int64_t d = kv.size(4), heads = l.heads, kv_heads = l.kv_heads;
+    const at::Tensor* st = step_tensors(i);
+    const float *cos = st[0].data_ptr<float>(), *sin = st[1].data_ptr<float>();
+    const int64_t cos_row = st[0].stride(0);
+    const int64_t* slots = st[2].data_ptr<int64_t>();
+    const bool half = kv.scalar_type() == at::kHalf;
+    float* cache32 = half ? nullptr : kv.data_ptr<float>();
+    c10::Half* cache16 = half ? kv.data_ptr<c10::Half>() : nullptr;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = qkv + r * W;
+      if (tl.lin[0].bias != nullptr)
+        for (int64_t c = 0; c < W; ++c) row[c] = row[c] + tl.lin[0].bias[c];
+      if (tl.q_norm != nullptr) {
+        float normed[512];
+        for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+          float* x = row + hd * d;
+          kvrows::rms_norm(x, hd < heads ? tl.q_norm : tl.k_norm, d, eps, normed);
+          std::copy(normed, normed + d, x);
+        }
+      }
+      kvrows::rope_write_kv(row, cos + r * cos_row, sin + r * cos_row, cache32, cache16,
+                            slots[r], kv.stride(0), heads, kv_heads, d);
+    }
+  }
+
+  at::Tensor attention(size_t i) const {
+    const DecodePlan::Layer& l = plan_.layers[i];
+    const int64_t d = kv_[i].size(4);
+    const at::Tensor q = qkv_.narrow(1, 0, l.heads * d).view({M_, l.heads, d});
+    const at::Tensor* st = step_tensors(i);
+    return ops().attention.call(q, kv_[i], st[3], st[4], l.scale, l.window, l.softcap);
+  }
+
+  // Layer i after its attention (att [M, heads * d]): o, residual, norm, gate/up, SwiGLU, down,
+  // residual into hout.
+  void post_attention(const Team& t, size_t i, const float* att, const float* hin,
+                      float* hout) const {
+    const DecodePlan::Layer& l = plan_.layers[i];
+    const TeamLayer& tl = plan_.team[i];
+    TeamScratch& s = s_;
+    const auto [r0, r1] = t.share(M_);
+    const int64_t q_size = tl.lin[1].K, gu = tl.lin[2].width, inter = gu / 2;
+    float *y = s.y.data(), *mid = s.mid.data();
+    for (int64_t r = r0; r < r1; ++r) s.a[1].quantize_row(path_, r, att + r * q_size);
+    t.sync();
+    matmul(t, i, 1, y, H_, [&](int64_t c0, int64_t c1) {
+      residual(c0, c1, y, tl.lin[1].bias, hin, mid);
+    });
+    t.sync();
+    for (int64_t r = r0; r < r1; ++r) {
+      kvrows::rms_norm(mid + r * H_, tl.norm1, H_, static_cast<float>(l.eps), s.x.data() + r * H_);
+      s.a[2].quantize_row(path_, r, s.x.data() + r * H_);
+    }
+    t.sync();
+    matmul(t, i, 2, y, gu, [](int64_t, int64_t) {});
+    t.sync();
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = y + r * gu;
+      if (tl.lin[2].bias != nullptr)
+        for (int64_t c = 0; c < gu; ++c) row[c] = row[c] + tl.lin[2].bias[c];
+      kvrows::silu_mul(row, row + inter, inter, s.act.data() + r * inter);
+      s.a[3].quantize_row(path_, r, s.act.data() + r * inter);
+    }
+    t.sync();
+    matmul(t, i, 3, y, H_, [&](int64_t c0, int64_t c1) {
+      residual(c0, c1, y, tl.lin[3].bias, mid, hout);
+    });
+  }
+
+  const DecodePlan& plan_;
+  const std::vector<at::Tensor>& kv_;
+  const std::vector<at::Tensor>& shared_;
+  const std::vector<int64_t>& where_;
+  const int64_t M_, H_;
+  const kvblock::PathFns& path_;
+  TeamScratch& s_;  // the calling thread's (inside the team, thread_local would be each thread's)
+  at::Tensor qkv_;
+};
+
 
 // Every layer of a step in one call (no LoRA rows): layer i runs decode_layer's ops with the
 // plan's layer i, its KV cache kv_caches[i] and shared[5 where[i]..]: cos, sin, slot_mapping,
@@ -285,6 +733,19 @@ at::Tensor decode_layers(const at::Tensor& h, const c10::intrusive_ptr<DecodePla
   TORCH_CHECK(kv_caches.size() == layers && where.size() == layers,
               "decode_layers: ", layers, " layers in the plan, ", kv_caches.size(),
               " KV caches, ", where.size(), " step indices");
+  const int mode = team_mode.load(std::memory_order_relaxed);
+  if (mode != 0) {
+    std::string why;
+    if (layers == 0 || h.dim() != 2 || h.scalar_type() != at::kFloat || !h.device().is_cpu() ||
+        h.size(0) == 0) {
+      why = "the hidden states are not float32 [n, hidden] with n > 0";
+    } else {
+      TeamStep step(*plan, kv_caches, shared, where, h.size(0), h.size(1));
+      why = step.ready();
+      if (why.empty()) return step.run(h);
+    }
+    TORCH_CHECK(mode != 2, "decode_layers: the team path cannot run this step: ", why);
+  }
   at::Tensor x = h;
   for (size_t i = 0; i < layers; ++i) {
     const DecodePlan::Layer& l = plan->layers[i];
@@ -324,6 +785,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "decode_layers(Tensor h, __torch__.torch.classes.kvserve.DecodePlan plan, "
       "Tensor(a!)[] kv_caches, Tensor[] shared, int[] where) -> Tensor");
+  m.def("decode_team_select", &decode_team_select);
   m.def(
       "decode_layer_lora(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "

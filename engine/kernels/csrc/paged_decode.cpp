@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "attention_avx2.h"
+#include "layer_rows.h"
 
 namespace {
 
@@ -444,10 +445,33 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // x1 * cos - x2 * sin, x2 * cos + x1 * sin, each product rounded to T), then store k and v at
 // their cache slots (rounded to the cache's KT: T, or float16 under float32). cos, sin: [n, d / 2].
 template <typename T, typename KT>
+void rope_write_kv_row(T* x, const T* c, const T* s, KT* kd, int64_t kv_plane, int64_t heads,
+                       int64_t kv_heads, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+    T* x1 = x + hd * d;
+    T* x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = to_f(x1[i]), b = to_f(x2[i]), ci = to_f(c[i]), si = to_f(s[i]);
+      const T ac = static_cast<T>(a * ci), bs = static_cast<T>(b * si);
+      const T bc = static_cast<T>(b * ci), as = static_cast<T>(a * si);
+      x1[i] = static_cast<T>(to_f(ac) - to_f(bs));
+      x2[i] = static_cast<T>(to_f(bc) + to_f(as));
+    }
+  }
+  const T* k = x + heads * d;
+  const T* v = k + kv_heads * d;
+  for (int64_t i = 0; i < kv_heads * d; ++i) {  // float -> half: c10's round-to-nearest-even
+    kd[i] = static_cast<KT>(k[i]);
+    kd[kv_plane + i] = static_cast<KT>(v[i]);
+  }
+}
+
+template <typename T, typename KT>
 void rope_write_kv_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           at::Tensor& kv_cache, const at::Tensor& slots, int64_t heads,
                           int64_t kv_heads) {
-  const int64_t n = qkv.size(0), d = kv_cache.size(4), half = d / 2;
+  const int64_t n = qkv.size(0), d = kv_cache.size(4);
   const int64_t row = qkv.stride(0), kv_plane = kv_cache.stride(0);
   T* base = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
@@ -457,29 +481,9 @@ void rope_write_kv_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t slot_stride = kv_heads * d;  // one token of one plane (K or V)
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      T* x = base + t * row;
-      const T* c = cp + t * cos_row;
-      const T* s = sp + t * cos_row;
-      for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
-        T* x1 = x + hd * d;
-        T* x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = to_f(x1[i]), b = to_f(x2[i]), ci = to_f(c[i]), si = to_f(s[i]);
-          const T ac = static_cast<T>(a * ci), bs = static_cast<T>(b * si);
-          const T bc = static_cast<T>(b * ci), as = static_cast<T>(a * si);
-          x1[i] = static_cast<T>(to_f(ac) - to_f(bs));
-          x2[i] = static_cast<T>(to_f(bc) + to_f(as));
-        }
-      }
-      const T* k = x + heads * d;
-      const T* v = k + kv_heads * d;
-      KT* kd = cache + slot[t] * slot_stride;
-      for (int64_t i = 0; i < slot_stride; ++i) {  // float -> half: c10's round-to-nearest-even
-        kd[i] = static_cast<KT>(k[i]);
-        kd[kv_plane + i] = static_cast<KT>(v[i]);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      rope_write_kv_row<T, KT>(base + t * row, cp + t * cos_row, sp + t * cos_row,
+                               cache + slot[t] * slot_stride, kv_plane, heads, kv_heads, d);
   });
 }
 
@@ -509,6 +513,20 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
 }
 
 }  // namespace
+
+void kvrows::rms_norm(const float* x, const float* w, int64_t h, float eps, float* out) {
+  rms_norm_row<float>(x, w, h, eps, out);
+}
+
+void kvrows::rope_write_kv(float* x, const float* cos, const float* sin, float* cache32,
+                           c10::Half* cache16, int64_t slot, int64_t kv_plane, int64_t heads,
+                           int64_t kv_heads, int64_t d) {
+  const int64_t at = slot * kv_heads * d;
+  if (cache16 != nullptr)
+    rope_write_kv_row<float, c10::Half>(x, cos, sin, cache16 + at, kv_plane, heads, kv_heads, d);
+  else
+    rope_write_kv_row<float, float>(x, cos, sin, cache32 + at, kv_plane, heads, kv_heads, d);
+}
 
 TORCH_LIBRARY(kvserve, m) {
   m.def(

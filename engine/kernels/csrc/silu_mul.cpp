@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "attention_avx2.h"
+#include "layer_rows.h"
 
 namespace {
 
@@ -39,6 +40,15 @@ void silu_mul_row(const float* g, const float* u, int64_t inter, float* out) {
   for (int64_t i = 0; i < inter; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+// The CPU's one path for every row.
+auto row_path() {
+  auto row_fn = silu_mul_row;
+#ifdef KV_HAVE_AVX2_ATTENTION
+  if (cpu_has_avx2_fma()) row_fn = silu_mul_row_avx2;
+#endif
+  return row_fn;
+}
+
 at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 2 == 0, "x [n, 2 * inter]");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul takes float32");
@@ -47,10 +57,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   auto out = at::empty({n, inter}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  auto row_fn = silu_mul_row;  // the CPU's one path for every row
-#ifdef KV_HAVE_AVX2_ATTENTION
-  if (cpu_has_avx2_fma()) row_fn = silu_mul_row_avx2;
-#endif
+  const auto row_fn = row_path();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, inter));  // ~64 KiB
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -62,6 +69,10 @@ at::Tensor silu_mul(const at::Tensor& x) {
 }
 
 }  // namespace
+
+void kvrows::silu_mul(const float* g, const float* u, int64_t inter, float* out) {
+  row_path()(g, u, inter, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) { m.def("silu_mul(Tensor x) -> Tensor"); }
 

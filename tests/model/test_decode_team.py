@@ -1,0 +1,186 @@
+"""decode_layers' thread-team path (csrc/decode_layer.cpp: the layers' small ops and matmuls in
+parallel regions, the threads sharing each phase between spinning barriers) gives bitwise the
+per-op path's hidden states and KV-cache writes: every block format and fused weights whose parts
+mix them, biases (Qwen2) and q/k norms (Qwen3), 1 to 70 rows (the zmm tiles of 8 and more than one
+row panel of 64), 1 to 3 threads, float32 and float16 KV caches, and every kernel path this CPU
+runs; steps it cannot run (float matmuls) take the per-op path, and say why when it is required."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_kernels
+from engine.models.cpu_features import BLOCK_KERNEL_PATHS, block_kernel_probe
+from tests.model.gguf_files import TinyLlama, write_tiny_llama
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="kvserve's C++ CPU kernels could not be built here"
+)
+
+LAYER_TYPES = [
+    {  # Q4_0 throughout (its sums take q - 8)
+        "attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_0",
+        "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_0",
+    },
+    {  # a fused qkv of three formats, gate and up of two
+        "attn_q": "Q4_K", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q5_K",
+        "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q4_1",
+    },
+    {
+        "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "F16",
+        "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q6_K",
+    },
+]  # fmt: skip
+SPEC = TinyLlama(256, 512, 4, 2, LAYER_TYPES, ("Q8_0", 0.5), ("Q8_0", 0.5))
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf"
+    write_tiny_llama(path, SPEC)
+    cache = str(tmp_path_factory.mktemp("cache"))
+    return LLM(str(path), quantization="gguf", cache_dir=cache, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Qwen2: biases on q, k and v."""
+    from transformers import Qwen2Config
+
+    from tests.model.tiny_models import save_tiny_checkpoint
+
+    smol = json.loads((smollm2_dir / "config.json").read_text())
+    config = Qwen2Config(
+        vocab_size=smol["vocab_size"], hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
+    )  # fmt: skip
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("qwen2"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Qwen3: per-head q/k norms."""
+    from tests.model.test_qwen3 import qwen3_config
+    from tests.model.tiny_models import save_tiny_checkpoint
+
+    config = qwen3_config(smollm2_dir, num_hidden_layers=2)
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("qwen3"), smollm2_dir)
+
+
+def _step(llm: LLM, rows: int, kv_dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    """Random decode_layers arguments for the model's plan: hidden states, caches, step tensors."""
+    model = llm.engine.model
+    plan = model._decode_plan()
+    assert plan is not None
+    attn = model.layers[0].self_attn
+    d, kv_heads = attn.head_dim, attn.num_kv_heads
+    hidden = model.layers[0].input_layernorm.weight.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    block_size, blocks = 16, 4 * rows + 4
+    caches = [
+        (torch.randn(2, blocks, block_size, kv_heads, d, generator=gen) * 2).to(kv_dtype)
+        for _ in model.layers
+    ]
+    lens = torch.randint(1, 40, (rows,), generator=gen, dtype=torch.int32)
+    tables = torch.randperm(blocks, generator=gen)[: 3 * rows].reshape(rows, 3).to(torch.int32)
+    slots = torch.stack(
+        [tables[r, (lens[r] - 1) // block_size] * block_size + (lens[r] - 1) % block_size
+         for r in range(rows)]
+    ).long()  # fmt: skip
+    # distinct slots: rows that share one would write it in an order the paths need not share
+    keep = [r for r in range(rows) if slots[r] not in slots[:r]]
+    rows = len(keep)
+    lens, tables, slots = lens[keep], tables[keep], slots[keep]
+    angles = torch.rand(rows, d // 2, generator=gen) * 6
+    return {
+        "h": torch.randn(rows, hidden, generator=gen) * 3,
+        "plan": plan.handle,
+        "caches": caches,
+        "shared": [angles.cos(), angles.sin(), slots, tables, lens],
+        "where": [0] * len(caches),
+    }
+
+
+def _run(args: dict[str, Any], mode: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    caches = [c.clone() for c in args["caches"]]
+    previous = torch.ops.kvserve.decode_team_select(mode)
+    try:
+        out = cpu_kernels.decode_layers(
+            args["h"], args["plan"], caches, args["shared"], args["where"]
+        )
+    finally:
+        torch.ops.kvserve.decode_team_select(previous)
+    return out, caches
+
+
+def _paths() -> list[str]:
+    return [p for p in BLOCK_KERNEL_PATHS if block_kernel_probe(p) == ""]
+
+
+def _assert_team_equals_per_op(llm: LLM, rows: int, threads: int, kv_dtype: torch.dtype) -> None:
+    saved_threads, saved_path = torch.get_num_threads(), torch.ops.kvserve.block_kernels_path()
+    torch.set_num_threads(threads)
+    try:
+        for seed, path in enumerate(_paths()):
+            torch.ops.kvserve.block_kernels_select(path)
+            args = _step(llm, rows, kv_dtype, seed)
+            per_op, per_op_caches = _run(args, 0)
+            team, team_caches = _run(args, 2)  # 2: the team path must run
+            assert torch.equal(team, per_op), (path, rows, threads)
+            for a, b in zip(team_caches, per_op_caches, strict=True):
+                assert torch.equal(a, b), (path, rows, threads)
+            assert not torch.equal(team_caches[0], args["caches"][0])  # the step wrote its K/V
+    finally:
+        torch.set_num_threads(saved_threads)
+        torch.ops.kvserve.block_kernels_select(saved_path)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_block_format_and_mixed_parts(mixed_gguf: LLM, rows: int, threads: int) -> None:
+    _assert_team_equals_per_op(mixed_gguf, rows, threads, torch.float16)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_biases_and_qk_norms(request, family: str, kv_dtype: torch.dtype) -> None:
+    folder = request.getfixturevalue(f"tiny_{family}_dir")
+    llm = LLM(str(folder), dtype="float32", quantization="int4", max_num_seqs=4)
+    for layer in llm.engine.model.layers:
+        attn = layer.self_attn
+        if family == "qwen2":  # (transformers initialises biases to zero)
+            assert attn.qkv_bias is not None
+            attn.qkv_bias.data.normal_(0, 1, generator=torch.Generator().manual_seed(5))
+        else:
+            assert attn.q_norm is not None
+    for rows in (1, 5):
+        _assert_team_equals_per_op(llm, rows, 2, kv_dtype)
+
+
+def test_generation_is_the_same_and_float_models_take_the_per_op_path(
+    mixed_gguf: LLM, tiny_llama_dir: Path
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+    def generate(llm: LLM, mode: int) -> list[Any]:
+        previous = torch.ops.kvserve.decode_team_select(mode)
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            torch.ops.kvserve.decode_team_select(previous)
+        return [(o.outputs[0].token_ids, [t.logprob for t in o.outputs[0].logprobs]) for o in outs]
+
+    assert generate(mixed_gguf, 2) == generate(mixed_gguf, 0)
+    floats = LLM(str(tiny_llama_dir), dtype="float32", quantization="none", max_num_seqs=4)
+    assert generate(floats, 1) == generate(floats, 0)  # not the team's: the per-op path runs
+    with pytest.raises(RuntimeError, match="team path cannot run this step: layer 0: a float"):
+        _run(_step(floats, 1, torch.float16, 0), 2)
