@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -512,8 +513,8 @@ class TeamStep {
         path_(kvblock::current_path()), s_(scratch()) {}
 
   // "" when every layer can run here, else why not (the per-op path then runs the step, and
-  // reports what is wrong with bad tensors).
-  std::string ready() const {
+  // reports what is wrong with bad tensors). Then makes the step's buffers and attention work.
+  std::string prepare() {
     for (size_t i = 0; i < plan_.layers.size(); ++i) {
       const DecodePlan::Layer& l = plan_.layers[i];
       const TeamLayer& t = plan_.team[i];
@@ -542,36 +543,29 @@ class TeamStep {
           slots.size(0) != M_)
         return layer + "cos, sin or slot mapping not float32 [n, d / 2] and int64 [n]";
     }
-    return "";
+    return buffers();
   }
 
+  // The step, every layer in one parallel region (after prepare() gave "").
   at::Tensor run(const at::Tensor& h) {
     const size_t L = plan_.layers.size();
     const at::Tensor input = h.contiguous();
     const at::Tensor outs[2] = {at::empty({M_, H_}, input.options()),
                                 at::empty({M_, H_}, input.options())};
-    int64_t y_width = H_, inter = 0;
-    for (const TeamLayer& t : plan_.team)
-      y_width = std::max(y_width, t.lin[2].width), inter = std::max(inter, t.lin[3].K);
-    s_.x.resize(M_ * H_), s_.mid.resize(M_ * H_);
-    s_.y.resize(M_ * y_width), s_.act.resize(M_ * inter);
-    const float* hin = input.data_ptr<float>();
-    prepare(0, 0);
-    run_team([&](const Team& t) { pre_attention(t, 0, hin); });
-    for (size_t i = 0; i < L; ++i) {
-      const at::Tensor att = attention(i);
-      float* hout = outs[i % 2].data_ptr<float>();
-      for (int slot = 1; slot < 4; ++slot) prepare(i, slot);
-      const bool more = i + 1 < L;
-      if (more) prepare(i + 1, 0);  // (qkv_ of layer i is read: its attention ran)
-      run_team([&](const Team& t) {
-        post_attention(t, i, att.data_ptr<float>(), hin, hout);
-        if (!more) return;
+    for (int slot = 0; slot < 4; ++slot)
+      if (uniform_[slot]) size(0, slot);
+    run_team([&](const Team& t) {
+      for (size_t i = 0; i < L; ++i) {
+        const float* hin = i == 0 ? input.data_ptr<float>() : outs[(i - 1) % 2].data_ptr<float>();
+        pre_attention(t, i, hin);
         t.sync();
-        pre_attention(t, i + 1, hout);
-      });
-      hin = hout;
-    }
+        const auto [a0, a1] = t.share(attention_[i]->items());
+        attention_[i]->run(a0, a1);
+        t.sync();
+        post_attention(t, i, att_[i].data_ptr<float>(), hin, outs[i % 2].data_ptr<float>());
+        t.sync();
+      }
+    });
     return outs[(L - 1) % 2];
   }
 
@@ -581,14 +575,56 @@ class TeamStep {
     return s;
   }
 
-  // Sizes matmul `slot`'s quantized input for layer i (and, for slot 0, its qkv output).
-  void prepare(size_t i, int slot) {
+  // Sizes matmul `slot`'s quantized input for layer i.
+  void size(size_t i, int slot) const {
     const TeamLinear& lin = plan_.team[i].lin[slot];
-    kvblock::ActNeeds needs;
-    for (const kvblock::AnyWeight& w : lin.parts) needs.add(kvblock::needs_of(path_, w));
-    s_.a[slot].size(M_, lin.K, needs);
-    if (slot == 0 && (!qkv_.defined() || qkv_.size(1) != lin.width))
-      qkv_ = at::empty({M_, lin.width}, at::TensorOptions().dtype(at::kFloat));
+    s_.a[slot].size(M_, lin.K, needs_[slot]);
+  }
+
+  // Sizes matmul `slot`'s quantized input for layer i inside the region when its input width
+  // differs between layers (else it was sized once before).
+  void size_in_team(const Team& t, size_t i, int slot) const {
+    if (uniform_[slot]) return;
+    t.sync();  // the previous layer's readers are done
+    if (t.rank == 0) size(i, slot);
+    t.sync();
+  }
+
+  // The step's buffers and each layer's attention work; "" or why the team cannot run it.
+  std::string buffers() {
+    const size_t L = plan_.layers.size();
+    int64_t y_width = H_, inter = 0;
+    for (int slot = 0; slot < 4; ++slot) {
+      needs_[slot] = kvblock::ActNeeds{};
+      uniform_[slot] = true;
+      for (size_t i = 0; i < L; ++i) {
+        const TeamLinear& lin = plan_.team[i].lin[slot];
+        for (const kvblock::AnyWeight& w : lin.parts) needs_[slot].add(kvblock::needs_of(path_, w));
+        uniform_[slot] = uniform_[slot] && lin.K == plan_.team[0].lin[slot].K;
+      }
+    }
+    for (const TeamLayer& t : plan_.team)
+      y_width = std::max(y_width, t.lin[2].width), inter = std::max(inter, t.lin[3].K);
+    s_.x.resize(M_ * H_), s_.mid.resize(M_ * H_);
+    s_.y.resize(M_ * y_width), s_.act.resize(M_ * inter);
+    const auto floats = at::TensorOptions().dtype(at::kFloat);
+    const int64_t threads = std::max(1, at::get_num_threads());
+    for (size_t i = 0; i < L; ++i) {
+      const DecodePlan::Layer& l = plan_.layers[i];
+      const int64_t d = kv_[i].size(4), width = plan_.team[i].lin[0].width;
+      // one buffer for the layers of one shape (each is read before the next layer writes it)
+      qkv_.push_back(i > 0 && qkv_[i - 1].size(1) == width ? qkv_[i - 1]
+                                                           : at::empty({M_, width}, floats));
+      att_.push_back(i > 0 && att_[i - 1].size(1) == l.heads && att_[i - 1].size(2) == d
+                         ? att_[i - 1]
+                         : at::empty({M_, l.heads, d}, floats));
+      const at::Tensor q = qkv_[i].narrow(1, 0, l.heads * d).view({M_, l.heads, d});
+      const at::Tensor* st = step_tensors(i);
+      attention_.push_back(kvrows::decode_attention(q, kv_[i], st[3], st[4], l.scale, l.window,
+                                                    l.softcap, att_[i], threads));
+      if (!attention_.back()) return "layer " + std::to_string(i) + ": split attention path";
+    }
+    return "";
   }
 
   const at::Tensor* step_tensors(size_t i) const { return shared_.data() + 5 * where_[i]; }
@@ -631,13 +667,14 @@ class TeamStep {
     TeamScratch& s = s_;
     const auto [r0, r1] = t.share(M_);
     const float eps = static_cast<float>(l.eps);
+    size_in_team(t, i, 0);
     for (int64_t r = r0; r < r1; ++r) {
       kvrows::rms_norm(hin + r * H_, tl.norm0, H_, eps, s.x.data() + r * H_);
       s.a[0].quantize_row(path_, r, s.x.data() + r * H_);
     }
     t.sync();
     const int64_t W = tl.lin[0].width;
-    float* qkv = qkv_.data_ptr<float>();
+    float* qkv = qkv_[i].data_ptr<float>();
     matmul(t, i, 0, qkv, W, [](int64_t, int64_t) {});
     t.sync();
     const at::Tensor& kv = kv_[i];
@@ -666,14 +703,6 @@ class TeamStep {
     }
   }
 
-  at::Tensor attention(size_t i) const {
-    const DecodePlan::Layer& l = plan_.layers[i];
-    const int64_t d = kv_[i].size(4);
-    const at::Tensor q = qkv_.narrow(1, 0, l.heads * d).view({M_, l.heads, d});
-    const at::Tensor* st = step_tensors(i);
-    return ops().attention.call(q, kv_[i], st[3], st[4], l.scale, l.window, l.softcap);
-  }
-
   // Layer i after its attention (att [M, heads * d]): o, residual, norm, gate/up, SwiGLU, down,
   // residual into hout.
   void post_attention(const Team& t, size_t i, const float* att, const float* hin,
@@ -684,12 +713,14 @@ class TeamStep {
     const auto [r0, r1] = t.share(M_);
     const int64_t q_size = tl.lin[1].K, gu = tl.lin[2].width, inter = gu / 2;
     float *y = s.y.data(), *mid = s.mid.data();
+    size_in_team(t, i, 1);
     for (int64_t r = r0; r < r1; ++r) s.a[1].quantize_row(path_, r, att + r * q_size);
     t.sync();
     matmul(t, i, 1, y, H_, [&](int64_t c0, int64_t c1) {
       residual(c0, c1, y, tl.lin[1].bias, hin, mid);
     });
     t.sync();
+    size_in_team(t, i, 2);
     for (int64_t r = r0; r < r1; ++r) {
       kvrows::rms_norm(mid + r * H_, tl.norm1, H_, static_cast<float>(l.eps), s.x.data() + r * H_);
       s.a[2].quantize_row(path_, r, s.x.data() + r * H_);
@@ -697,6 +728,7 @@ class TeamStep {
     t.sync();
     matmul(t, i, 2, y, gu, [](int64_t, int64_t) {});
     t.sync();
+    size_in_team(t, i, 3);
     for (int64_t r = r0; r < r1; ++r) {
       float* row = y + r * gu;
       if (tl.lin[2].bias != nullptr)
@@ -717,7 +749,10 @@ class TeamStep {
   const int64_t M_, H_;
   const kvblock::PathFns& path_;
   TeamScratch& s_;  // the calling thread's (inside the team, thread_local would be each thread's)
-  at::Tensor qkv_;
+  kvblock::ActNeeds needs_[4];  // what each matmul's kernels read, over all layers
+  bool uniform_[4] = {};        // whether each matmul's input width is every layer's
+  std::vector<at::Tensor> qkv_, att_;
+  std::vector<std::unique_ptr<kvrows::DecodeAttention>> attention_;
 };
 
 
@@ -741,7 +776,7 @@ at::Tensor decode_layers(const at::Tensor& h, const c10::intrusive_ptr<DecodePla
       why = "the hidden states are not float32 [n, hidden] with n > 0";
     } else {
       TeamStep step(*plan, kv_caches, shared, where, h.size(0), h.size(1));
-      why = step.ready();
+      why = step.prepare();
       if (why.empty()) return step.run(h);
     }
     TORCH_CHECK(mode != 2, "decode_layers: the team path cannot run this step: ", why);

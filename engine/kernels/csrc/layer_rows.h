@@ -3,9 +3,11 @@
 // row, so a row computed either way has the same bits. float32 activations only.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <memory>
 
 namespace kvrows {
 
@@ -20,5 +22,23 @@ void rope_write_kv(float* x, const float* cos, const float* sin, float* cache32,
 
 // out [inter] = silu(g) * u, as the silu_mul op (csrc/silu_mul.cpp).
 void silu_mul(const float* g, const float* u, int64_t inter, float* out);
+
+// One layer's paged decode attention as work items for the team: built (with the op's checks)
+// outside a parallel region, then run(begin, end) over [0, items()) in any shares, writing out
+// [n, heads, d] float32 as the paged_decode_attention op does (its per-item path, the same bits).
+class DecodeAttention {
+ public:
+  virtual ~DecodeAttention() = default;
+  virtual int64_t items() const = 0;
+  virtual void run(int64_t begin, int64_t end) const = 0;
+};
+
+// null when the op would take its split path (kvserve::decode_split_select(1), long contexts),
+// whose phases the team does not run. threads: how many will share the items.
+std::unique_ptr<DecodeAttention> decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                                  const at::Tensor& block_tables,
+                                                  const at::Tensor& seq_lens, double scale,
+                                                  int64_t window, double softcap,
+                                                  const at::Tensor& out, int64_t threads);
 
 }  // namespace kvrows

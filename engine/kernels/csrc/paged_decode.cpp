@@ -23,7 +23,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attention_avx2.h"
@@ -222,88 +224,114 @@ KV_AVX2 void attend_split_avx2(const float* qf, const KT* const* kp, const KT* c
   });
 }
 
-// q and out in T, the KV cache in KT (T, or float16 under float32 queries).
+// One layer's decode attention as work items (q and out in T, the KV cache in KT: T, or float16
+// under float32 queries): the split path's phases (split: run_split), or items [0, items) that
+// any thread runs in any share (run): per (sequence, KV head), or pieces of its query heads on the
+// AVX2 path. The op runs them over at::parallel_for, the decode layer's team in its own shares.
 template <typename T, typename KT>
-void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                   at::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
-  const int64_t group = heads / kv_heads;
-  // Strides in elements: kv_cache [2, num_blocks, block_size, kv_heads, d] is contiguous.
-  const int64_t s_kv = kv_cache.stride(0), s_block = kv_cache.stride(1), s_tok = kv_cache.stride(2);
-  const int64_t table_width = block_tables.size(1);
-  const KT* cache = kv_cache.data_ptr<KT>();
-  const T* qp = q.data_ptr<T>();
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);  // q may be a view into fused qkv
-  T* op = out.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
+struct DecodeWork {
+  int64_t batch, heads, d, block_size, kv_heads, group;
+  int64_t s_kv, s_block, s_tok, table_width;  // strides in elements of the contiguous cache
+  const KT* cache;
+  const T* qp;
+  int64_t q_row, q_head;  // q may be a view into fused qkv
+  T* op;
+  const int32_t* tables;
+  const int32_t* lens;
+  float fscale, fsoftcap;
+  int64_t window;
+  bool vector = false, split = false;
+  int64_t per = 1, pieces = 1, items = 0;
+
+  DecodeWork(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+             const at::Tensor& seq_lens, double scale, int64_t window_, double softcap,
+             at::Tensor& out, int64_t threads)
+      : batch(q.size(0)), heads(q.size(1)), d(q.size(2)), block_size(kv_cache.size(2)),
+        kv_heads(kv_cache.size(3)), group(heads / kv_heads), s_kv(kv_cache.stride(0)),
+        s_block(kv_cache.stride(1)), s_tok(kv_cache.stride(2)), table_width(block_tables.size(1)),
+        cache(kv_cache.data_ptr<KT>()), qp(q.data_ptr<T>()), q_row(q.stride(0)),
+        q_head(q.stride(1)), op(out.data_ptr<T>()), tables(block_tables.data_ptr<int32_t>()),
+        lens(seq_lens.data_ptr<int32_t>()), fscale(static_cast<float>(scale)),
+        fsoftcap(static_cast<float>(softcap)), window(window_) {
+    items = batch * kv_heads;
+#ifdef KV_HAVE_AVX2_ATTENTION
+    if constexpr (std::is_same_v<T, float>) {
+      vector = cpu_has_avx2_fma() && d % 32 == 0;
+      if (vector) {
+        const bool few = batch * kv_heads < 2 * threads;
+        int64_t longest = 0;
+        for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_pos(lens[b]));
+        split = few && longest >= kSplitFrom && split_on();
+        // Work items: (sequence, KV head) with its query heads, whose K/V rows are then read and
+        // widened once for the group; pieces of it when the items would share the threads unevenly.
+        // Single query heads when there are fewer items than threads; pairs of query heads when a
+        // few items do not divide among the threads (3 KV heads of 3 query heads on 2 threads: 6
+        // items of 2 and 1 heads, 4.5 heads a thread rather than 6 and 3; measured 0.91-0.93x the
+        // time of whole groups for one sequence); otherwise whole groups (3 KV heads on 2 threads
+        // run 1.3-1.6x faster grouped than as 9 single heads). A head's values are the same however
+        // its group is cut (attend_item_avx2's pairs of heads share value loads only).
+        const int64_t grouped = batch * kv_heads;
+        per = grouped < threads                                          ? 1
+              : group > 2 && grouped % threads && grouped < 4 * threads ? 2
+                                                                         : group;
+        pieces = (group + per - 1) / per;  // items per (sequence, KV head)
+        items = grouped * pieces;
+      }
+    }
+#endif
+  }
+
   // First context position a query of context length len attends to (its sliding window).
-  auto first_pos = [window](int64_t len) -> int64_t {
-    return window > 0 ? std::max<int64_t>(0, len - window) : 0;
-  };
+  int64_t first_pos(int64_t len) const { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
   // Context position pos's key row of KV head h in a sequence's block table (its value row is
   // s_kv further).
-  auto key_row = [&](const int32_t* table, int64_t pos, int64_t h) -> const KT* {
+  const KT* key_row(const int32_t* table, int64_t pos, int64_t h) const {
     return cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
-  };
+  }
 
+  void run_split() const {
 #ifdef KV_HAVE_AVX2_ATTENTION
-  if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2_fma() && d % 32 == 0) {
-      const bool few = batch * kv_heads < 2 * at::get_num_threads();
-      int64_t longest = 0;
-      for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_pos(lens[b]));
-      if (few && longest >= kSplitFrom && split_on()) {
-        std::vector<int64_t> len(batch), ctx(batch + 1, 0), sc(batch + 1, 0);
-        for (int64_t b = 0; b < batch; ++b) {
-          len[b] = lens[b] - first_pos(lens[b]);
-          ctx[b + 1] = ctx[b] + len[b];
-          sc[b + 1] = sc[b] + heads * len[b];
-        }
-        std::vector<float> qf(batch * heads * d), scores(sc[batch]);
-        std::vector<const KT*> kp(ctx[batch] * kv_heads), vp(ctx[batch] * kv_heads);
-        for (int64_t b = 0; b < batch; ++b)
-          for (int64_t i = 0; i < heads * d; ++i)
-            qf[b * heads * d + i] = qp[b * q_row + (i / d) * q_head + i % d] * fscale;
-        // The row pointers, per (sequence, KV head) on the threads (serial, they took a quarter of
-        // the time at 4096 keys), block by block (no division per row).
-        at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = item / kv_heads, h = item % kv_heads;
-            const int32_t* table = tables + b * table_width;
-            const int64_t start = first_pos(lens[b]), at = ctx[b] * kv_heads + h * len[b];
-            for (int64_t t = 0; t < len[b];) {
-              const int64_t pos = start + t, off = pos % block_size;
-              const int64_t run = std::min(block_size - off, len[b] - t);
-              const KT* row = cache + table[pos / block_size] * s_block + off * s_tok + h * d;
-              for (int64_t i = 0; i < run; ++i, ++t, row += s_tok) {
-                kp[at + t] = row;
-                vp[at + t] = row + s_kv;
-              }
+    if constexpr (std::is_same_v<T, float>) {
+      std::vector<int64_t> len(batch), ctx(batch + 1, 0), sc(batch + 1, 0);
+      for (int64_t b = 0; b < batch; ++b) {
+        len[b] = lens[b] - first_pos(lens[b]);
+        ctx[b + 1] = ctx[b] + len[b];
+        sc[b + 1] = sc[b] + heads * len[b];
+      }
+      std::vector<float> qf(batch * heads * d), scores(sc[batch]);
+      std::vector<const KT*> kp(ctx[batch] * kv_heads), vp(ctx[batch] * kv_heads);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t i = 0; i < heads * d; ++i)
+          qf[b * heads * d + i] = qp[b * q_row + (i / d) * q_head + i % d] * fscale;
+      // The row pointers, per (sequence, KV head) on the threads (serial, they took a quarter of
+      // the time at 4096 keys), block by block (no division per row).
+      at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / kv_heads, h = item % kv_heads;
+          const int32_t* table = tables + b * table_width;
+          const int64_t start = first_pos(lens[b]), at = ctx[b] * kv_heads + h * len[b];
+          for (int64_t t = 0; t < len[b];) {
+            const int64_t pos = start + t, off = pos % block_size;
+            const int64_t run = std::min(block_size - off, len[b] - t);
+            const KT* row = cache + table[pos / block_size] * s_block + off * s_tok + h * d;
+            for (int64_t i = 0; i < run; ++i, ++t, row += s_tok) {
+              kp[at + t] = row;
+              vp[at + t] = row + s_kv;
             }
           }
-        });
-        attend_split_avx2(qf.data(), kp.data(), vp.data(), len.data(), ctx.data(), sc.data(),
-                          batch, heads, kv_heads, d, fsoftcap, scores.data(), op);
-        return;
-      }
-      // Work items: (sequence, KV head) with its query heads, whose K/V rows are then read and
-      // widened once for the group; pieces of it when the items would share the threads unevenly.
-      // Single query heads when there are fewer items than threads; pairs of query heads when a
-      // few items do not divide among the threads (3 KV heads of 3 query heads on 2 threads: 6
-      // items of 2 and 1 heads, 4.5 heads a thread rather than 6 and 3; measured 0.91-0.93x the
-      // time of whole groups for one sequence); otherwise whole groups (3 KV heads on 2 threads
-      // run 1.3-1.6x faster grouped than as 9 single heads). A head's values are the same however
-      // its group is cut (attend_item_avx2's pairs of heads share value loads only).
-      const int64_t threads = at::get_num_threads(), grouped = batch * kv_heads;
-      const int64_t per = grouped < threads                                          ? 1
-                          : group > 2 && grouped % threads && grouped < 4 * threads ? 2
-                                                                                     : group;
-      const int64_t pieces = (group + per - 1) / per;  // items per (sequence, KV head)
-      at::parallel_for(0, grouped * pieces, 1, [&](int64_t begin, int64_t end) {
+        }
+      });
+      attend_split_avx2(qf.data(), kp.data(), vp.data(), len.data(), ctx.data(), sc.data(),
+                        batch, heads, kv_heads, d, fsoftcap, scores.data(), op);
+    }
+#endif
+  }
+
+  void run(int64_t begin, int64_t end) const {
+#ifdef KV_HAVE_AVX2_ATTENTION
+    if constexpr (std::is_same_v<T, float>) {
+      if (vector) {
         std::vector<float> qf(per * d), scores;
         std::vector<const KT*> kp, vp;
         for (int64_t item = begin; item < end; ++item) {
@@ -325,12 +353,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           attend_item_avx2(qf.data(), kp.data(), vp.data(), len, count, d, fsoftcap,
                            scores.data(), op + (b * heads + first) * d);
         }
-      });
-      return;
+        return;
+      }
     }
-  }
 #endif
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores, tmp(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
@@ -368,12 +394,30 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         for (int64_t i = 0; i < d; ++i) ob[g * d + i] = static_cast<T>(acc[g * d + i] * inv);
       }
     }
-  });
+  }
+};
+
+template <typename T, typename KT>
+void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                   at::Tensor& out) {
+  const DecodeWork<T, KT> work(q, kv_cache, block_tables, seq_lens, scale, window, softcap, out,
+                               at::get_num_threads());
+  if (work.split) {
+    work.run_split();
+    return;
+  }
+  at::parallel_for(0, work.items, 1, [&](int64_t begin, int64_t end) { work.run(begin, end); });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale, int64_t window, double softcap) {
+// The op's tensors as the kernels read them, after its checks.
+struct DecodeArgs {
+  at::Tensor q, tables, lens;
+};
+
+DecodeArgs decode_args(const at::Tensor& q, const at::Tensor& kv_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
+                       double softcap) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "bad shapes");
   TORCH_CHECK(kv_dtype_ok(q.scalar_type(), kv_cache.scalar_type()), kKVDtypeError);
@@ -383,20 +427,44 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(2) <= 512, "head_dim mismatch or > 512");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
-  auto qc = q.stride(2) == 1 ? q : q.contiguous();
-  auto tables = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
-  TORCH_CHECK(tables.size(0) >= qc.size(0) && lens.size(0) >= qc.size(0), "too few sequences");
+  DecodeArgs a{q.stride(2) == 1 ? q : q.contiguous(), block_tables.contiguous(),
+               seq_lens.contiguous()};
+  TORCH_CHECK(a.tables.size(0) >= a.q.size(0) && a.lens.size(0) >= a.q.size(0),
+              "too few sequences");
+  return a;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale, int64_t window, double softcap) {
+  const DecodeArgs a = decode_args(q, kv_cache, block_tables, seq_lens, window, softcap);
+  const at::Tensor& qc = a.q;
   auto out = at::empty({qc.size(0), qc.size(1), qc.size(2)}, qc.options());
   if (qc.scalar_type() != kv_cache.scalar_type()) {  // float32 queries over a float16 cache
-    decode_kernel<float, c10::Half>(qc, kv_cache, tables, lens, scale, window, softcap, out);
+    decode_kernel<float, c10::Half>(qc, kv_cache, a.tables, a.lens, scale, window, softcap, out);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t, scalar_t>(qc, kv_cache, tables, lens, scale, window, softcap, out);
+    decode_kernel<scalar_t, scalar_t>(qc, kv_cache, a.tables, a.lens, scale, window, softcap,
+                                      out);
   });
   return out;
 }
+
+// The decode layer's team view of one layer's attention (layer_rows.h): float32 queries.
+template <typename KT>
+struct TeamAttention final : kvrows::DecodeAttention {
+  DecodeArgs args;
+  at::Tensor cache, out;
+  DecodeWork<float, KT> work;
+
+  TeamAttention(DecodeArgs a, const at::Tensor& kv_cache, double scale, int64_t window,
+                double softcap, const at::Tensor& o, int64_t threads)
+      : args(std::move(a)), cache(kv_cache), out(o),
+        work(args.q, cache, args.tables, args.lens, scale, window, softcap, out, threads) {}
+  int64_t items() const override { return work.items; }
+  void run(int64_t begin, int64_t end) const override { work.run(begin, end); }
+};
 
 // -------------------------------------------------------------------------------- RMSNorm
 
@@ -513,6 +581,27 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
 }
 
 }  // namespace
+
+std::unique_ptr<kvrows::DecodeAttention> kvrows::decode_attention(
+    const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, double scale, int64_t window, double softcap, const at::Tensor& out,
+    int64_t threads) {
+  DecodeArgs a = decode_args(q, kv_cache, block_tables, seq_lens, window, softcap);
+  TORCH_CHECK(a.q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous() && out.sizes() == a.q.sizes(),
+              "decode_attention: float32 queries and a contiguous output of their shape");
+  std::unique_ptr<kvrows::DecodeAttention> work;
+  if (kv_cache.scalar_type() == at::kHalf) {
+    auto w = std::make_unique<TeamAttention<c10::Half>>(std::move(a), kv_cache, scale, window,
+                                                        softcap, out, threads);
+    if (!w->work.split) work = std::move(w);
+  } else {
+    auto w = std::make_unique<TeamAttention<float>>(std::move(a), kv_cache, scale, window,
+                                                    softcap, out, threads);
+    if (!w->work.split) work = std::move(w);
+  }
+  return work;
+}
 
 void kvrows::rms_norm(const float* x, const float* w, int64_t h, float eps, float* out) {
   rms_norm_row<float>(x, w, h, eps, out);
