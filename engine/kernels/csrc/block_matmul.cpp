@@ -141,24 +141,31 @@ void Activations::size(int64_t M, int64_t K, const ActNeeds& needs) {
 }
 
 void Activations::quantize_row(const PathFns& path, int64_t m, const float* x) {
-  const int64_t K = K_, KB = K / kBlock;
-  int8_t* q = q_.data() + m * K;
+  quantize_blocks(path, m, 0, K_ / kBlock, x);
+}
+
+void Activations::quantize_blocks(const PathFns& path, int64_t m, int64_t b0, int64_t b1,
+                                  const float* x) {
+  if (b0 >= b1) return;
+  const int64_t K = K_, KB = K / kBlock, k0 = b0 * kBlock, k1 = b1 * kBlock;
+  int8_t* q = q_.data() + m * K;  // the row's; blocks are independent, each written alone
   float *d = d_.data() + m * KB, *s = s_.data() + m * KB;
-  path.quantize_row(x, K, q, d, s);
+  path.quantize_row(x + k0, k1 - k0, q + k0, d + b0, s + b0);
   if (needs_.u || needs_.pack_u) {  // q + 128 in 0..255, as two's complement bytes xor 0x80
     uint8_t* u = u_.data() + m * K;
-    for (int64_t k = 0; k < K; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
+    for (int64_t k = k0; k < k1; ++k) u[k] = static_cast<uint8_t>(q[k]) ^ 0x80;
   }
   int32_t* n8 = needs_.n8 ? n8_.data() + m * KB : nullptr;
-  if (n8 != nullptr) offset_sums(q, K, 8, n8);
-  if (needs_.n16) offset_sums(q, K, 16, n16_.data() + m * KB);
+  if (n8 != nullptr) offset_sums(q + k0, k1 - k0, 8, n8 + b0);
+  if (needs_.n16) offset_sums(q + k0, k1 - k0, 16, n16_.data() + m * KB + b0);
   if (needs_.pack_q)
     pack_row(m, M_, K, reinterpret_cast<const uint8_t*>(q), d, s, pk_q_.data(), pd_.data(),
-             ps_.data(), n8, n8 != nullptr ? pn8_.data() : nullptr);
+             ps_.data(), n8, n8 != nullptr ? pn8_.data() : nullptr, b0, b1);
   if (needs_.pack_u)
-    pack_row(m, M_, K, u_.data() + m * K, d, s, pk_u_.data(), pd_.data(), ps_.data());
+    pack_row(m, M_, K, u_.data() + m * K, d, s, pk_u_.data(), pd_.data(), ps_.data(), nullptr,
+             nullptr, b0, b1);
   if (needs_.h)
-    for (int64_t i = 2 * m * KB; i < 2 * (m + 1) * KB; ++i) {
+    for (int64_t i = 2 * (m * KB + b0); i < 2 * (m * KB + b1); ++i) {
       int32_t sum = 0;
       for (int64_t k = 0; k < kBlock / 2; ++k) sum += q_[i * (kBlock / 2) + k];
       h_[i] = sum;

@@ -45,14 +45,15 @@ struct QuantRows {
 
 constexpr int64_t kPackRows = 8;
 
-// Writes row m's blocks (bytes src [K], scales d, s [KB], and n8 [KB] when given) into the
-// tile-packed arrays of M rows.
+// Writes row m's blocks [b0, b1) (bytes src [K], scales d, s [KB], and n8 [KB] when given; b1 < 0:
+// to the last) into the tile-packed arrays of M rows.
 inline void pack_row(int64_t m, int64_t M, int64_t K, const uint8_t* src, const float* d,
                      const float* s, uint8_t* pk, float* pd, float* ps,
-                     const int32_t* n8 = nullptr, int32_t* pn8 = nullptr) {
+                     const int32_t* n8 = nullptr, int32_t* pn8 = nullptr, int64_t b0 = 0,
+                     int64_t b1 = -1) {
   const int64_t KB = K / kBlock, i = m % kPackRows, t = m - i;
   const int64_t n = M - t < kPackRows ? M - t : kPackRows;
-  for (int64_t b = 0; b < KB; ++b) {
+  for (int64_t b = b0; b < (b1 < 0 ? KB : b1); ++b) {
     for (int64_t k = 0; k < kBlock; ++k) pk[t * K + (b * n + i) * kBlock + k] = src[b * kBlock + k];
     pd[t * KB + b * n + i] = d[b];
     ps[t * KB + b * n + i] = s[b];
@@ -170,6 +171,8 @@ class Activations {
  public:
   void size(int64_t M, int64_t K, const ActNeeds& needs);
   void quantize_row(const PathFns& path, int64_t m, const float* x);
+  // Blocks [b0, b1) of row m (x: the row's start): what quantize_row writes of them.
+  void quantize_blocks(const PathFns& path, int64_t m, int64_t b0, int64_t b1, const float* x);
   QuantRows rows_for(const PathFns& path, const AnyWeight& w) const;
 
  private:

@@ -660,18 +660,40 @@ class TeamStep {
       }
   }
 
+  // This thread's part of a row-wise phase of `units` column units a row: its share of the rows
+  // (every unit) when there are as many rows as threads, else every row and its share of the
+  // units (one decode row: both threads busy). Units: blocks of 32 columns, or heads.
+  struct Part {
+    int64_t r0, r1, u0, u1;
+  };
+  Part part(const Team& t, int64_t units) const {
+    if (M_ >= t.size) {
+      const auto [r0, r1] = t.share(M_);
+      return {r0, r1, 0, units};
+    }
+    const auto [u0, u1] = t.share(units);
+    return {0, M_, u0, u1};
+  }
+
+  // x = RMSNorm(src) with weight `norm` on this thread's part, quantized for matmul `slot`.
+  void norm_and_quantize(const Team& t, const float* src, const float* norm, float eps,
+                         int slot) const {
+    constexpr int64_t B = kvblock::kBlock;
+    const Part p = part(t, H_ / B);
+    for (int64_t r = p.r0; r < p.r1; ++r) {
+      float* x = s_.x.data() + r * H_;
+      kvrows::rms_norm(src + r * H_, norm, H_, eps, x, B * p.u0, B * p.u1);
+      s_.a[slot].quantize_blocks(path_, r, p.u0, p.u1, x);
+    }
+  }
+
   // Layer i up to its attention: input norm, qkv, its bias, q/k norms, rotary and the KV write.
   void pre_attention(const Team& t, size_t i, const float* hin) const {
     const DecodePlan::Layer& l = plan_.layers[i];
     const TeamLayer& tl = plan_.team[i];
-    TeamScratch& s = s_;
-    const auto [r0, r1] = t.share(M_);
     const float eps = static_cast<float>(l.eps);
     size_in_team(t, i, 0);
-    for (int64_t r = r0; r < r1; ++r) {
-      kvrows::rms_norm(hin + r * H_, tl.norm0, H_, eps, s.x.data() + r * H_);
-      s.a[0].quantize_row(path_, r, s.x.data() + r * H_);
-    }
+    norm_and_quantize(t, hin, tl.norm0, eps, 0);
     t.sync();
     const int64_t W = tl.lin[0].width;
     float* qkv = qkv_[i].data_ptr<float>();
@@ -686,20 +708,21 @@ class TeamStep {
     const bool half = kv.scalar_type() == at::kHalf;
     float* cache32 = half ? nullptr : kv.data_ptr<float>();
     c10::Half* cache16 = half ? kv.data_ptr<c10::Half>() : nullptr;
-    for (int64_t r = r0; r < r1; ++r) {
+    const Part p = part(t, heads + 2 * kv_heads);  // units: the q, k and v heads
+    for (int64_t r = p.r0; r < p.r1; ++r) {
       float* row = qkv + r * W;
       if (tl.lin[0].bias != nullptr)
-        for (int64_t c = 0; c < W; ++c) row[c] = row[c] + tl.lin[0].bias[c];
+        for (int64_t c = p.u0 * d; c < p.u1 * d; ++c) row[c] = row[c] + tl.lin[0].bias[c];
       if (tl.q_norm != nullptr) {
         float normed[512];
-        for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+        for (int64_t hd = p.u0; hd < std::min(p.u1, heads + kv_heads); ++hd) {
           float* x = row + hd * d;
           kvrows::rms_norm(x, hd < heads ? tl.q_norm : tl.k_norm, d, eps, normed);
           std::copy(normed, normed + d, x);
         }
       }
       kvrows::rope_write_kv(row, cos + r * cos_row, sin + r * cos_row, cache32, cache16,
-                            slots[r], kv.stride(0), heads, kv_heads, d);
+                            slots[r], kv.stride(0), heads, kv_heads, d, p.u0, p.u1);
     }
   }
 
@@ -707,34 +730,38 @@ class TeamStep {
   // residual into hout.
   void post_attention(const Team& t, size_t i, const float* att, const float* hin,
                       float* hout) const {
+    constexpr int64_t B = kvblock::kBlock;
     const DecodePlan::Layer& l = plan_.layers[i];
     const TeamLayer& tl = plan_.team[i];
-    TeamScratch& s = s_;
-    const auto [r0, r1] = t.share(M_);
     const int64_t q_size = tl.lin[1].K, gu = tl.lin[2].width, inter = gu / 2;
-    float *y = s.y.data(), *mid = s.mid.data();
+    float *y = s_.y.data(), *mid = s_.mid.data();
     size_in_team(t, i, 1);
-    for (int64_t r = r0; r < r1; ++r) s.a[1].quantize_row(path_, r, att + r * q_size);
+    const Part pa = part(t, q_size / B);
+    for (int64_t r = pa.r0; r < pa.r1; ++r)
+      s_.a[1].quantize_blocks(path_, r, pa.u0, pa.u1, att + r * q_size);
     t.sync();
     matmul(t, i, 1, y, H_, [&](int64_t c0, int64_t c1) {
       residual(c0, c1, y, tl.lin[1].bias, hin, mid);
     });
     t.sync();
     size_in_team(t, i, 2);
-    for (int64_t r = r0; r < r1; ++r) {
-      kvrows::rms_norm(mid + r * H_, tl.norm1, H_, static_cast<float>(l.eps), s.x.data() + r * H_);
-      s.a[2].quantize_row(path_, r, s.x.data() + r * H_);
-    }
+    norm_and_quantize(t, mid, tl.norm1, static_cast<float>(l.eps), 2);
     t.sync();
     matmul(t, i, 2, y, gu, [](int64_t, int64_t) {});
     t.sync();
     size_in_team(t, i, 3);
-    for (int64_t r = r0; r < r1; ++r) {
+    const Part pm = part(t, inter / B);
+    const int64_t c0 = B * pm.u0, c1 = B * pm.u1;
+    for (int64_t r = pm.r0; r < pm.r1; ++r) {
       float* row = y + r * gu;
       if (tl.lin[2].bias != nullptr)
-        for (int64_t c = 0; c < gu; ++c) row[c] = row[c] + tl.lin[2].bias[c];
-      kvrows::silu_mul(row, row + inter, inter, s.act.data() + r * inter);
-      s.a[3].quantize_row(path_, r, s.act.data() + r * inter);
+        for (int64_t c = c0; c < c1; ++c) {
+          row[c] = row[c] + tl.lin[2].bias[c];
+          row[inter + c] = row[inter + c] + tl.lin[2].bias[inter + c];
+        }
+      float* act = s_.act.data() + r * inter;
+      kvrows::silu_mul(row + c0, row + inter + c0, c1 - c0, act + c0);
+      s_.a[3].quantize_blocks(path_, r, pm.u0, pm.u1, act);
     }
     t.sync();
     matmul(t, i, 3, y, H_, [&](int64_t c0, int64_t c1) {

@@ -469,8 +469,10 @@ struct TeamAttention final : kvrows::DecodeAttention {
 // -------------------------------------------------------------------------------- RMSNorm
 
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), the float32 statistics of torch's rms_norm.
+// (Columns [c0, c1) of out only, when given: the same values, the sum always of the whole row.)
 template <typename T>
-KV_TARGETS void rms_norm_row(const T* x, const T* w, int64_t h, float eps, T* out) {
+KV_TARGETS void rms_norm_row(const T* x, const T* w, int64_t h, float eps, T* out, int64_t c0 = 0,
+                             int64_t c1 = -1) {
   float acc[kLanes] = {0};
   int64_t i = 0;
   for (; i + kLanes <= h; i += kLanes)
@@ -482,7 +484,7 @@ KV_TARGETS void rms_norm_row(const T* x, const T* w, int64_t h, float eps, T* ou
   for (; i < h; ++i) s += to_f(x[i]) * to_f(x[i]);
   for (int j = 0; j < kLanes; ++j) s += acc[j];
   const float inv = 1.f / std::sqrt(s / static_cast<float>(h) + eps);
-  for (int64_t k = 0; k < h; ++k) {
+  for (int64_t k = c0; k < (c1 < 0 ? h : c1); ++k) {
     const T normed = static_cast<T>(to_f(x[k]) * inv);
     out[k] = static_cast<T>(to_f(w[k]) * to_f(normed));
   }
@@ -512,11 +514,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // In place on qkv [n, (heads + 2 * kv_heads) * d]: rotate the q and k heads ("rotate half":
 // x1 * cos - x2 * sin, x2 * cos + x1 * sin, each product rounded to T), then store k and v at
 // their cache slots (rounded to the cache's KT: T, or float16 under float32). cos, sin: [n, d / 2].
+// (Heads [h0, h1) of the heads + 2 kv_heads of x only, when given: q and k heads rotated, k and v
+// heads written to the cache.)
 template <typename T, typename KT>
 void rope_write_kv_row(T* x, const T* c, const T* s, KT* kd, int64_t kv_plane, int64_t heads,
-                       int64_t kv_heads, int64_t d) {
-  const int64_t half = d / 2;
-  for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+                       int64_t kv_heads, int64_t d, int64_t h0 = 0, int64_t h1 = -1) {
+  const int64_t half = d / 2, all = heads + 2 * kv_heads, end = h1 < 0 ? all : h1;
+  for (int64_t hd = h0; hd < std::min(end, heads + kv_heads); ++hd) {
     T* x1 = x + hd * d;
     T* x2 = x1 + half;
     for (int64_t i = 0; i < half; ++i) {
@@ -527,11 +531,12 @@ void rope_write_kv_row(T* x, const T* c, const T* s, KT* kd, int64_t kv_plane, i
       x2[i] = static_cast<T>(to_f(bc) + to_f(as));
     }
   }
-  const T* k = x + heads * d;
-  const T* v = k + kv_heads * d;
-  for (int64_t i = 0; i < kv_heads * d; ++i) {  // float -> half: c10's round-to-nearest-even
-    kd[i] = static_cast<KT>(k[i]);
-    kd[kv_plane + i] = static_cast<KT>(v[i]);
+  // float -> half: c10's round-to-nearest-even; k heads to the K plane, v heads to the V plane
+  for (int64_t hd = std::max(h0, heads); hd < end; ++hd) {
+    const bool v = hd >= heads + kv_heads;
+    const T* src = x + hd * d;
+    KT* dst = kd + (v ? kv_plane + (hd - heads - kv_heads) * d : (hd - heads) * d);
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<KT>(src[i]);
   }
 }
 
@@ -603,18 +608,21 @@ std::unique_ptr<kvrows::DecodeAttention> kvrows::decode_attention(
   return work;
 }
 
-void kvrows::rms_norm(const float* x, const float* w, int64_t h, float eps, float* out) {
-  rms_norm_row<float>(x, w, h, eps, out);
+void kvrows::rms_norm(const float* x, const float* w, int64_t h, float eps, float* out,
+                      int64_t c0, int64_t c1) {
+  rms_norm_row<float>(x, w, h, eps, out, c0, c1);
 }
 
 void kvrows::rope_write_kv(float* x, const float* cos, const float* sin, float* cache32,
                            c10::Half* cache16, int64_t slot, int64_t kv_plane, int64_t heads,
-                           int64_t kv_heads, int64_t d) {
+                           int64_t kv_heads, int64_t d, int64_t h0, int64_t h1) {
   const int64_t at = slot * kv_heads * d;
   if (cache16 != nullptr)
-    rope_write_kv_row<float, c10::Half>(x, cos, sin, cache16 + at, kv_plane, heads, kv_heads, d);
+    rope_write_kv_row<float, c10::Half>(x, cos, sin, cache16 + at, kv_plane, heads, kv_heads, d,
+                                        h0, h1);
   else
-    rope_write_kv_row<float, float>(x, cos, sin, cache32 + at, kv_plane, heads, kv_heads, d);
+    rope_write_kv_row<float, float>(x, cos, sin, cache32 + at, kv_plane, heads, kv_heads, d, h0,
+                                    h1);
 }
 
 TORCH_LIBRARY(kvserve, m) {
