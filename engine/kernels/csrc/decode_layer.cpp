@@ -11,6 +11,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <memory>
 #include <optional>
@@ -261,7 +262,13 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
 // float adds), so the bits are the same; what goes is ~20 dispatched ops, 4 allocations and 4
 // fork/joins of a thread pool per layer. decode_team_select(0) turns it off (the per-op path).
 
-std::atomic<int> team_mode{1};
+// The starting mode: KVSERVE_DECODE_TEAM=0 turns the team path off for the process.
+int initial_team_mode() {
+  const char* env = std::getenv("KVSERVE_DECODE_TEAM");
+  return env != nullptr && std::string(env) == "0" ? 0 : 1;
+}
+
+std::atomic<int> team_mode{initial_team_mode()};
 
 // Sets the team path's mode (0 off; 1 where it can run; 2 required: a step it cannot run raises,
 // for tests); returns the one it replaces.
