@@ -3,11 +3,13 @@ parallel regions, the threads sharing each phase between spinning barriers) give
 per-op path's hidden states and KV-cache writes: every block format and fused weights whose parts
 mix them, biases (Qwen2) and q/k norms (Qwen3), 1 to 70 rows (the zmm tiles of 8 and more than one
 row panel of 64), 1 to 3 threads, float32 and float16 KV caches, and every kernel path this CPU
-runs; steps it cannot run (float matmuls) take the per-op path, and say why when it is required."""
+runs; steps it cannot run (float matmuls, more threads than CPUs) take the per-op path, and say why
+when it is required."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,7 @@ def _run(args: dict[str, Any], mode: int) -> tuple[torch.Tensor, list[torch.Tens
         )
     finally:
         torch.ops.kvserve.decode_team_select(previous)
+    assert (torch.ops.kvserve.decode_team_last() == "") == (mode != 0)  # the team ran, or not
     return out, caches
 
 
@@ -184,3 +187,21 @@ def test_generation_is_the_same_and_float_models_take_the_per_op_path(
     assert generate(floats, 1) == generate(floats, 0)  # not the team's: the per-op path runs
     with pytest.raises(RuntimeError, match="team path cannot run this step: layer 0: a float"):
         _run(_step(floats, 1, torch.float16, 0), 2)
+
+
+def test_more_threads_than_cpus_take_the_per_op_path(mixed_gguf: LLM) -> None:
+    """A barrier would wait for a descheduled thread at every phase: with more threads than the
+    process's CPUs the step runs per op (the same bits), unless the team is required (tests)."""
+    cpus = len(os.sched_getaffinity(0))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(cpus + 1)
+    try:
+        args = _step(mixed_gguf, 1, torch.float16, 0)
+        caches = [c.clone() for c in args["caches"]]
+        out = cpu_kernels.decode_layers(
+            args["h"], args["plan"], caches, args["shared"], args["where"]
+        )
+        assert torch.ops.kvserve.decode_team_last() == f"{cpus + 1} threads on {cpus} CPUs"
+        assert torch.equal(out, _run(args, 2)[0])
+    finally:
+        torch.set_num_threads(saved)

@@ -11,8 +11,8 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -270,8 +270,16 @@ int initial_team_mode() {
 
 std::atomic<int> team_mode{initial_team_mode()};
 
-// Sets the team path's mode (0 off; 1 where it can run; 2 required: a step it cannot run raises,
-// for tests); returns the one it replaces.
+// Why the calling thread's last decode_layers call did not run as a team ("" when it did).
+std::string& last_reason() {
+  thread_local std::string why;
+  return why;
+}
+
+std::string decode_team_last() { return last_reason(); }
+
+// Sets the team path's mode (0 off; 1 where it can run; 2 required, for tests: a step it cannot run
+// raises, and more threads than CPUs do not stop it); returns the one it replaces.
 int64_t decode_team_select(int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= 2, "decode_team_select: mode must be 0, 1 or 2, not ", mode);
   return team_mode.exchange(static_cast<int>(mode));
@@ -283,18 +291,33 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spins until done(); after kSpins rounds (~0.1 ms) yields the core each round, since a busy
-// neighbour may be holding the core of the thread being waited for.
-constexpr int kSpins = 4096;
+// Waits until `a` no longer holds `old`: spinning first (a phase of a step lasts microseconds),
+// then asleep on a futex (std::atomic::wait), so a thread waiting for one that lost its core to a
+// neighbour gives its own core up instead of holding it.
+constexpr int kSpins = 2048;
 
-template <typename Done>
-void spin_until(Done&& done) {
-  for (int i = 0; !done(); ++i) {
-    if (i < kSpins)
-      cpu_relax();
-    else
-      sched_yield();
+template <typename T>
+void wait_while(const std::atomic<T>& a, T old) {
+  for (int i = 0; i < kSpins; ++i) {
+    if (a.load(std::memory_order_acquire) != old) return;
+    cpu_relax();
   }
+  for (T now = a.load(std::memory_order_acquire); now == old;
+       now = a.load(std::memory_order_acquire))
+    a.wait(old, std::memory_order_acquire);
+}
+
+// The CPUs this process may run on (its affinity mask; unknown: no limit).
+int64_t usable_cpus() {
+  static const int64_t n = [] {
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max<int64_t>(1, CPU_COUNT(&set));
+#endif
+    return int64_t{1} << 20;
+  }();
+  return n;
 }
 
 struct TeamState {
@@ -315,8 +338,9 @@ struct Team {
     if (state->arrived.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
       state->arrived.store(0, std::memory_order_relaxed);
       state->phase.store(ph + 1, std::memory_order_release);
+      state->phase.notify_all();  // (no system call unless a thread sleeps on it)
     } else {
-      spin_until([&] { return state->phase.load(std::memory_order_acquire) != ph; });
+      wait_while(state->phase, ph);
     }
   }
 
@@ -335,8 +359,10 @@ void run_team(Body&& body) {
   const int64_t want = std::max(1, at::get_num_threads());
   at::parallel_for(0, want, 1, [&](int64_t begin, int64_t end) {
     const int rank = state.joined.fetch_add(1);
-    state.covered.fetch_add(end - begin);
-    spin_until([&] { return state.covered.load() == want; });
+    const int64_t got = state.covered.fetch_add(end - begin) + (end - begin);
+    if (got == want) state.covered.notify_all();
+    for (int64_t now = got; now != want; now = state.covered.load())
+      wait_while(state.covered, now);
     body(Team{rank, state.joined.load(), &state});
   });
 }
@@ -521,7 +547,13 @@ class TeamStep {
 
   // "" when every layer can run here, else why not (the per-op path then runs the step, and
   // reports what is wrong with bad tensors). Then makes the step's buffers and attention work.
-  std::string prepare() {
+  // required: run even with more threads than CPUs (tests).
+  std::string prepare(bool required) {
+    // More threads than CPUs: a barrier would wait for descheduled threads at every phase (the
+    // per-op path's thread pool copes better: 3 threads on 2 CPUs measured 3x slower in the team).
+    const int64_t threads = at::get_num_threads();
+    if (threads > usable_cpus() && !required)
+      return std::to_string(threads) + " threads on " + std::to_string(usable_cpus()) + " CPUs";
     for (size_t i = 0; i < plan_.layers.size(); ++i) {
       const DecodePlan::Layer& l = plan_.layers[i];
       const TeamLayer& t = plan_.team[i];
@@ -810,10 +842,16 @@ at::Tensor decode_layers(const at::Tensor& h, const c10::intrusive_ptr<DecodePla
       why = "the hidden states are not float32 [n, hidden] with n > 0";
     } else {
       TeamStep step(*plan, kv_caches, shared, where, h.size(0), h.size(1));
-      why = step.prepare();
-      if (why.empty()) return step.run(h);
+      why = step.prepare(mode == 2);
+      if (why.empty()) {
+        last_reason() = "";
+        return step.run(h);
+      }
     }
     TORCH_CHECK(mode != 2, "decode_layers: the team path cannot run this step: ", why);
+    last_reason() = why;
+  } else {
+    last_reason() = "off";
   }
   at::Tensor x = h;
   for (size_t i = 0; i < layers; ++i) {
@@ -855,6 +893,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "decode_layers(Tensor h, __torch__.torch.classes.kvserve.DecodePlan plan, "
       "Tensor(a!)[] kv_caches, Tensor[] shared, int[] where) -> Tensor");
   m.def("decode_team_select", &decode_team_select);
+  m.def("decode_team_last", &decode_team_last);
   m.def(
       "decode_layer_lora(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
