@@ -293,8 +293,10 @@ inline void cpu_relax() {
 
 // Waits until `a` no longer holds `old`: spinning first (a phase of a step lasts microseconds),
 // then asleep on a futex (std::atomic::wait), so a thread waiting for one that lost its core to a
-// neighbour gives its own core up instead of holding it.
-constexpr int kSpins = 2048;
+// neighbour gives its own core up instead of holding it. ~0.1 ms of spin, as kvserve's
+// GOMP_SPINCOUNT=1000 (engine/openmp_policy.py); with two busy processes beside the server
+// (benchmarks/neighbours.py, 3 rounds) 2048 kept 0.43x of the quiet tokens/s, 1024 0.50x.
+constexpr int kSpins = 1024;
 
 template <typename T>
 void wait_while(const std::atomic<T>& a, T old) {
