@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -22,6 +23,8 @@ FAULT_INJECTION_ENV = "KVSERVE_FAULT_INJECTION"  # deliberately not a CLI flag: 
 NAN_LOGITS = "KVSERVE_FAULT:nan"  # the model runner gives this request's rows NaN logits ...
 NAN_AFTER_TOKENS = 2  # ... once it has this many output tokens, so a stream fails mid-way
 ENGINE_DEATH = "KVSERVE_FAULT:die"  # the engine loop raises while adding this request
+SLOW_STEPS = "KVSERVE_FAULT:slow"  # every step that samples for this request takes ...
+SLOW_STEP_SECONDS = 0.02  # ... this much longer: a test acts while its stream surely runs
 
 
 def fault_injection_enabled() -> bool:
@@ -40,7 +43,9 @@ def wants_fault(prompt: str | None, marker: str) -> bool:
 
 class FaultInjectingRunner(ModelRunner):
     """A ModelRunner whose NAN_LOGITS requests get NaN logits after NAN_AFTER_TOKENS tokens, which
-    exercises the sampler's per-row non-finite check (the request fails, its batch-mates do not)."""
+    exercises the sampler's per-row non-finite check (the request fails, its batch-mates do not),
+    and whose steps with a SLOW_STEPS request take SLOW_STEP_SECONDS longer (however fast the
+    machine, such a stream is still running a while after it starts)."""
 
     def _sample(
         self,
@@ -57,6 +62,8 @@ class FaultInjectingRunner(ModelRunner):
         ]
         if bad:
             logits[bad] = float("nan")
+        if any(wants_fault(s.seq.group.prompt, SLOW_STEPS) for s in seqs):
+            time.sleep(SLOW_STEP_SECONDS)
         super()._sample(logits, rows, seqs, out)
 
 

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs the ray extra: pip install 'kvserve[ray]'")
 
+from engine.faults import FAULT_INJECTION_ENV, SLOW_STEPS  # noqa: E402
 from tests.e2e.conftest import ServerProcess  # noqa: E402
 
 API_KEY = "ray-test-key"
@@ -66,7 +67,9 @@ def served_requests(replica: dict) -> float:
 def ray_server(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    # fault injection: the killed-replica test's streams are slowed (KVSERVE_FAULT:slow) so that
+    # they are surely running when it kills their replica, however fast the machine decodes
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", FAULT_INJECTION_ENV: "1"}
     log = tmp_path_factory.mktemp("ray") / "ray.log"
     server = ServerProcess(tiny_llama_dir, ARGS, log, env=env)
     try:
@@ -313,7 +316,7 @@ def test_killed_replica_fails_its_requests_and_ray_restores_it(ray_server, clien
     def stream(i: int) -> None:
         body = {
             "model": model,
-            "prompt": f"story number {i} about " + "a distant land " * (i + 1),
+            "prompt": f"{SLOW_STEPS} story number {i} about " + "a distant land " * (i + 1),
             "max_tokens": 400,
             "ignore_eos": True,
             "stream": True,

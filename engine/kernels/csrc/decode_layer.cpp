@@ -2,6 +2,8 @@
 // same ATen ops and kvserve kernels, in the same order, as the Python fused layer
 // (engine/models/decoder_cpu.py, fused_layer), so its values are bitwise the same; only the Python
 // dispatch between ~20 small ops per layer is gone. window / softcap (0: off) go to the attention.
+// decode_layers runs every layer of a step in one call: block-quantized float32 layers as a thread
+// team (below: one parallel region for the whole step, no dispatch), others op by op.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -254,13 +256,13 @@ at::Tensor decode_layer(const at::Tensor& h, const std::vector<at::Tensor>& w,
 
 // ------------------------------------------------------------------ the thread team path
 //
-// decode_layers for block-quantized float32 layers without the per-op dispatch: the layers' small
-// ops and matmuls run in parallel regions (one before each attention call, one between two, one
-// after the last), each thread taking its share of every phase (rows of the row-wise ops, column
-// groups of the matmuls) and the phases separated by a spinning barrier. Every value is computed by
-// the same function as on the per-op path (layer_rows.h, the block kernels on their column groups,
-// float adds), so the bits are the same; what goes is ~20 dispatched ops, 4 allocations and 4
-// fork/joins of a thread pool per layer. decode_team_select(0) turns it off (the per-op path).
+// decode_layers for block-quantized float32 layers without the per-op dispatch: every layer of the
+// step in one parallel region, each thread taking its share of every phase (rows of the row-wise
+// ops, or their columns when there are fewer rows than threads; column groups of the matmuls; the
+// attention's work items), the phases separated by a barrier. Every value is computed by the same
+// function as on the per-op path (layer_rows.h, the block kernels on their column groups, float
+// adds), so the bits are the same; what goes is ~20 dispatched ops, 4 allocations and 5 fork/joins
+// of the thread pool per layer. KVSERVE_DECODE_TEAM=0 or decode_team_select(0) turns it off.
 
 // The starting mode: KVSERVE_DECODE_TEAM=0 turns the team path off for the process.
 int initial_team_mode() {
