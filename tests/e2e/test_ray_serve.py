@@ -310,7 +310,10 @@ def test_a_prefix_cache_reset_reaches_every_replica(ray_server, client) -> None:
 def test_killed_replica_fails_its_requests_and_ray_restores_it(ray_server, client) -> None:
     model = model_id(client)
     found = wait_replicas(ray_server, 2)
-    started = threading.Barrier(7)
+    # 4 streams: even all on one replica they run at once (--max-num-seqs 4), so every stream has
+    # its first token before the kill (a 5th, queued, would get it only after the others finished)
+    streams = 4
+    started = threading.Barrier(streams + 1)
     results: list[tuple[str, str]] = []
 
     def stream(i: int) -> None:
@@ -343,7 +346,7 @@ def test_killed_replica_fails_its_requests_and_ray_restores_it(ray_server, clien
                 with __import__("contextlib").suppress(threading.BrokenBarrierError):
                     started.wait(1)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
     for t in threads:
         t.start()
     started.wait(60)  # every stream is under way
