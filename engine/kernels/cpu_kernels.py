@@ -37,7 +37,12 @@ _SOURCES = tuple(
         "first_argmax.cpp",
     )
 )
-_HEADERS = (_CSRC / "block_matmul.h", _CSRC / "attention_avx2.h", _CSRC / "layer_rows.h")
+_HEADERS = (
+    _CSRC / "block_matmul.h",
+    _CSRC / "attention_avx2.h",
+    _CSRC / "layer_rows.h",
+    _CSRC / "block_linear.h",
+)
 _DISABLE_ENV = "KVSERVE_CPU_KERNELS"  # "0" turns the C++ kernels off (pure-torch paths only)
 
 

@@ -25,6 +25,7 @@
 #include <optional>
 #include <vector>
 
+#include "block_linear.h"
 #include "block_matmul.h"
 
 namespace kvblock {
@@ -128,9 +129,8 @@ ActNeeds needs_of(const PathFns& path, const AnyWeight& w) {
 void Activations::size(int64_t M, int64_t K, const ActNeeds& needs) {
   const int64_t KB = K / kBlock;
   M_ = M, K_ = K, needs_ = needs;
-  // u also backs pack_u's bytes
   q_.resize(M * K), d_.resize(M * KB), s_.resize(M * KB);
-  if (needs.u || needs.pack_u) u_.resize(M * K);
+  if (needs.u || needs.pack_u) u_.resize(M * K);  // (pack_u packs u's bytes)
   if (needs.pack_q) pk_q_.resize(M * K);
   if (needs.pack_u) pk_u_.resize(M * K);
   if (needs.pack_q || needs.pack_u) pd_.resize(M * KB), ps_.resize(M * KB);
@@ -212,14 +212,15 @@ namespace {
 
 using kvblock::BlockWeight;
 using kvblock::kBlock;
+using kvblock::kRowPanel;
 using kvblock::QuantRows;
 
-using kvblock::kRowPanel;
+}  // namespace
 
 // Column groups split across threads (each output element wholly on one thread); rows in panels so
 // a panel's int8 activations stay in cache while the thread's weight groups stream past.
-at::Tensor run_any(const at::Tensor& x, const kvblock::AnyWeight& w,
-                   const std::optional<at::Tensor>& bias) {
+at::Tensor kvblock::block_linear(const at::Tensor& x, const kvblock::AnyWeight& w,
+                                 const std::optional<at::Tensor>& bias) {
   const kvblock::PathFns& path = kvblock::current_path();
   const QuantRows rows = kvblock::quantize_rows(path, w, x.data_ptr<float>(), x.size(0), x.size(1));
   const int64_t M = x.size(0), groups = w.groups, N = 8 * groups;
@@ -233,6 +234,8 @@ at::Tensor run_any(const at::Tensor& x, const kvblock::AnyWeight& w,
   if (bias.has_value()) out.add_(*bias);
   return out;
 }
+
+namespace {
 
 at::Tensor check_input(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
@@ -260,7 +263,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   w.kind = kvblock::kWeightQ4, w.groups = qs.size(0), w.K = xc.size(1);
   w.b = BlockWeight{qs.data_ptr<uint8_t>(), nullptr, d.data_ptr<c10::Half>(),
                     q4_0 ? nullptr : m.data_ptr<c10::Half>()};
-  return run_any(xc, w, bias);
+  return kvblock::block_linear(xc, w, bias);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
@@ -273,7 +276,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   kvblock::AnyWeight w;
   w.kind = kvblock::kWeightQ8, w.groups = qs.size(0), w.K = xc.size(1);
   w.b = BlockWeight{nullptr, qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), nullptr};
-  return run_any(xc, w, bias);
+  return kvblock::block_linear(xc, w, bias);
 }
 
 // K-quants (block_matmul.h's KWeight): qs uint8 [N/8, K/32, bits, 32], sc uint8 [N/8, K/32, 2, 8],
@@ -296,7 +299,7 @@ at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   w.kind = kvblock::kWeightKQ, w.groups = qs.size(0), w.K = xc.size(1);
   w.k = kvblock::KWeight{qs.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(),
                          static_cast<int>(qs.size(2))};
-  return run_any(xc, w, bias);
+  return kvblock::block_linear(xc, w, bias);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <optional>
 #include <vector>
 
+#include "block_linear.h"
 #include "block_matmul.h"
 
 namespace kvblock {
@@ -390,8 +391,6 @@ namespace {
 using kvblock::kBlock;
 using kvblock::QuantRows;
 
-using kvblock::kRowPanel;
-
 // Q5 blocks (block_matmul.h's Q5Weight): qs uint8 [N/8, K/32, 5, 32], d fp16 [N/8, K/32, 8], m
 // the same (Q5_1) or empty (Q5_0: the sums take q - 16). Column groups split across threads (each output
 // element wholly on one thread), rows in panels, as the q4 / q8 / K-quant ops.
@@ -412,22 +411,11 @@ at::Tensor q5_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
               "q5_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.size(1) == K, "q5_linear: x has ", x.size(1), " features, the weight ", K);
   const at::Tensor xc = x.contiguous();
-  const kvblock::PathFns& path = kvblock::current_path();
   kvblock::AnyWeight w;
   w.kind = kvblock::kWeightQ5, w.groups = qs.size(0), w.K = K;
   w.q5 = kvblock::Q5Weight{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
                            q5_0 ? nullptr : m.data_ptr<c10::Half>()};
-  const QuantRows rows = kvblock::quantize_rows(path, w, xc.data_ptr<float>(), xc.size(0), K);
-  const int64_t M = xc.size(0), groups = qs.size(0), N = 8 * groups;
-  at::Tensor out = at::empty({M, N}, xc.options());
-  float* o = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(2, groups / (4 * std::max(1, at::get_num_threads())));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowPanel)
-      path.q5(w.q5, rows, r0, std::min(M, r0 + kRowPanel), g0, g1, N, o);
-  });
-  if (bias.has_value()) out.add_(*bias);
-  return out;
+  return kvblock::block_linear(xc, w, bias);
 }
 
 }  // namespace

@@ -561,22 +561,22 @@ class TeamStep {
     for (size_t i = 0; i < plan_.layers.size(); ++i) {
       const DecodePlan::Layer& l = plan_.layers[i];
       const TeamLayer& t = plan_.team[i];
-      const std::string layer = "layer " + std::to_string(i) + ": ";
-      if (!t.ok) return layer + "a float matmul, padded widths or other dtypes";
-      if (t.lin[0].K != H_) return layer + "the hidden size differs from the input's";
+      const auto layer = [i] { return "layer " + std::to_string(i) + ": "; };  // (on failure only)
+      if (!t.ok) return layer() + "a float matmul, padded widths or other dtypes";
+      if (t.lin[0].K != H_) return layer() + "the hidden size differs from the input's";
       if (where_[i] < 0 || static_cast<size_t>(5 * where_[i] + 5) > shared_.size())
-        return layer + "step index out of range";
+        return layer() + "step index out of range";
       const at::Tensor& kv = kv_[i];
       if (!kv.device().is_cpu() || kv.dim() != 5 || !kv.is_contiguous() || kv.size(0) != 2 ||
           (kv.scalar_type() != at::kFloat && kv.scalar_type() != at::kHalf) ||
           kv.size(3) != l.kv_heads || l.kv_heads <= 0 || l.heads % l.kv_heads)
-        return layer + "not a contiguous float32 or float16 KV cache of its KV heads";
+        return layer() + "not a contiguous float32 or float16 KV cache of its KV heads";
       const int64_t d = kv.size(4);
       if (d % 2 || d > 512 || t.lin[0].width != (l.heads + 2 * l.kv_heads) * d ||
           t.lin[1].K != l.heads * d)
-        return layer + "head size and matmul widths do not agree";
+        return layer() + "head size and matmul widths do not agree";
       if (t.q_norm != nullptr && (t.q_norm_size != d || t.k_norm_size != d))
-        return layer + "q/k norm weights are not of the head size";
+        return layer() + "q/k norm weights are not of the head size";
       const at::Tensor* s = shared_.data() + 5 * where_[i];
       const at::Tensor &cos = s[0], &sin = s[1], &slots = s[2];
       if (cos.scalar_type() != at::kFloat || cos.dim() != 2 || cos.stride(1) != 1 ||
@@ -584,7 +584,7 @@ class TeamStep {
           sin.strides() != cos.strides() || sin.scalar_type() != at::kFloat ||
           slots.scalar_type() != at::kLong || !slots.is_contiguous() || slots.dim() != 1 ||
           slots.size(0) != M_)
-        return layer + "cos, sin or slot mapping not float32 [n, d / 2] and int64 [n]";
+        return layer() + "cos, sin or slot mapping not float32 [n, d / 2] and int64 [n]";
     }
     return buffers();
   }
