@@ -77,8 +77,11 @@ def tiny_qwen3_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     return save_tiny_checkpoint(config, tmp_path_factory.mktemp("qwen3"), smollm2_dir)
 
 
-def _step(llm: LLM, rows: int, kv_dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    """Random decode_layers arguments for the model's plan: hidden states, caches, step tensors."""
+def _step(
+    llm: LLM, rows: int, kv_dtype: torch.dtype, seed: int, max_len: int = 40
+) -> dict[str, Any]:
+    """Random decode_layers arguments for the model's plan: hidden states, caches, step tensors;
+    contexts of 1 to max_len tokens, the first row's max_len."""
     model = llm.engine.model
     plan = model._decode_plan()
     assert plan is not None
@@ -86,13 +89,18 @@ def _step(llm: LLM, rows: int, kv_dtype: torch.dtype, seed: int) -> dict[str, An
     d, kv_heads = attn.head_dim, attn.num_kv_heads
     hidden = model.layers[0].input_layernorm.weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
-    block_size, blocks = 16, 4 * rows + 4
+    block_size = 16
+    width = -(-max_len // block_size)
+    blocks = (width + 1) * rows + 4
     caches = [
         (torch.randn(2, blocks, block_size, kv_heads, d, generator=gen) * 2).to(kv_dtype)
         for _ in model.layers
     ]
-    lens = torch.randint(1, 40, (rows,), generator=gen, dtype=torch.int32)
-    tables = torch.randperm(blocks, generator=gen)[: 3 * rows].reshape(rows, 3).to(torch.int32)
+    lens = torch.randint(1, max_len, (rows,), generator=gen, dtype=torch.int32)
+    lens[0] = max_len
+    tables = (
+        torch.randperm(blocks, generator=gen)[: width * rows].reshape(rows, width).to(torch.int32)
+    )
     slots = torch.stack(
         [tables[r, (lens[r] - 1) // block_size] * block_size + (lens[r] - 1) % block_size
          for r in range(rows)]
@@ -166,6 +174,32 @@ def test_biases_and_qk_norms(request, family: str, kv_dtype: torch.dtype) -> Non
             assert attn.q_norm is not None
     for rows in (1, 5):
         _assert_team_equals_per_op(llm, rows, 2, kv_dtype)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_long_contexts_run_the_split_attention_between_the_barriers(
+    mixed_gguf: LLM, threads: int, kv_dtype: torch.dtype
+) -> None:
+    """From 512 keys the attention takes its split path, three phases the team runs between its
+    barriers: the per-op path's bits, and the per-item attention's (decode_split_select(0))."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows, max_len in ((1, 1300), (3, 700), (2, 513)):
+            args = _step(mixed_gguf, rows, kv_dtype, rows, max_len=max_len)
+            per_op, per_op_caches = _run(args, 0)
+            team, team_caches = _run(args, 2)
+            mode = torch.ops.kvserve.decode_split_select(0)
+            try:
+                items, items_caches = _run(args, 2)
+            finally:
+                torch.ops.kvserve.decode_split_select(mode)
+            assert torch.equal(team, per_op) and torch.equal(team, items), (rows, max_len)
+            for a, b, c in zip(team_caches, per_op_caches, items_caches, strict=True):
+                assert torch.equal(a, b) and torch.equal(a, c)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_generation_is_the_same_and_float_models_take_the_per_op_path(

@@ -1,6 +1,7 @@
 """The C++ prefill attention kernel (csrc/paged_prefill.cpp) against the decode kernel run per token:
 bitwise the same for every query token, over chunk lengths, GQA ratios, head dims, sliding windows,
-softcaps, shuffled block tables and prefix-hit offsets, in mixed decode + prefill steps."""
+softcaps, shuffled block tables and prefix-hit offsets, in mixed decode + prefill steps; and the
+decode kernel's split path over long contexts against its per-item path."""
 
 from __future__ import annotations
 
@@ -202,3 +203,41 @@ def test_a_long_context_decodes_bitwise_alone_as_in_a_batch(
             s = softcap * torch.tanh(s / softcap)
         ref.append(torch.einsum("hgt,thd->hgd", s.softmax(-1), v).reshape(heads, head_dim))
     torch.testing.assert_close(together.double(), torch.stack(ref), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4), (6, 2), (7, 1)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (600, 30.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_long_context_decode_split_over_the_threads_is_bitwise_per_item(
+    head_dim, heads, kv_heads, window, softcap, dtype
+):
+    """From 512 keys the decode kernel splits each sequence's scores, softmax and P.V over the
+    threads (key tiles of 512, lengths around them and the 8-token runs): bitwise its per-item
+    path, alone or in a batch, whatever the thread count."""
+    rng = random.Random(heads * 1000 + head_dim + (window or 0))
+    torch.manual_seed(rng.randrange(1 << 30))
+    seq_lens = [1100, 5, 513, 1029, 40, 512, 777]
+    cache, meta = random_step(rng, [1] * len(seq_lens), seq_lens, 16, kv_heads, head_dim, dtype)
+    q = torch.randn(len(seq_lens), heads, head_dim)
+    tables, lens = meta.token_context()
+    scale = head_dim**-0.5
+    saved_threads, mode = torch.get_num_threads(), torch.ops.kvserve.decode_split_select(0)
+    try:
+        per_item = cpu_kernels.paged_decode_attention(
+            q, cache, tables, lens, scale, window, softcap
+        )
+        torch.ops.kvserve.decode_split_select(1)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            split = cpu_kernels.paged_decode_attention(
+                q, cache, tables, lens, scale, window, softcap
+            )
+            assert torch.equal(split, per_item), threads
+            for i in (0, 2, 6):
+                args = (tables[i : i + 1], lens[i : i + 1], scale, window, softcap)
+                alone = cpu_kernels.paged_decode_attention(q[i : i + 1], cache, *args)
+                assert torch.equal(alone[0], per_item[i]), (threads, seq_lens[i])
+    finally:
+        torch.ops.kvserve.decode_split_select(mode)
+        torch.set_num_threads(saved_threads)

@@ -538,6 +538,7 @@ struct TeamScratch {
   std::vector<float> x, mid, y, act;  // normed rows [M, H]; h + attention [M, H]; matmul outputs;
                                       // the MLP activation [M, inter]
   kvblock::Activations a[4];          // each matmul's quantized input
+  std::vector<float> att;             // the attention's scratch (its split path's scores)
 };
 
 // One step of the team path over the plan's layers; see decode_layers for the arguments.
@@ -602,8 +603,12 @@ class TeamStep {
         const float* hin = i == 0 ? input.data_ptr<float>() : outs[(i - 1) % 2].data_ptr<float>();
         pre_attention(t, i, hin);
         t.sync();
-        const auto [a0, a1] = t.share(attention_[i]->items());
-        attention_[i]->run(a0, a1);
+        const kvrows::DecodeAttention& att = *attention_[i];
+        for (int phase = 0; phase < att.phases(); ++phase) {
+          if (phase > 0) t.sync();
+          const auto [a0, a1] = t.share(att.items(phase));
+          att.run(phase, a0, a1);
+        }
         t.sync();
         post_attention(t, i, att_[i].data_ptr<float>(), hin, outs[i % 2].data_ptr<float>());
         t.sync();
@@ -665,8 +670,11 @@ class TeamStep {
       const at::Tensor* st = step_tensors(i);
       attention_.push_back(kvrows::decode_attention(q, kv_[i], st[3], st[4], l.scale, l.window,
                                                     l.softcap, att_[i], threads));
-      if (!attention_.back()) return "layer " + std::to_string(i) + ": split attention path";
     }
+    int64_t scratch = 0;  // the layers run one after another: one scratch for their attention
+    for (const auto& att : attention_) scratch = std::max(scratch, att->scratch_floats());
+    s_.att.resize(scratch);
+    for (const auto& att : attention_) att->set_scratch(s_.att.data());
     return "";
   }
 

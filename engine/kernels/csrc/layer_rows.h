@@ -27,17 +27,21 @@ void rope_write_kv(float* x, const float* cos, const float* sin, float* cache32,
 void silu_mul(const float* g, const float* u, int64_t inter, float* out);
 
 // One layer's paged decode attention as work items for the team: built (with the op's checks)
-// outside a parallel region, then run(begin, end) over [0, items()) in any shares, writing out
-// [n, heads, d] float32 as the paged_decode_attention op does (its per-item path, the same bits).
+// outside a parallel region, given a scratch of scratch_floats() floats (set_scratch; layers that
+// run one after another may share one), then for each phase in order, every thread done with the
+// one before, run(phase, begin, end) over [0, items(phase)) in any shares; writes out [n, heads, d]
+// float32 as the paged_decode_attention op does (the same paths, the same bits).
 class DecodeAttention {
  public:
   virtual ~DecodeAttention() = default;
-  virtual int64_t items() const = 0;
-  virtual void run(int64_t begin, int64_t end) const = 0;
+  virtual int phases() const = 0;
+  virtual int64_t items(int phase) const = 0;
+  virtual void run(int phase, int64_t begin, int64_t end) const = 0;
+  virtual int64_t scratch_floats() const = 0;
+  virtual void set_scratch(float* scratch) = 0;
 };
 
-// null when the op would take its split path (kvserve::decode_split_select(1), long contexts),
-// whose phases the team does not run. threads: how many will share the items.
+// threads: how many will share the items.
 std::unique_ptr<DecodeAttention> decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                                   const at::Tensor& block_tables,
                                                   const at::Tensor& seq_lens, double scale,

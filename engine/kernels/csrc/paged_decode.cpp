@@ -1,10 +1,9 @@
 // kvserve's CPU kernels. Paged decode attention: each decode sequence's single query attends over
 // its context read straight from the paged KV cache (no gathered or padded copy); one work item per
 // (sequence, KV head), so a sequence's result never depends on which other sequences share the step.
-// A split path for a few sequences over long contexts (each item's three phases over the threads,
-// attend_split_avx2: the same arithmetic in the same order, so the same bits) is off by default:
-// slower than the per-item path where measured (split_on below); kvserve::decode_split_select(1)
-// turns it on.
+// A split path for a few sequences over long contexts (each item's three steps as phases over all
+// the threads: the same arithmetic in the same order, so the same bits; DecodeWork below);
+// kvserve::decode_split_select(0) turns it off.
 // A sliding window starts the context at max(0, len - window) (nothing before it is read); a logit
 // softcap maps each scaled score s to softcap * tanh(s / softcap) before the softmax.
 // Fused per-row layer ops (RMSNorm; rotary + KV-cache write) that round like the torch ops they
@@ -127,107 +126,123 @@ KV_AVX2 void attend_item_avx2(const float* qf, const KT* const* kp, const KT* co
 }
 #endif
 
-// Context tokens per score task of the split path (a multiple of the 8-token runs, so every run
-// lies in one task), and the context length from which the split path runs.
-constexpr int64_t kSplitTile = 256;
-constexpr int64_t kSplitAhead = 16;  // context rows the split path asks for ahead of use
-constexpr int64_t kSplitFrom = 768;
+// The split path's key tile (context tokens per score task: a multiple of the 8-token runs, so
+// every run lies in one task) and the context length from which it runs; rows asked for ahead of
+// use into L1 and into L2 (the paged rows are too scattered for the hardware prefetcher).
+constexpr int64_t kSplitTile = 512;
+constexpr int64_t kSplitFrom = 512;
+constexpr int64_t kNearRows = 16, kFarRows = 64;
 
-// Whether the split path runs: 0 never (the default), 1 where it applies (kvserve::
-// decode_split_select, for tests and for measuring it on other machines). It was measured faster
-// when it landed (AVX-512 EPYC, float32 KV cache, one token over 4096 keys of SmolLM2: 16.1 vs
-// 19.9 ms), against the per-item path of then. Against today's per-item path, on the same machine
-// kind, a whole decode step of one sequence (in situ, the paths alternated in one process, medians
-// of 6 rounds) took longer with it: float16 cache 9.4 vs 7.5 ms at 1024 keys, 18.1 vs 13.0 ms at
-// 4000; float32 cache 8.9 vs 8.6 ms and 20.3 vs 19.4 ms. Either way the same bits.
-std::atomic<int> split_mode{0};
+// Whether the split path runs where it applies: 1 (the default) or 0 (never; kvserve::
+// decode_split_select, for tests and for measuring it against the per-item path).
+std::atomic<int> split_mode{1};
 
 bool split_on() { return split_mode.load(std::memory_order_relaxed) == 1; }
 
-// Sets the split path's mode (0 off, 1 on); returns the one it replaces.
+// Sets the split path's mode (0 off, 1 on where it applies); returns the one it replaces.
 int64_t decode_split_select(int64_t mode) {
   TORCH_CHECK(mode == 0 || mode == 1, "decode_split_select: mode must be 0 or 1, not ", mode);
   return split_mode.exchange(static_cast<int>(mode));
 }
 
-// The split path: for (sequence, KV head) items too few to keep the threads busy with long contexts,
-// where one item per thread would read its keys and values alone (and query heads as items would
-// read them once per head). Three parallel phases, each value computed as attend_item_avx2 does:
-// the scores in key tiles (each tile's keys read once for the item's query heads, runs of 8 from
-// the context's first token, the tail with score1_avx2), then each head's softmax whole, then P.V
-// per 32 output values (pairs of heads sharing each value load, as attend_item_avx2).
-// qf [batch, heads, d] pre-scaled; kp/vp per (sequence, KV head): its context's K/V rows, the
-// item's rows at ctx[b] * kv_heads + h * len[b]; scores per (sequence, head) at sc[b] + head * len.
+#ifdef KV_HAVE_AVX2_ATTENTION
+// The split path's score task: keys [lo, hi) of one (sequence, KV head), their K rows at kp[0..),
+// scored for the group's query heads (qg [group, d] pre-scaled) into sg (head g's scores at
+// sg + g * len, indexed by context position), as attend_item_avx2 scores them: up to 3 heads a pass
+// sharing each key load, runs of 8 from the context's first token, the tail (the last task's
+// tokens after its last full run) with score1_avx2.
 template <typename KT>
-KV_AVX2 void attend_split_avx2(const float* qf, const KT* const* kp, const KT* const* vp,
-                               const int64_t* len, const int64_t* ctx, const int64_t* sc,
-                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t d,
-                               float softcap, float* scores, float* out) {
-  const int64_t group = heads / kv_heads;
-  std::vector<int64_t> tiles(batch + 1, 0);  // score tasks before sequence b, per KV head
-  for (int64_t b = 0; b < batch; ++b) tiles[b + 1] = tiles[b] + (len[b] + kSplitTile - 1) / kSplitTile;
-  auto rows = [&](int64_t b, int64_t h) { return ctx[b] * kv_heads + h * len[b]; };
-  at::parallel_for(0, tiles[batch] * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % kv_heads, tile = task / kv_heads;
-      const int64_t b = std::upper_bound(tiles.begin(), tiles.end(), tile) - tiles.begin() - 1;
-      const int64_t lo = (tile - tiles[b]) * kSplitTile, hi = std::min(len[b], lo + kSplitTile);
-      const KT* const* k = kp + rows(b, h);
-      const int64_t n_len = len[b];
-      // As attend_item_avx2: up to 3 query heads a pass share each key load; keys asked for into
-      // L1 kSplitAhead tokens ahead and into L2 8 kSplitAhead ahead (without it the tile's rows
-      // arrive one latency after another).
-      prefetch_rows(k, lo, std::min(lo + kSplitAhead, hi), d);
-      prefetch_rows<KT, _MM_HINT_T1>(k, std::min(lo + kSplitAhead, hi),
-                                     std::min(lo + 8 * kSplitAhead, hi), d);
-      for (int64_t g = 0; g < group;) {
-        const int64_t n = std::min<int64_t>(3, group - g), head = h * group + g;
-        const float* qg = qf + (b * heads + head) * d;
-        float* sg = scores + sc[b] + head * n_len;
-        int64_t t = lo;
-        for (; t + 8 <= hi; t += 8) {
-          if (g == 0) {
-            prefetch_rows(k, std::min(t + kSplitAhead, hi), std::min(t + kSplitAhead + 8, hi), d);
-            prefetch_rows<KT, _MM_HINT_T1>(k, std::min(t + 8 * kSplitAhead, hi),
-                                           std::min(t + 8 * kSplitAhead + 8, hi), d);
-          }
-          scores8_heads(n, qg, k + t, d, sg + t, n_len);
-        }
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t u = t; u < hi; ++u) sg[j * n_len + u] = score1_avx2(qg + j * d, k[u], d);
-        g += n;
+KV_AVX2 void split_scores_task(const float* qg, const KT* const* kp, int64_t lo, int64_t hi,
+                               int64_t len, int64_t group, int64_t d, float* sg) {
+  const int64_t n_rows = hi - lo;
+  prefetch_rows(kp, 0, std::min(kNearRows, n_rows), d);
+  prefetch_rows<KT, _MM_HINT_T1>(kp, std::min(kNearRows, n_rows), std::min(kFarRows, n_rows), d);
+  for (int64_t g = 0; g < group;) {
+    const int64_t n = std::min<int64_t>(3, group - g);
+    int64_t t = 0;
+    for (; t + 8 <= n_rows; t += 8) {
+      if (g == 0) {
+        prefetch_rows(kp, std::min(t + kNearRows, n_rows), std::min(t + kNearRows + 8, n_rows), d);
+        prefetch_rows<KT, _MM_HINT_T1>(kp, std::min(t + kFarRows, n_rows),
+                                       std::min(t + kFarRows + 8, n_rows), d);
       }
+      scores8_heads(n, qg + g * d, kp + t, d, sg + g * len + lo + t, len);
     }
-  });
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / heads, head = item % heads;
-      softmax_row_avx2(scores + sc[b] + head * len[b], len[b], softcap);
-    }
-  });
-  const int64_t chunks = d / 32;
-  at::parallel_for(0, batch * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i0 = (task % chunks) * 32, item = task / chunks;
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const KT* const* v = vp + rows(b, h);
-      for (int64_t g0 = 0; g0 < group; g0 += 2) {
-        const int64_t head = h * group + g0;
-        const float* p = scores + sc[b] + head * len[b];
-        float* o = out + (b * heads + head) * d;
-        if (group - g0 >= 2)
-          pv_chunk<2, KT, true>(p, v, len[b], d, i0, o);
-        else
-          pv_chunk<1, KT, true>(p, v, len[b], d, i0, o);
-      }
-    }
-  });
+    for (int64_t j = g; j < g + n; ++j)
+      for (int64_t u = t; u < n_rows; ++u) sg[j * len + lo + u] = score1_avx2(qg + j * d, kp[u], d);
+    g += n;
+  }
 }
 
+// out[a, i0:i0+32] = sum_t p_a[t] v[t, i0:i0+32] for GN query heads, one fma chain per output
+// value over the keys in increasing t (pv_chunk's arithmetic, so its bits), value rows asked for
+// kNearRows ahead into L1 and 8 kNearRows ahead into L2.
+template <int GN, typename KT>
+KV_AVX2 void split_pv_chunk(const float* const* p, const KT* const* vp, int64_t len, int64_t i0,
+                            float* const* out) {
+  __m256 acc[GN][4];
+  for (int a = 0; a < GN; ++a)
+    for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
+  constexpr int64_t kFar = 8 * kNearRows;
+  for (int64_t t = 0; t < std::min(kFar, len); ++t)
+    _mm_prefetch(reinterpret_cast<const char*>(vp[t] + i0),
+                 t < kNearRows ? _MM_HINT_T0 : _MM_HINT_T1);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kNearRows < len)
+      _mm_prefetch(reinterpret_cast<const char*>(vp[t + kNearRows] + i0), _MM_HINT_T0);
+    if (t + kFar < len) _mm_prefetch(reinterpret_cast<const char*>(vp[t + kFar] + i0), _MM_HINT_T1);
+    __m256 v[4];
+    for (int b = 0; b < 4; ++b) v[b] = load8(vp[t] + i0 + 8 * b);
+    for (int a = 0; a < GN; ++a) {
+      const __m256 w = _mm256_broadcast_ss(p[a] + t);
+      for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
+    }
+  }
+  for (int a = 0; a < GN; ++a)
+    for (int b = 0; b < 4; ++b) _mm256_storeu_ps(out[a] + i0 + 8 * b, acc[a][b]);
+}
+
+// The split path's P.V task: values [i0, i0 + 32) of the group's query heads of one (sequence, KV
+// head), probabilities of head g at p + g * len, outputs at out + g * d; 3 heads a pass (each
+// value load shared by them).
+template <typename KT>
+KV_AVX2 void split_pv_task(const float* p, const KT* const* vp, int64_t len, int64_t group,
+                           int64_t d, int64_t i0, float* out) {
+  for (int64_t g = 0; g < group;) {
+    const int64_t n = std::min<int64_t>(3, group - g);
+    const float* pg[3] = {};
+    float* og[3] = {};
+    for (int64_t j = 0; j < n; ++j) pg[j] = p + (g + j) * len, og[j] = out + (g + j) * d;
+    if (n == 3)
+      split_pv_chunk<3>(pg, vp, len, i0, og);
+    else if (n == 2)
+      split_pv_chunk<2>(pg, vp, len, i0, og);
+    else
+      split_pv_chunk<1>(pg, vp, len, i0, og);
+    g += n;
+  }
+}
+#endif
+
 // One layer's decode attention as work items (q and out in T, the KV cache in KT: T, or float16
-// under float32 queries): the split path's phases (split: run_split), or items [0, items) that
-// any thread runs in any share (run): per (sequence, KV head), or pieces of its query heads on the
-// AVX2 path. The op runs them over at::parallel_for, the decode layer's team in its own shares.
+// under float32 queries), run in phases (each after every thread finished the one before) whose
+// items any thread runs in any share: one phase of items per (sequence, KV head), or pieces of its
+// query heads on the AVX2 path (run); or, over long contexts, the split path's three (run_split).
+// The op runs each phase over at::parallel_for, the decode layer's team in its own shares.
+//
+// The split path (AVX2 path, more than one thread, some sequence attending to kSplitFrom keys or
+// more): each item's three steps become phases over all the threads: 0, scores per (sequence, KV
+// head, tile of kSplitTile keys), each key row read once for the group's query heads; 1, each
+// (sequence, query head)'s softmax whole; 2, P.V per (sequence, KV head, 32 output values), each
+// value load shared by the group's heads. Every value is computed as attend_item_avx2 computes it
+// (the same scores8 runs and tail, softmax and fma chains over the keys in increasing order), so
+// the same bits. The scores live in a scratch the caller provides (scratch_floats(), set_scratch).
+// Where per-item work streams one item's scattered rows on one thread (3 KV heads on 2 threads:
+// one thread reads two heads' rows), the phases spread every item's rows over the threads, tiles
+// asked for ahead. Whole decode steps in the engine (AVX-512 EPYC, 2 threads, SmolLM2 Q4_0, float16
+// cache, the two paths alternated, medians): one sequence 0.91x the per-item step at 768 keys,
+// 0.72-0.77x at 2048-4000, no difference at 384-512; two sequences 0.75x at 4000 keys; 4 to 16
+// sequences 0.83-1.00x at 512-3000 keys.
 template <typename T, typename KT>
 struct DecodeWork {
   int64_t batch, heads, d, block_size, kv_heads, group;
@@ -242,6 +257,10 @@ struct DecodeWork {
   int64_t window;
   bool vector = false, split = false;
   int64_t per = 1, pieces = 1, items = 0;
+  // The split path: per sequence, where its scores start in the scratch and its first score task
+  // (batch + 1 entries each); the scratch.
+  std::vector<int64_t> score_at, task_at;
+  float* scratch = nullptr;
 
   DecodeWork(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
              const at::Tensor& seq_lens, double scale, int64_t window_, double softcap,
@@ -258,10 +277,17 @@ struct DecodeWork {
     if constexpr (std::is_same_v<T, float>) {
       vector = cpu_has_avx2_fma() && d % 32 == 0;
       if (vector) {
-        const bool few = batch * kv_heads < 2 * threads;
         int64_t longest = 0;
-        for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first_pos(lens[b]));
-        split = few && longest >= kSplitFrom && split_on();
+        for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, context(b));
+        split = threads > 1 && longest >= kSplitFrom && split_on();
+        if (split) {
+          score_at.assign(batch + 1, 0), task_at.assign(batch + 1, 0);
+          for (int64_t b = 0; b < batch; ++b) {
+            score_at[b + 1] = score_at[b] + heads * context(b);
+            task_at[b + 1] = task_at[b] + kv_heads * tiles(b);
+          }
+          return;
+        }
         // Work items: (sequence, KV head) with its query heads, whose K/V rows are then read and
         // widened once for the group; pieces of it when the items would share the threads unevenly.
         // Single query heads when there are fewer items than threads; pairs of query heads when a
@@ -283,6 +309,9 @@ struct DecodeWork {
 
   // First context position a query of context length len attends to (its sliding window).
   int64_t first_pos(int64_t len) const { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+  // Sequence b's attended context length, and its split path's key tiles.
+  int64_t context(int64_t b) const { return lens[b] - first_pos(lens[b]); }
+  int64_t tiles(int64_t b) const { return (context(b) + kSplitTile - 1) / kSplitTile; }
 
   // Context position pos's key row of KV head h in a sequence's block table (its value row is
   // s_kv further).
@@ -290,40 +319,68 @@ struct DecodeWork {
     return cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok + h * d;
   }
 
-  void run_split() const {
+  // The K rows (V rows: plane 1) of KV head h for sequence b's attended tokens [lo, hi) into
+  // out[0, hi - lo), block by block (no division per row).
+  void rows(int64_t b, int64_t h, int64_t lo, int64_t hi, int plane, const KT** out) const {
+    const int32_t* table = tables + b * table_width;
+    const int64_t start = first_pos(lens[b]);
+    for (int64_t t = lo; t < hi;) {
+      const int64_t pos = start + t, off = pos % block_size;
+      const int64_t run = std::min(block_size - off, hi - t);
+      const KT* row =
+          cache + table[pos / block_size] * s_block + off * s_tok + h * d + plane * s_kv;
+      for (int64_t i = 0; i < run; ++i, ++t, row += s_tok) out[t - lo] = row;
+    }
+  }
+
+  int phases() const { return split ? 3 : 1; }
+  int64_t phase_items(int phase) const {
+    if (!split) return items;
+    return phase == 0 ? task_at[batch] : phase == 1 ? batch * heads : batch * kv_heads * (d / 32);
+  }
+  // Floats of scratch the split path's scores take (0: none needed).
+  int64_t scratch_floats() const { return split ? score_at[batch] : 0; }
+
+  void run_phase(int phase, int64_t begin, int64_t end) const {
+    if (split)
+      run_split(phase, begin, end);
+    else
+      run(begin, end);
+  }
+
+  void run_split(int phase, int64_t begin, int64_t end) const {
 #ifdef KV_HAVE_AVX2_ATTENTION
     if constexpr (std::is_same_v<T, float>) {
-      std::vector<int64_t> len(batch), ctx(batch + 1, 0), sc(batch + 1, 0);
-      for (int64_t b = 0; b < batch; ++b) {
-        len[b] = lens[b] - first_pos(lens[b]);
-        ctx[b + 1] = ctx[b] + len[b];
-        sc[b + 1] = sc[b] + heads * len[b];
-      }
-      std::vector<float> qf(batch * heads * d), scores(sc[batch]);
-      std::vector<const KT*> kp(ctx[batch] * kv_heads), vp(ctx[batch] * kv_heads);
-      for (int64_t b = 0; b < batch; ++b)
-        for (int64_t i = 0; i < heads * d; ++i)
-          qf[b * heads * d + i] = qp[b * q_row + (i / d) * q_head + i % d] * fscale;
-      // The row pointers, per (sequence, KV head) on the threads (serial, they took a quarter of
-      // the time at 4096 keys), block by block (no division per row).
-      at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t item = begin; item < end; ++item) {
-          const int64_t b = item / kv_heads, h = item % kv_heads;
-          const int32_t* table = tables + b * table_width;
-          const int64_t start = first_pos(lens[b]), at = ctx[b] * kv_heads + h * len[b];
-          for (int64_t t = 0; t < len[b];) {
-            const int64_t pos = start + t, off = pos % block_size;
-            const int64_t run = std::min(block_size - off, len[b] - t);
-            const KT* row = cache + table[pos / block_size] * s_block + off * s_tok + h * d;
-            for (int64_t i = 0; i < run; ++i, ++t, row += s_tok) {
-              kp[at + t] = row;
-              vp[at + t] = row + s_kv;
-            }
+      thread_local std::vector<const KT*> row_buf;
+      thread_local std::vector<float> qf;
+      for (int64_t task = begin; task < end; ++task) {
+        if (phase == 0) {  // scores: (sequence, KV head, key tile), the tiles of a head together
+          const int64_t b =
+              std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
+          const int64_t n_tiles = tiles(b), local = task - task_at[b];
+          const int64_t h = local / n_tiles, len = context(b);
+          const int64_t lo = local % n_tiles * kSplitTile, hi = std::min(len, lo + kSplitTile);
+          qf.resize(group * d);
+          for (int64_t g = 0; g < group; ++g) {
+            const T* qh = qp + b * q_row + (h * group + g) * q_head;
+            for (int64_t i = 0; i < d; ++i) qf[g * d + i] = qh[i] * fscale;
           }
+          row_buf.resize(hi - lo);
+          rows(b, h, lo, hi, 0, row_buf.data());
+          split_scores_task<KT>(qf.data(), row_buf.data(), lo, hi, len, group, d,
+                                scratch + score_at[b] + h * group * len);
+        } else if (phase == 1) {  // softmax: (sequence, query head)
+          const int64_t b = task / heads, head = task % heads, len = context(b);
+          softmax_row_avx2(scratch + score_at[b] + head * len, len, fsoftcap);
+        } else {  // P.V: (sequence, KV head, 32 output values)
+          const int64_t chunks = d / 32, i0 = task % chunks * 32, item = task / chunks;
+          const int64_t b = item / kv_heads, h = item % kv_heads, len = context(b);
+          row_buf.resize(len);
+          rows(b, h, 0, len, 1, row_buf.data());
+          split_pv_task<KT>(scratch + score_at[b] + h * group * len, row_buf.data(), len, group, d,
+                            i0, op + (b * heads + h * group) * d);
         }
-      });
-      attend_split_avx2(qf.data(), kp.data(), vp.data(), len.data(), ctx.data(), sc.data(),
-                        batch, heads, kv_heads, d, fsoftcap, scores.data(), op);
+      }
     }
 #endif
   }
@@ -338,18 +395,14 @@ struct DecodeWork {
           const int64_t b = item / (kv_heads * pieces), h = item / pieces % kv_heads;
           const int64_t first = h * group + item % pieces * per;
           const int64_t count = std::min(per, (h + 1) * group - first);
-          const int64_t start = first_pos(lens[b]), len = lens[b] - start;
-          const int32_t* table = tables + b * table_width;
+          const int64_t len = lens[b] - first_pos(lens[b]);
           for (int64_t g = 0; g < count; ++g) {
             const T* qh = qp + b * q_row + (first + g) * q_head;
             for (int64_t i = 0; i < d; ++i) qf[g * d + i] = qh[i] * fscale;
           }
           kp.resize(len), vp.resize(len), scores.resize(count * len);
-          for (int64_t t = 0; t < len; ++t) {
-            const int64_t pos = start + t;
-            kp[t] = key_row(table, pos, h);
-            vp[t] = kp[t] + s_kv;
-          }
+          rows(b, h, 0, len, 0, kp.data());
+          for (int64_t t = 0; t < len; ++t) vp[t] = kp[t] + s_kv;
           attend_item_avx2(qf.data(), kp.data(), vp.data(), len, count, d, fsoftcap,
                            scores.data(), op + (b * heads + first) * d);
         }
@@ -401,13 +454,14 @@ template <typename T, typename KT>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
                    at::Tensor& out) {
-  const DecodeWork<T, KT> work(q, kv_cache, block_tables, seq_lens, scale, window, softcap, out,
-                               at::get_num_threads());
-  if (work.split) {
-    work.run_split();
-    return;
-  }
-  at::parallel_for(0, work.items, 1, [&](int64_t begin, int64_t end) { work.run(begin, end); });
+  DecodeWork<T, KT> work(q, kv_cache, block_tables, seq_lens, scale, window, softcap, out,
+                         at::get_num_threads());
+  thread_local std::vector<float> scratch;  // the split path's scores, kept across calls
+  scratch.resize(work.scratch_floats());
+  work.scratch = scratch.data();
+  for (int phase = 0; phase < work.phases(); ++phase)
+    at::parallel_for(0, work.phase_items(phase), 1,
+                     [&](int64_t begin, int64_t end) { work.run_phase(phase, begin, end); });
 }
 
 // The op's tensors as the kernels read them, after its checks.
@@ -462,8 +516,13 @@ struct TeamAttention final : kvrows::DecodeAttention {
                 double softcap, const at::Tensor& o, int64_t threads)
       : args(std::move(a)), cache(kv_cache), out(o),
         work(args.q, cache, args.tables, args.lens, scale, window, softcap, out, threads) {}
-  int64_t items() const override { return work.items; }
-  void run(int64_t begin, int64_t end) const override { work.run(begin, end); }
+  int phases() const override { return work.phases(); }
+  int64_t items(int phase) const override { return work.phase_items(phase); }
+  void run(int phase, int64_t begin, int64_t end) const override {
+    work.run_phase(phase, begin, end);
+  }
+  int64_t scratch_floats() const override { return work.scratch_floats(); }
+  void set_scratch(float* scratch) override { work.scratch = scratch; }
 };
 
 // -------------------------------------------------------------------------------- RMSNorm
@@ -595,17 +654,11 @@ std::unique_ptr<kvrows::DecodeAttention> kvrows::decode_attention(
   TORCH_CHECK(a.q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   out.is_contiguous() && out.sizes() == a.q.sizes(),
               "decode_attention: float32 queries and a contiguous output of their shape");
-  std::unique_ptr<kvrows::DecodeAttention> work;
-  if (kv_cache.scalar_type() == at::kHalf) {
-    auto w = std::make_unique<TeamAttention<c10::Half>>(std::move(a), kv_cache, scale, window,
-                                                        softcap, out, threads);
-    if (!w->work.split) work = std::move(w);
-  } else {
-    auto w = std::make_unique<TeamAttention<float>>(std::move(a), kv_cache, scale, window,
-                                                    softcap, out, threads);
-    if (!w->work.split) work = std::move(w);
-  }
-  return work;
+  if (kv_cache.scalar_type() == at::kHalf)
+    return std::make_unique<TeamAttention<c10::Half>>(std::move(a), kv_cache, scale, window,
+                                                      softcap, out, threads);
+  return std::make_unique<TeamAttention<float>>(std::move(a), kv_cache, scale, window, softcap,
+                                                out, threads);
 }
 
 void kvrows::rms_norm(const float* x, const float* w, int64_t h, float eps, float* out,
