@@ -184,10 +184,10 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
         const int64_t first = first_pos(ctx0 + item.row0 + 1), last = ctx0 + item.row1;
         const int32_t* table = tables + item.seq * width;
         kp.resize(last), vp.resize(last);  // indexed by absolute position; [first, last) set
-        for (int64_t pos = first; pos < last; ++pos) {
-          kp[pos] = cache + table[pos / block_size] * s_block + (pos % block_size) * s_tok +
-                    item.head * d;
-          vp[pos] = kp[pos] + s_kv;
+        for (int64_t pos = first; pos < last;) {  // block by block: no division per row
+          const int64_t off = pos % block_size, run = std::min(block_size - off, last - pos);
+          const KT* row = cache + table[pos / block_size] * s_block + off * s_tok + item.head * d;
+          for (int64_t i = 0; i < run; ++i, ++pos, row += s_tok) kp[pos] = row, vp[pos] = row + s_kv;
         }
         qf.resize(nv * d);
         scores.resize(nv * (last - first));
