@@ -202,6 +202,26 @@ def test_long_contexts_run_the_split_attention_between_the_barriers(
         torch.set_num_threads(saved)
 
 
+def test_the_barrier_prefetch_is_only_a_hint(mixed_gguf: LLM) -> None:
+    """While a thread waits at a barrier it asks for its share of the next matmul's weights: no
+    budget, the default and one beyond every share give the same bits."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    budget = torch.ops.kvserve.decode_team_prefetch(0)
+    try:
+        args = _step(mixed_gguf, 3, torch.float16, 11)
+        per_op, _ = _run(args, 0)
+        for bytes_ in (0, budget, 1 << 30):
+            torch.ops.kvserve.decode_team_prefetch(bytes_)
+            team, _ = _run(args, 2)
+            assert torch.equal(team, per_op), bytes_
+        with pytest.raises(RuntimeError, match="bytes must be >= 0"):
+            torch.ops.kvserve.decode_team_prefetch(-1)
+    finally:
+        torch.ops.kvserve.decode_team_prefetch(budget)
+        torch.set_num_threads(saved)
+
+
 def test_generation_is_the_same_and_float_models_take_the_per_op_path(
     mixed_gguf: LLM, tiny_llama_dir: Path
 ) -> None:

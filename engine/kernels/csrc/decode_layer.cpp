@@ -287,6 +287,41 @@ int64_t decode_team_select(int64_t mode) {
   return team_mode.exchange(static_cast<int>(mode));
 }
 
+// Bytes of its share of the next matmul's weights each thread asks into L2 while it waits at the
+// barriers before that matmul (0: none); kvserve::decode_team_prefetch sets it.
+constexpr int64_t kDefaultPrefetch = 64 << 10;
+std::atomic<int64_t> prefetch_budget{kDefaultPrefetch};
+
+int64_t decode_team_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "decode_team_prefetch: bytes must be >= 0, not ", bytes);
+  return prefetch_budget.exchange(bytes);
+}
+
+// Byte ranges a thread asks into L2, a few lines at a time, while it waits at a barrier: the start
+// of its share of the next matmul's weights (while the threads meet and run the small ops between
+// matmuls, nothing streams the weights). Only a hint: no value changes.
+struct Prefetch {
+  static constexpr int kMax = 8;
+  const char* at[kMax] = {};
+  int64_t left[kMax] = {};
+  int count = 0, next = 0;
+
+  void clear() { count = next = 0; }
+  void add(const void* p, int64_t bytes) {
+    if (count < kMax && bytes > 0) at[count] = static_cast<const char*>(p), left[count++] = bytes;
+  }
+  // Asks for up to `lines` more cache lines; false when nothing is left.
+  bool step(int lines) {
+    while (next < count && left[next] <= 0) ++next;
+    if (next >= count) return false;
+    for (int j = 0; j < lines && left[next] > 0; ++j) {
+      __builtin_prefetch(at[next], 0, 2);  // into L2 (and L3), as _MM_HINT_T1
+      at[next] += 64, left[next] -= 64;
+    }
+    return true;
+  }
+};
+
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -301,7 +336,10 @@ inline void cpu_relax() {
 constexpr int kSpins = 1024;
 
 template <typename T>
-void wait_while(const std::atomic<T>& a, T old) {
+void wait_while(const std::atomic<T>& a, T old, Prefetch* pf = nullptr) {
+  if (pf != nullptr)  // first the prefetches, 4 lines between looks at the barrier
+    while (a.load(std::memory_order_acquire) == old)
+      if (!pf->step(4)) break;
   for (int i = 0; i < kSpins; ++i) {
     if (a.load(std::memory_order_acquire) != old) return;
     cpu_relax();
@@ -335,6 +373,7 @@ struct TeamState {
 struct Team {
   int rank, size;
   TeamState* state;
+  Prefetch* prefetch = nullptr;  // this thread's, asked for while it waits (null: none)
 
   void sync() const {
     if (size == 1) return;
@@ -344,7 +383,7 @@ struct Team {
       state->phase.store(ph + 1, std::memory_order_release);
       state->phase.notify_all();  // (no system call unless a thread sleeps on it)
     } else {
-      wait_while(state->phase, ph);
+      wait_while(state->phase, ph, prefetch);
     }
   }
 
@@ -367,7 +406,8 @@ void run_team(Body&& body) {
     if (got == want) state.covered.notify_all();
     for (int64_t now = got; now != want; now = state.covered.load())
       wait_while(state.covered, now);
-    body(Team{rank, state.joined.load(), &state});
+    Prefetch prefetch;
+    body(Team{rank, state.joined.load(), &state, &prefetch});
   });
 }
 
@@ -599,6 +639,7 @@ class TeamStep {
     for (int slot = 0; slot < 4; ++slot)
       if (uniform_[slot]) size(0, slot);
     run_team([&](const Team& t) {
+      aim(t, 0, 0);
       for (size_t i = 0; i < L; ++i) {
         const float* hin = i == 0 ? input.data_ptr<float>() : outs[(i - 1) % 2].data_ptr<float>();
         pre_attention(t, i, hin);
@@ -680,8 +721,49 @@ class TeamStep {
 
   const at::Tensor* step_tensors(size_t i) const { return shared_.data() + 5 * where_[i]; }
 
+  // Points this thread's barrier-time prefetch at its share of matmul `slot` of layer i: the first
+  // bytes of each part's blocks (and their scales, in proportion), prefetch_budget in all.
+  void aim(const Team& t, size_t i, int slot) const {
+    if (t.prefetch == nullptr) return;
+    Prefetch& pf = *t.prefetch;
+    pf.clear();
+    const int64_t budget = prefetch_budget.load(std::memory_order_relaxed);
+    if (budget <= 0 || t.size == 1 || i >= plan_.team.size()) return;
+    const TeamLinear& lin = plan_.team[i].lin[slot];
+    const auto [g0, g1] = t.share(lin.groups);
+    struct Range {
+      const void* p;
+      int64_t bytes;
+    };
+    Range ranges[Prefetch::kMax];
+    int n = 0;
+    int64_t total = 0, base = 0;
+    for (const kvblock::AnyWeight& w : lin.parts) {
+      const int64_t lo = std::max(g0, base) - base, hi = std::min(g1, base + w.groups) - base;
+      base += w.groups;
+      if (lo >= hi || n + 2 > Prefetch::kMax) continue;
+      const int64_t KB = w.K / kvblock::kBlock, groups = hi - lo;
+      const void* data = nullptr;
+      int64_t per_group = 0;  // bytes of one group of 8 columns, blocks and scales
+      const c10::Half* scales = nullptr;
+      if (w.kind == kvblock::kWeightQ4)
+        data = w.b.q4 + lo * KB * 128, per_group = KB * 128, scales = w.b.d + lo * KB * 8;
+      else if (w.kind == kvblock::kWeightQ8)
+        data = w.b.q8 + lo * KB * 256, per_group = KB * 256, scales = w.b.d + lo * KB * 8;
+      else if (w.kind == kvblock::kWeightKQ)
+        data = w.k.qs + lo * KB * w.k.bits * 32, per_group = KB * w.k.bits * 32;
+      else if (w.kind == kvblock::kWeightQ5)
+        data = w.q5.qs + lo * KB * 160, per_group = KB * 160, scales = w.q5.d + lo * KB * 8;
+      if (data == nullptr) continue;
+      ranges[n++] = {data, groups * per_group}, total += groups * per_group;
+      if (scales != nullptr) ranges[n++] = {scales, groups * KB * 16}, total += groups * KB * 16;
+    }
+    for (int r = 0; r < n; ++r)  // each range's share of the budget, in proportion to its size
+      pf.add(ranges[r].p, total <= budget ? ranges[r].bytes : ranges[r].bytes * budget / total);
+  }
+
   // Matmul `slot` of layer i on this thread's share of its column groups into out (row stride N);
-  // then after(c0, c1) for each run of columns done.
+  // then after(c0, c1) for each run of columns done; then the prefetch aimed at the matmul after it.
   template <typename After>
   void matmul(const Team& t, size_t i, int slot, float* out, int64_t N, After&& after) const {
     const TeamLinear& lin = plan_.team[i].lin[slot];
@@ -699,6 +781,10 @@ class TeamStep {
                             out + lin.cols[p]);
       after(lin.cols[p] + 8 * lo, lin.cols[p] + 8 * hi);
     }
+    if (slot < 3)
+      aim(t, i, slot + 1);
+    else
+      aim(t, i + 1, 0);
   }
 
   // dst = src + (y + bias) on columns [c0, c1) of every row (the residual adds).
@@ -906,6 +992,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "Tensor(a!)[] kv_caches, Tensor[] shared, int[] where) -> Tensor");
   m.def("decode_team_select", &decode_team_select);
   m.def("decode_team_last", &decode_team_last);
+  m.def("decode_team_prefetch", &decode_team_prefetch);
   m.def(
       "decode_layer_lora(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
