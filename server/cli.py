@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -152,6 +153,19 @@ def _load_in_daemon_thread(engine_config: EngineConfig) -> asyncio.Future[Engine
     return future
 
 
+def _bind_error(host: str, port: int) -> str:
+    """Why host:port cannot be listened on (a plain bind tried again), for the log line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        return str(e)
+    return "the server could not bind it (see the line above)"
+
+
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     import uvicorn
 
@@ -171,8 +185,13 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
     )
     try:
         sock = uv_config.bind_socket()
-    except (OSError, SystemExit) as e:
-        logger.error("cannot listen on %s:%s: %s", server_config.host, server_config.port, e)
+    except (OSError, SystemExit) as e:  # uvicorn logs the OSError, then exits with a bare code
+        reason = (
+            str(e)
+            if isinstance(e, OSError)
+            else _bind_error(server_config.host, server_config.port)
+        )
+        logger.error("cannot listen on %s:%s: %s", server_config.host, server_config.port, reason)
         return 1
     server = _Server(uv_config)
     exit_code = 0

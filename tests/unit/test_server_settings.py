@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,22 @@ def test_openmp_workers_spin_briefly_unless_the_user_chose() -> None:
     assert spin == "50" and "(environment)" in line
     line, spin = _policy_in_fresh_python({}, first="import torch")  # too late to change libgomp
     assert spin == "None" and "libgomp's default" in line
+
+
+def test_a_port_in_use_is_named_as_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    """The server's own error line says why it cannot listen (uvicorn only exits with a code)."""
+    import asyncio
+    import socket
+
+    from engine.core.config import EngineConfig
+    from server.cli import serve
+    from server.state import ServerConfig
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.ERROR, logger="kvserve"):
+            assert asyncio.run(serve(EngineConfig(), ServerConfig(port=port))) == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvserve"]
+    assert any(f"cannot listen on 127.0.0.1:{port}" in m and "in use" in m for m in lines), lines
