@@ -127,8 +127,9 @@ KV_AVX2 void attend_item_avx2(const float* qf, const KT* const* kp, const KT* co
 #endif
 
 // The split path's key tile (context tokens per score task: a multiple of the 8-token runs, so
-// every run lies in one task) and the context length from which it runs; rows asked for ahead of
-// use into L1 and into L2 (the paged rows are too scattered for the hardware prefetcher).
+// every run lies in one task) and the context length from which it runs; key rows a score task asks
+// for ahead of use into L1 and into L2 (the paged rows are too scattered for the hardware
+// prefetcher; its P.V asks for values ahead as pv_chunk does).
 constexpr int64_t kSplitTile = 512;
 constexpr int64_t kSplitFrom = 512;
 constexpr int64_t kNearRows = 16, kFarRows = 64;
@@ -174,51 +175,20 @@ KV_AVX2 void split_scores_task(const float* qg, const KT* const* kp, int64_t lo,
   }
 }
 
-// out[a, i0:i0+32] = sum_t p_a[t] v[t, i0:i0+32] for GN query heads, one fma chain per output
-// value over the keys in increasing t (pv_chunk's arithmetic, so its bits), value rows asked for
-// kNearRows ahead into L1 and 8 kNearRows ahead into L2.
-template <int GN, typename KT>
-KV_AVX2 void split_pv_chunk(const float* const* p, const KT* const* vp, int64_t len, int64_t i0,
-                            float* const* out) {
-  __m256 acc[GN][4];
-  for (int a = 0; a < GN; ++a)
-    for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_setzero_ps();
-  constexpr int64_t kFar = 8 * kNearRows;
-  for (int64_t t = 0; t < std::min(kFar, len); ++t)
-    _mm_prefetch(reinterpret_cast<const char*>(vp[t] + i0),
-                 t < kNearRows ? _MM_HINT_T0 : _MM_HINT_T1);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kNearRows < len)
-      _mm_prefetch(reinterpret_cast<const char*>(vp[t + kNearRows] + i0), _MM_HINT_T0);
-    if (t + kFar < len) _mm_prefetch(reinterpret_cast<const char*>(vp[t + kFar] + i0), _MM_HINT_T1);
-    __m256 v[4];
-    for (int b = 0; b < 4; ++b) v[b] = load8(vp[t] + i0 + 8 * b);
-    for (int a = 0; a < GN; ++a) {
-      const __m256 w = _mm256_broadcast_ss(p[a] + t);
-      for (int b = 0; b < 4; ++b) acc[a][b] = _mm256_fmadd_ps(w, v[b], acc[a][b]);
-    }
-  }
-  for (int a = 0; a < GN; ++a)
-    for (int b = 0; b < 4; ++b) _mm256_storeu_ps(out[a] + i0 + 8 * b, acc[a][b]);
-}
-
 // The split path's P.V task: values [i0, i0 + 32) of the group's query heads of one (sequence, KV
 // head), probabilities of head g at p + g * len, outputs at out + g * d; 3 heads a pass (each
 // value load shared by them).
 template <typename KT>
 KV_AVX2 void split_pv_task(const float* p, const KT* const* vp, int64_t len, int64_t group,
                            int64_t d, int64_t i0, float* out) {
-  for (int64_t g = 0; g < group;) {
+  for (int64_t g = 0; g < group;) {  // pv_chunk with its values asked for ahead (PF)
     const int64_t n = std::min<int64_t>(3, group - g);
-    const float* pg[3] = {};
-    float* og[3] = {};
-    for (int64_t j = 0; j < n; ++j) pg[j] = p + (g + j) * len, og[j] = out + (g + j) * d;
     if (n == 3)
-      split_pv_chunk<3>(pg, vp, len, i0, og);
+      pv_chunk<3, KT, true>(p + g * len, vp, len, d, i0, out + g * d);
     else if (n == 2)
-      split_pv_chunk<2>(pg, vp, len, i0, og);
+      pv_chunk<2, KT, true>(p + g * len, vp, len, d, i0, out + g * d);
     else
-      split_pv_chunk<1>(pg, vp, len, i0, og);
+      pv_chunk<1, KT, true>(p + g * len, vp, len, d, i0, out + g * d);
     g += n;
   }
 }
