@@ -26,6 +26,7 @@ _SOURCES = tuple(
     for name in (
         "paged_decode.cpp",
         "paged_prefill.cpp",
+        "attention_bf16.cpp",
         "block_matmul.cpp",
         "block_matmul_avx2.cpp",
         "block_matmul_vnni.cpp",
@@ -40,6 +41,8 @@ _SOURCES = tuple(
 _HEADERS = (
     _CSRC / "block_matmul.h",
     _CSRC / "attention_avx2.h",
+    _CSRC / "attention_bf16.h",
+    _CSRC / "attention_bf16_kernels.inc",
     _CSRC / "layer_rows.h",
     _CSRC / "block_linear.h",
 )

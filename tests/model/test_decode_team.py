@@ -161,7 +161,7 @@ def test_every_block_format_and_mixed_parts(mixed_gguf: LLM, rows: int, threads:
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_biases_and_qk_norms(request, family: str, kv_dtype: torch.dtype) -> None:
     folder = request.getfixturevalue(f"tiny_{family}_dir")
     llm = LLM(str(folder), dtype="float32", quantization="int4", max_num_seqs=4)
@@ -177,7 +177,7 @@ def test_biases_and_qk_norms(request, family: str, kv_dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_long_contexts_run_the_split_attention_between_the_barriers(
     mixed_gguf: LLM, threads: int, kv_dtype: torch.dtype
 ) -> None:

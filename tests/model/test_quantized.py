@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu_kernels
+from engine.kernels.kv_dtype import bf16_attention_runs
 from engine.models.block_quant import BlockQ4Weight, BlockQ8Weight
 from engine.models.cpu_features import detect_cpu
 from engine.models.quantization import BlockEmbedding, weight_bytes
@@ -90,8 +91,10 @@ def test_the_default_on_this_cpu(default_llm):
         assert isinstance(model.layers[0].mlp.down_weight, BlockQ4Weight)  # the file's Q4_1
         assert isinstance(model.lm_head_weight, BlockQ8Weight)  # its Q8_0 token_embd ...
         assert isinstance(model.embed_tokens, BlockEmbedding)  # ... shared by lookups and head
-        assert default_llm.engine.kv_dtype == torch.float16  # block weights: a float16 KV cache
-        assert all(c.dtype == torch.float16 for c in default_llm.engine.runner.kv_caches)
+        # block weights: a 16-bit KV cache, bfloat16 where the bf16 attention runs in hardware
+        sixteen = torch.bfloat16 if bf16_attention_runs() else torch.float16
+        assert default_llm.engine.kv_dtype == sixteen
+        assert all(c.dtype == sixteen for c in default_llm.engine.runner.kv_caches)
         assert default_llm.engine.target_step_ms == 200  # and the step-time budget
         assert default_llm.engine.scheduler.step_budget is not None
     else:  # the block kernels would run portable loops, slower than float32

@@ -12,7 +12,7 @@ import torch
 
 from engine.kernels import cpu_kernels
 from engine.kernels.attention import AttentionMetadata, paged_attention
-from engine.kernels.kv_dtype import kernels_read, resolve_kv_cache_dtype
+from engine.kernels.kv_dtype import bf16_attention_runs, kernels_read, resolve_kv_cache_dtype
 from tests.unit.test_prefill_kernel import both, random_step
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
@@ -130,20 +130,25 @@ def test_the_cpu_backend_and_the_torch_fallback_read_float16_alike():
 def test_mismatched_dtypes_are_clear_errors():
     rng = random.Random(1)
     cache, meta = random_step(rng, [1], [10], 16, 2, 64)
-    with pytest.raises(RuntimeError, match="float16 under float32 queries"):
+    with pytest.raises(RuntimeError, match="or bfloat16 under float32 queries"):
         cpu_kernels.paged_decode_attention(
             torch.randn(1, 4, 64, dtype=torch.bfloat16), cache.half(), meta.block_tables,
             meta.seq_lens, 0.125,
         )  # fmt: skip
-    with pytest.raises(RuntimeError, match="float16 under float32 queries"):
+    with pytest.raises(RuntimeError, match="or bfloat16 under float32 queries"):
         cpu_kernels.paged_decode_attention(
-            torch.randn(1, 4, 64), cache.bfloat16(), meta.block_tables, meta.seq_lens, 0.125
-        )
+            torch.randn(1, 4, 64, dtype=torch.float16), cache.bfloat16(), meta.block_tables,
+            meta.seq_lens, 0.125,
+        )  # fmt: skip
 
 
-def test_auto_is_float16_on_cpu_under_block_weights_else_the_model_dtype():
-    assert resolve_kv_cache_dtype("auto", CPU, torch.float32, "gguf") == torch.float16
-    assert resolve_kv_cache_dtype("auto", CPU, torch.float32, "int8") == torch.float16
+def test_auto_is_16_bits_on_cpu_under_block_weights_else_the_model_dtype():
+    # bfloat16 where the C++ kernels' AVX-512 BF16 attention runs, else float16
+    sixteen = torch.bfloat16 if bf16_attention_runs() else torch.float16
+    assert resolve_kv_cache_dtype("auto", CPU, torch.float32, "gguf") == sixteen
+    assert resolve_kv_cache_dtype("auto", CPU, torch.float32, "int8") == sixteen
+    assert resolve_kv_cache_dtype("auto", CPU, torch.float32, "int8", "sdpa") == torch.float16
+    assert resolve_kv_cache_dtype("bfloat16", CPU, torch.float32, None) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", CPU, torch.float32, None) == torch.float32
     assert resolve_kv_cache_dtype("auto", CPU, torch.bfloat16, None) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", CUDA, torch.bfloat16, None) == torch.bfloat16
@@ -153,7 +158,7 @@ def test_auto_is_float16_on_cpu_under_block_weights_else_the_model_dtype():
     for requested, device, dtype in (
         ("float16", CUDA, torch.float32),
         ("float32", CPU, torch.bfloat16),
-        ("bfloat16", CPU, torch.float32),
+        ("bfloat16", CUDA, torch.float32),
         ("float16", CPU, torch.bfloat16),
     ):
         with pytest.raises(ValueError, match="KV cache holds the model's dtype"):

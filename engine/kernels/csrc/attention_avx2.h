@@ -22,12 +22,13 @@
 
 namespace kvserve_attention {
 
-// The KV cache dtypes the kernels read: the queries' own, or float16 under float32 queries.
+// The KV cache dtypes the kernels read: the queries' own, or float16 or bfloat16 under float32
+// queries (bfloat16: bf16 arithmetic in the dot products, attention_bf16.h).
 inline bool kv_dtype_ok(c10::ScalarType q, c10::ScalarType kv) {
-  return kv == q || (q == c10::kFloat && kv == c10::kHalf);
+  return kv == q || (q == c10::kFloat && (kv == c10::kHalf || kv == c10::kBFloat16));
 }
 inline constexpr const char* kKVDtypeError =
-    "the KV cache must have the queries' dtype, or float16 under float32 queries";
+    "the KV cache must have the queries' dtype, or float16 or bfloat16 under float32 queries";
 
 // Gemma's attention logit softcapping, in place on n scores (softcap <= 0: off).
 inline void softcap_scores(float* s, int64_t n, float softcap) {

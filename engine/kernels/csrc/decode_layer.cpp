@@ -609,9 +609,10 @@ class TeamStep {
         return layer() + "step index out of range";
       const at::Tensor& kv = kv_[i];
       if (!kv.device().is_cpu() || kv.dim() != 5 || !kv.is_contiguous() || kv.size(0) != 2 ||
-          (kv.scalar_type() != at::kFloat && kv.scalar_type() != at::kHalf) ||
+          (kv.scalar_type() != at::kFloat && kv.scalar_type() != at::kHalf &&
+           kv.scalar_type() != at::kBFloat16) ||
           kv.size(3) != l.kv_heads || l.kv_heads <= 0 || l.heads % l.kv_heads)
-        return layer() + "not a contiguous float32 or float16 KV cache of its KV heads";
+        return layer() + "not a contiguous float32, float16 or bfloat16 KV cache of its KV heads";
       const int64_t d = kv.size(4);
       if (d % 2 || d > 512 || t.lin[0].width != (l.heads + 2 * l.kv_heads) * d ||
           t.lin[1].K != l.heads * d)
@@ -842,9 +843,10 @@ class TeamStep {
     const float *cos = st[0].data_ptr<float>(), *sin = st[1].data_ptr<float>();
     const int64_t cos_row = st[0].stride(0);
     const int64_t* slots = st[2].data_ptr<int64_t>();
-    const bool half = kv.scalar_type() == at::kHalf;
-    float* cache32 = half ? nullptr : kv.data_ptr<float>();
-    c10::Half* cache16 = half ? kv.data_ptr<c10::Half>() : nullptr;
+    const at::ScalarType kv_type = kv.scalar_type();
+    float* cache32 = kv_type == at::kFloat ? kv.data_ptr<float>() : nullptr;
+    c10::Half* cache16 = kv_type == at::kHalf ? kv.data_ptr<c10::Half>() : nullptr;
+    c10::BFloat16* cache_bf16 = kv_type == at::kBFloat16 ? kv.data_ptr<c10::BFloat16>() : nullptr;
     const Part p = part(t, heads + 2 * kv_heads);  // units: the q, k and v heads
     for (int64_t r = p.r0; r < p.r1; ++r) {
       float* row = qkv + r * W;
@@ -859,7 +861,7 @@ class TeamStep {
         }
       }
       kvrows::rope_write_kv(row, cos + r * cos_row, sin + r * cos_row, cache32, cache16,
-                            slots[r], kv.stride(0), heads, kv_heads, d, p.u0, p.u1);
+                            cache_bf16, slots[r], kv.stride(0), heads, kv_heads, d, p.u0, p.u1);
     }
   }
 

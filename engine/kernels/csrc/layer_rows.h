@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -17,11 +18,11 @@ void rms_norm(const float* x, const float* w, int64_t h, float eps, float* out, 
               int64_t c1 = -1);
 
 // One token's rotary in place on x [(heads + 2 kv_heads) * d] (cos, sin [d / 2]), then its k and
-// v written at `slot` of the KV cache (float32: cache32; float16: cache16), as rope_write_kv; only
-// heads [h0, h1) of x when given (h1 < 0: to the last).
+// v written at `slot` of the KV cache (float32: cache32; float16: cache16; bfloat16: cache_bf16; the
+// others null), as rope_write_kv; only heads [h0, h1) of x when given (h1 < 0: to the last).
 void rope_write_kv(float* x, const float* cos, const float* sin, float* cache32,
-                   c10::Half* cache16, int64_t slot, int64_t kv_plane, int64_t heads,
-                   int64_t kv_heads, int64_t d, int64_t h0 = 0, int64_t h1 = -1);
+                   c10::Half* cache16, c10::BFloat16* cache_bf16, int64_t slot, int64_t kv_plane,
+                   int64_t heads, int64_t kv_heads, int64_t d, int64_t h0 = 0, int64_t h1 = -1);
 
 // out [inter] = silu(g) * u, as the silu_mul op (csrc/silu_mul.cpp).
 void silu_mul(const float* g, const float* u, int64_t inter, float* out);

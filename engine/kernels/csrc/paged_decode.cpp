@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "attention_avx2.h"
+#include "attention_bf16.h"
 #include "layer_rows.h"
 
 namespace {
@@ -320,7 +321,12 @@ struct DecodeWork {
 
   void run_split(int phase, int64_t begin, int64_t end) const {
 #ifdef KV_HAVE_AVX2_ATTENTION
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<KT, bf16>) {
+      if (bf16_use_hw())
+        run_split_bf16<true>(phase, begin, end);
+      else
+        run_split_bf16<false>(phase, begin, end);
+    } else if constexpr (std::is_same_v<T, float>) {
       thread_local std::vector<const KT*> row_buf;
       thread_local std::vector<float> qf;
       for (int64_t task = begin; task < end; ++task) {
@@ -355,9 +361,105 @@ struct DecodeWork {
 #endif
   }
 
+#ifdef KV_HAVE_AVX2_ATTENTION
+  // The split path's phases over a bfloat16 cache (attention_bf16.h): the same tasks, the bf16
+  // kernels (HW: the hardware compilation), denormals flushed.
+  template <bool HW>
+  void run_split_bf16(int phase, int64_t begin, int64_t end) const {
+    FlushDenormals flush;
+    thread_local std::vector<const bf16*> row_buf;
+    thread_local std::vector<uint16_t> qb;
+    for (int64_t task = begin; task < end; ++task) {
+      if (phase == 0) {
+        const int64_t b =
+            std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
+        const int64_t n_tiles = tiles(b), local = task - task_at[b];
+        const int64_t h = local / n_tiles, len = context(b);
+        const int64_t lo = local % n_tiles * kSplitTile, hi = std::min(len, lo + kSplitTile);
+        qb.resize(group * d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qh = qp + b * q_row + (h * group + g) * q_head;
+          if constexpr (HW)
+            bf16_hw::round_query(qh, fscale, d, qb.data() + g * d);
+          else
+            bf16_emu::round_query(qh, fscale, d, qb.data() + g * d);
+        }
+        row_buf.resize(hi - lo);
+        rows(b, h, lo, hi, 0, row_buf.data());
+        float* sg = scratch + score_at[b] + h * group * len;
+        if constexpr (HW)
+          bf16_hw::split_scores(qb.data(), row_buf.data(), lo, hi, len, group, d, sg);
+        else
+          bf16_emu::split_scores(qb.data(), row_buf.data(), lo, hi, len, group, d, sg);
+      } else if (phase == 1) {
+        const int64_t b = task / heads, head = task % heads, len = context(b);
+        float* p = scratch + score_at[b] + head * len;
+        softmax_row_avx2(p, len, fsoftcap);
+        if constexpr (HW)
+          bf16_hw::pack_probs(p, len);
+        else
+          bf16_emu::pack_probs(p, len);
+      } else {
+        const int64_t chunks = d / 32, i0 = task % chunks * 32, item = task / chunks;
+        const int64_t b = item / kv_heads, h = item % kv_heads, len = context(b);
+        row_buf.resize(len + 1);
+        rows(b, h, 0, len, 1, row_buf.data());
+        row_buf[len] = zero_row();
+        const float* p = scratch + score_at[b] + h * group * len;
+        float* o = op + (b * heads + h * group) * d;
+        if constexpr (HW)
+          bf16_hw::split_pv(p, row_buf.data(), len, group, d, i0, o);
+        else
+          bf16_emu::split_pv(p, row_buf.data(), len, group, d, i0, o);
+      }
+    }
+  }
+
+  // run's items over a bfloat16 cache.
+  template <bool HW>
+  void run_bf16(int64_t begin, int64_t end) const {
+    FlushDenormals flush;
+    std::vector<uint16_t> qb(per * d);
+    std::vector<float> scores;
+    std::vector<const bf16*> kp, vp;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (kv_heads * pieces), h = item / pieces % kv_heads;
+      const int64_t first = h * group + item % pieces * per;
+      const int64_t count = std::min(per, (h + 1) * group - first);
+      const int64_t len = lens[b] - first_pos(lens[b]);
+      for (int64_t g = 0; g < count; ++g) {
+        const float* qh = qp + b * q_row + (first + g) * q_head;
+        if constexpr (HW)
+          bf16_hw::round_query(qh, fscale, d, qb.data() + g * d);
+        else
+          bf16_emu::round_query(qh, fscale, d, qb.data() + g * d);
+      }
+      kp.resize(len), vp.resize(len + 1), scores.resize(count * len);
+      rows(b, h, 0, len, 0, kp.data());
+      for (int64_t t = 0; t < len; ++t) vp[t] = kp[t] + s_kv;
+      vp[len] = zero_row();
+      float* o = op + (b * heads + first) * d;
+      if constexpr (HW)
+        bf16_hw::attend_item(qb.data(), kp.data(), vp.data(), len, count, d, fsoftcap,
+                             scores.data(), o);
+      else
+        bf16_emu::attend_item(qb.data(), kp.data(), vp.data(), len, count, d, fsoftcap,
+                              scores.data(), o);
+    }
+  }
+#endif
+
   void run(int64_t begin, int64_t end) const {
 #ifdef KV_HAVE_AVX2_ATTENTION
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<KT, bf16>) {
+      if (vector) {
+        if (bf16_use_hw())
+          run_bf16<true>(begin, end);
+        else
+          run_bf16<false>(begin, end);
+        return;
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
       if (vector) {
         std::vector<float> qf(per * d), scores;
         std::vector<const KT*> kp, vp;
@@ -464,8 +566,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const DecodeArgs a = decode_args(q, kv_cache, block_tables, seq_lens, window, softcap);
   const at::Tensor& qc = a.q;
   auto out = at::empty({qc.size(0), qc.size(1), qc.size(2)}, qc.options());
-  if (qc.scalar_type() != kv_cache.scalar_type()) {  // float32 queries over a float16 cache
-    decode_kernel<float, c10::Half>(qc, kv_cache, a.tables, a.lens, scale, window, softcap, out);
+  if (qc.scalar_type() != kv_cache.scalar_type()) {  // float32 queries, a 16-bit cache
+    if (kv_cache.scalar_type() == at::kBFloat16)
+      decode_kernel<float, c10::BFloat16>(qc, kv_cache, a.tables, a.lens, scale, window, softcap,
+                                          out);
+    else
+      decode_kernel<float, c10::Half>(qc, kv_cache, a.tables, a.lens, scale, window, softcap, out);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
@@ -605,7 +711,12 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
               "qkv, cos and sin must share a dtype");
   TORCH_CHECK(kv_dtype_ok(qkv.scalar_type(), kv_cache.scalar_type()), kKVDtypeError);
   if (qkv.scalar_type() != kv_cache.scalar_type()) {
-    rope_write_kv_kernel<float, c10::Half>(qkv, cos, sin, kv_cache, slot_mapping, heads, kv_heads);
+    if (kv_cache.scalar_type() == at::kBFloat16)
+      rope_write_kv_kernel<float, c10::BFloat16>(qkv, cos, sin, kv_cache, slot_mapping, heads,
+                                                 kv_heads);
+    else
+      rope_write_kv_kernel<float, c10::Half>(qkv, cos, sin, kv_cache, slot_mapping, heads,
+                                             kv_heads);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_kv", [&] {
@@ -627,6 +738,9 @@ std::unique_ptr<kvrows::DecodeAttention> kvrows::decode_attention(
   if (kv_cache.scalar_type() == at::kHalf)
     return std::make_unique<TeamAttention<c10::Half>>(std::move(a), kv_cache, scale, window,
                                                       softcap, out, threads);
+  if (kv_cache.scalar_type() == at::kBFloat16)
+    return std::make_unique<TeamAttention<c10::BFloat16>>(std::move(a), kv_cache, scale, window,
+                                                          softcap, out, threads);
   return std::make_unique<TeamAttention<float>>(std::move(a), kv_cache, scale, window, softcap,
                                                 out, threads);
 }
@@ -637,12 +751,16 @@ void kvrows::rms_norm(const float* x, const float* w, int64_t h, float eps, floa
 }
 
 void kvrows::rope_write_kv(float* x, const float* cos, const float* sin, float* cache32,
-                           c10::Half* cache16, int64_t slot, int64_t kv_plane, int64_t heads,
-                           int64_t kv_heads, int64_t d, int64_t h0, int64_t h1) {
+                           c10::Half* cache16, c10::BFloat16* cache_bf16, int64_t slot,
+                           int64_t kv_plane, int64_t heads, int64_t kv_heads, int64_t d, int64_t h0,
+                           int64_t h1) {
   const int64_t at = slot * kv_heads * d;
   if (cache16 != nullptr)
     rope_write_kv_row<float, c10::Half>(x, cos, sin, cache16 + at, kv_plane, heads, kv_heads, d,
                                         h0, h1);
+  else if (cache_bf16 != nullptr)
+    rope_write_kv_row<float, c10::BFloat16>(x, cos, sin, cache_bf16 + at, kv_plane, heads,
+                                            kv_heads, d, h0, h1);
   else
     rope_write_kv_row<float, float>(x, cos, sin, cache32 + at, kv_plane, heads, kv_heads, d, h0,
                                     h1);

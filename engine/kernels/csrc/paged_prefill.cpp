@@ -23,9 +23,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "attention_avx2.h"
+#include "attention_bf16.h"
 
 namespace {
 
@@ -141,7 +144,30 @@ KV_AVX2 void prefill_item_avx2(std::vector<QueryVec>& vecs, const KT* const* kp,
   }
 }
 
-template <typename KT>  // the KV cache's element: float, or float16 (widened on load)
+// A bfloat16 cache's work item (attention_bf16.h): its vectors' queries rounded to bf16, the bf16
+// kernels of the hardware (HW) or the emulated compilation.
+template <bool HW>
+void prefill_item_bf16(std::vector<QueryVec>& vecs, std::vector<uint16_t>& qb,
+                       std::vector<QueryVecB>& vb, const bf16* const* kp, const bf16* const* vp,
+                       int64_t first, int64_t last, int64_t d, float softcap) {
+  qb.resize(vecs.size() * d);
+  vb.clear();
+  for (size_t i = 0; i < vecs.size(); ++i) {
+    const QueryVec& x = vecs[i];
+    uint16_t* q = qb.data() + i * d;
+    if constexpr (HW)
+      bf16_hw::round_query(x.q, 1.f, d, q);
+    else
+      bf16_emu::round_query(x.q, 1.f, d, q);
+    vb.push_back({x.start, x.end, q, x.p, x.out});
+  }
+  if constexpr (HW)
+    bf16_hw::prefill_item(vb, kp, vp, first, last, d, softcap, kKeyTile);
+  else
+    bf16_emu::prefill_item(vb, kp, vp, first, last, d, softcap, kKeyTile);
+}
+
+template <typename KT>  // the KV cache's element: float, float16 (widened on load) or bfloat16
 void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables_t,
                   const at::Tensor& starts_t, const at::Tensor& lens_t, double scale,
                   int64_t window, double softcap, at::Tensor& out) {
@@ -172,6 +198,12 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    constexpr bool kBf16 = std::is_same_v<KT, bf16>;
+    std::optional<FlushDenormals> flush;  // the bf16 kernels' rounding (attention_bf16.h)
+    if (kBf16) flush.emplace();
+    const bool hw = kBf16 && bf16_use_hw();
+    std::vector<uint16_t> qb;
+    std::vector<QueryVecB> vb;
     std::vector<float> qf, scores;
     std::vector<const KT*> kp, vp;
     std::vector<QueryVec> vecs;
@@ -203,7 +235,14 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
             vecs.push_back({first_pos(end_pos), end_pos, qf.data() + v * d,
                             scores.data() + v * (last - first) - first, o});
           }
-        prefill_item_avx2(vecs, kp.data(), vp.data(), first, last, d, fsoftcap);
+        if constexpr (kBf16) {
+          if (hw)
+            prefill_item_bf16<true>(vecs, qb, vb, kp.data(), vp.data(), first, last, d, fsoftcap);
+          else
+            prefill_item_bf16<false>(vecs, qb, vb, kp.data(), vp.data(), first, last, d, fsoftcap);
+        } else {
+          prefill_item_avx2(vecs, kp.data(), vp.data(), first, last, d, fsoftcap);
+        }
       }
   });
 }
@@ -265,6 +304,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
     auto out = at::empty({qc.size(0), qc.size(1), qc.size(2)}, qc.options());
     if (kv_cache.scalar_type() == at::kHalf)
       prefill_avx2<c10::Half>(qc, kv_cache, tables, starts, lens, scale, window, softcap, out);
+    else if (kv_cache.scalar_type() == at::kBFloat16)
+      prefill_avx2<c10::BFloat16>(qc, kv_cache, tables, starts, lens, scale, window, softcap,
+                                  out);
     else
       prefill_avx2<float>(qc, kv_cache, tables, starts, lens, scale, window, softcap, out);
     return out;
