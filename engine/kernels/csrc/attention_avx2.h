@@ -200,9 +200,9 @@ KV_AVX2 inline float score1_avx2(const float* q, const KT* k, int64_t d) {
   return hsum1(acc);
 }
 
-// Softcap, then the softmax of one head's n scores in place: max, exp and sum 8 at a time (the
-// tail one by one), then each score times 1 / sum.
-KV_AVX2 inline void softmax_row_avx2(float* sg, int64_t len, float softcap) {
+// Softcap, then the unnormalized softmax of one head's n scores in place: max, exp and sum 8 at a
+// time (the tail one by one); returns 1 / sum (softmax_row_avx2 multiplies each score by it).
+KV_AVX2 inline float softmax_exp_avx2(float* sg, int64_t len, float softcap) {
   softcap_scores_avx2(sg, len, softcap);
   // The max over this head's scores, 8 lanes at a time (a scalar max chain was 12% of a prefill's
   // attention): max is exact, so any order gives the same value, and a NaN score is skipped as
@@ -230,7 +230,13 @@ KV_AVX2 inline void softmax_row_avx2(float* sg, int64_t len, float softcap) {
     sg[j] = e;
     sum += e;
   }
-  const float inv = len > 0 ? 1.f / sum : 0.f;
+  return len > 0 ? 1.f / sum : 0.f;
+}
+
+// Softcap, then the softmax of one head's n scores in place: softmax_exp_avx2, then each score
+// times 1 / sum.
+KV_AVX2 inline void softmax_row_avx2(float* sg, int64_t len, float softcap) {
+  const float inv = softmax_exp_avx2(sg, len, softcap);
   for (int64_t k = 0; k < len; ++k) sg[k] *= inv;
 }
 

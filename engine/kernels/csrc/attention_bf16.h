@@ -56,7 +56,7 @@ struct QueryVecB {
   float* out;
   // Where its full runs of 8 keys end (runs counted from start; the rest is its tail).
   int64_t run_end() const { return start + ((end - start) - (end - start) % 8); }
-  // Its probabilities in bf16 after the softmax (pack_probs), key start + j at j.
+  // Its probabilities in bf16 after the softmax (softmax_probs), key start + j at j.
   const uint16_t* probs() const { return reinterpret_cast<const uint16_t*>(p + start); }
 };
 

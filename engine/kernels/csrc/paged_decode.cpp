@@ -394,11 +394,10 @@ struct DecodeWork {
       } else if (phase == 1) {
         const int64_t b = task / heads, head = task % heads, len = context(b);
         float* p = scratch + score_at[b] + head * len;
-        softmax_row_avx2(p, len, fsoftcap);
         if constexpr (HW)
-          bf16_hw::pack_probs(p, len);
+          bf16_hw::softmax_probs(p, len, fsoftcap);
         else
-          bf16_emu::pack_probs(p, len);
+          bf16_emu::softmax_probs(p, len, fsoftcap);
       } else {
         const int64_t chunks = d / 32, i0 = task % chunks * 32, item = task / chunks;
         const int64_t b = item / kv_heads, h = item % kv_heads, len = context(b);

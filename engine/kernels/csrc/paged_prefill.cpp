@@ -11,7 +11,9 @@
 // visible key (scores8_avx2; hsum1 for the tail), a run belonging to the tile where it starts; then
 // the decode softmax over its whole row (softmax_row_avx2); then P.V as one fma chain per output
 // value over its keys in increasing position, the running sums kept in the output between tiles.
-// Work items go round-robin to the threads (a causal chunk's late rows cost more than its first).
+// The threads take work items one at a time, the costliest first (a causal chunk's late rows read
+// more keys than its first): a thread slowed by a neighbour takes fewer, and none waits long for
+// the last. Which thread runs an item changes nothing in its result.
 //
 // The AVX2 + FMA float32 path with head_dim % 32 == 0 (over a float32 or float16 cache) is the decode
 // kernel's fast path; anything else runs the decode kernel itself per token (each token given its
@@ -22,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -195,7 +198,13 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     for (int64_t r = 0; r < n; r += kRows)
       for (int64_t h = 0; h < kv_heads; ++h) items.push_back({s, h, r, std::min(n, r + kRows)});
   }
+  // Costliest first: the keys an item's last row reads (ties keep their order).
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return lens[a.seq] - (starts[a.seq + 1] - starts[a.seq]) + a.row1 >
+           lens[b.seq] - (starts[b.seq + 1] - starts[b.seq]) + b.row1;
+  });
   const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     constexpr bool kBf16 = std::is_same_v<KT, bf16>;
@@ -208,7 +217,7 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     std::vector<const KT*> kp, vp;
     std::vector<QueryVec> vecs;
     for (int64_t w = begin; w < end; ++w)
-      for (int64_t it = w; it < num_items; it += workers) {
+      for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
         const Item& item = items[it];
         const int64_t n = starts[item.seq + 1] - starts[item.seq];
         const int64_t ctx0 = lens[item.seq] - n;  // position of the chunk's first row
