@@ -1,10 +1,12 @@
-"""The KV cache's element type on CPU: float32 against float16 (`--kv-cache-dtype`), side by side in
-one process, CPU flags printed; never asserts a timing.
+"""The KV cache's element type on CPU: float32, float16 and bfloat16 (`--kv-cache-dtype`), side by
+side in one process, CPU flags printed; never asserts a timing.
 
 `kernels`: the paged attention ops alone at a model's shape (default SmolLM2-135M: 9 query heads, 3
 KV heads, head dim 64, 30 layers, each layer its own cache so nothing stays in the CPU's caches):
 one decode token (batch 1 and 8) over 128..4096 tokens of context, and a 512-token prefill chunk
-after such a context. Median ms per token for all layers, and float16 / float32.
+after such a context. Median ms per token for all layers, each against float32; bfloat16 runs its
+bf16 arithmetic (csrc/attention_bf16.h) on AVX-512 BF16 where it runs, and emulated with AVX2
+("bfloat16 emulated", the path of CPUs without it).
 
 `engine`: the bundled model (or --model) in two engines, one per cache type, stepped in turn: time
 to first token of a fresh prompt of each length, then the inter-token latency of 32 decoded tokens
@@ -29,7 +31,14 @@ import torch
 
 from benchmarks.bench_utils import cpu_summary
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# kernels: name -> (cache dtype, the bf16 path: 1 the hardware's where it runs, 0 emulated)
+KERNEL_VARIANTS = {
+    "float32": ("float32", 1),
+    "float16": ("float16", 1),
+    "bfloat16": ("bfloat16", 1),
+    "bfloat16 emulated": ("bfloat16", 0),
+}
 
 
 def _caches(layers: int, blocks: int, block_size: int, kv_heads: int, d: int, dtype: torch.dtype):
@@ -52,8 +61,10 @@ def kernels(args: argparse.Namespace) -> None:
     print(
         f"threads={torch.get_num_threads()}, {heads} heads / {kv_heads} KV heads, d {d}, {layers} layers"
     )
-    print("| work | context | float32 ms | float16 ms | float16 / float32 |")
-    print("|---|---|---|---|---|")
+    names = list(KERNEL_VARIANTS)
+    print(f"bf16 attention: {torch.ops.kvserve.attention_bf16_path()}")
+    print("| work | context | " + " | ".join(f"{n} ms" for n in names) + " | vs float32 |")
+    print("|---|---|" + "---|" * (len(names) + 1))
     for ctx in contexts:
         for batch, chunk in ((1, 1), (8, 1), (1, args.chunk)):
             n_seq, seq_len = batch, ctx + chunk - 1  # the chunk's last row sees ctx + chunk keys
@@ -64,15 +75,17 @@ def kernels(args: argparse.Namespace) -> None:
             tables = [[free.pop() for _ in range(per_seq)] for _ in range(n_seq)]
             meta = AttentionMetadata.from_lists([chunk] * n_seq, [seq_len] * n_seq, tables, bs)
             q = torch.randn(n_seq * chunk, heads, d)
-            times: dict[str, list[float]] = {name: [] for name in DTYPES}
+            times: dict[str, list[float]] = {name: [] for name in names}
             caches = {
                 name: _caches(layers, blocks, bs, kv_heads, d, dt) for name, dt in DTYPES.items()
             }
             for rnd in range(args.rounds + 1):
-                order = list(DTYPES) if rnd % 2 == 0 else list(DTYPES)[::-1]
+                order = names if rnd % 2 == 0 else names[::-1]
                 for name in order:
+                    kv, path = KERNEL_VARIANTS[name]
+                    saved = torch.ops.kvserve.attention_bf16_select(path)
                     t0 = time.perf_counter()
-                    for cache in caches[name]:
+                    for cache in caches[kv]:
                         if chunk == 1:
                             cpu_kernels.paged_decode_attention(
                                 q, cache, meta.block_tables, meta.seq_lens, d**-0.5
@@ -84,9 +97,12 @@ def kernels(args: argparse.Namespace) -> None:
                             )  # fmt: skip
                     if rnd:  # the first round warms up
                         times[name].append((time.perf_counter() - t0) * 1000)
-            a, b = (statistics.median(times[n]) for n in DTYPES)
+                    torch.ops.kvserve.attention_bf16_select(saved)
+            med = [statistics.median(times[n]) for n in names]
             work = f"decode, batch {batch}" if chunk == 1 else f"prefill chunk of {chunk}"
-            print(f"| {work} | {ctx} | {a:.2f} | {b:.2f} | {b / a:.2f}x |", flush=True)
+            ratios = ", ".join(f"{m / med[0]:.2f}x" for m in med[1:])
+            cells = " | ".join(f"{m:.2f}" for m in med)
+            print(f"| {work} | {ctx} | {cells} | {ratios} |", flush=True)
 
 
 def _engine(kv: str, args: argparse.Namespace, max_len: int) -> Any:
@@ -126,6 +142,7 @@ VARIANTS = {
     "float32 KV, torch SwiGLU": ("float32", False),
     "float32 KV": ("float32", True),
     "float16 KV": ("float16", True),
+    "bfloat16 KV": ("bfloat16", True),
 }
 
 

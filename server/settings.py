@@ -371,9 +371,10 @@ OPTIONS: tuple[Option, ...] = (
         "kv-cache-dtype",
         "cache.kv_cache_dtype",
         str,
-        "element type of the KV cache: auto = float16 on CPU under block-quantized weights "
-        "(gguf, int8, int4), else the model's dtype; float16 under float32 weights needs the C++ "
-        "CPU kernels",
+        "element type of the KV cache: auto = on CPU under block-quantized weights (gguf, int8, "
+        "int4) bfloat16 where the C++ kernels' AVX-512 BF16 attention runs (bf16 dot products), "
+        "else float16; otherwise the model's dtype. float16 or bfloat16 under float32 weights "
+        "needs the C++ CPU kernels",
         choices=KV_CACHE_DTYPES,
     ),
     Option(

@@ -34,6 +34,9 @@ class CpuFeatures:
     # AMX-INT8 as its child-process probe found it (engine.kernels.amx_probe), "runs (...)",
     # "traps (...)", ...; None for a CPU described from flags only.
     amx: str | None = None
+    # The attention over a bfloat16 KV cache (csrc/attention_bf16.h): "avx512bf16 (vdpbf16ps)",
+    # "emulated (...)"; None where the kernels are not loaded.
+    bf16_attention: str | None = None
 
     @property
     def native_bf16(self) -> bool:
@@ -56,9 +59,11 @@ class CpuFeatures:
         else:
             kernels = "AVX2" if self.block_kernels else "portable (slow)"
         amx = f"; AMX-INT8: {self.amx}" if self.amx is not None else ""
+        bf16 = f"; bf16 attention: {self.bf16_attention}" if self.bf16_attention else ""
         return (
             f"{self.model_name}: torch capability {self.capability}, flags: {flags}; "
             f"native bf16: {'yes' if self.native_bf16 else 'no'}; block kernels: {kernels}{amx}"
+            f"{bf16}"
         )
 
 
@@ -107,6 +112,7 @@ def detect_cpu() -> CpuFeatures:
         text = ""
     name, flags = parse_cpuinfo(text)
     path, reason, running = block_kernel_choice() or (None, "", None)
+    bf16 = str(torch.ops.kvserve.attention_bf16_path()) if path is not None else None
     return CpuFeatures(
         model_name=name or platform.processor() or platform.machine(),
         capability=torch.backends.cpu.get_cpu_capability(),
@@ -115,4 +121,5 @@ def detect_cpu() -> CpuFeatures:
         kernel_reason=reason,
         kernel_paths_running=running,
         amx=amx_status().describe(),
+        bf16_attention=bf16,
     )
