@@ -227,6 +227,7 @@ struct DecodeWork {
   float fscale, fsoftcap;
   int64_t window;
   bool vector = false, split = false;
+  bool bf16_hw = false;  // a bfloat16 cache: the hardware compilation of its kernels runs
   int64_t per = 1, pieces = 1, items = 0;
   // The split path: per sequence, where its scores start in the scratch and its first score task
   // (batch + 1 entries each); the scratch.
@@ -247,6 +248,8 @@ struct DecodeWork {
 #ifdef KV_HAVE_AVX2_ATTENTION
     if constexpr (std::is_same_v<T, float>) {
       vector = cpu_has_avx2_fma() && d % 32 == 0;
+      // (Here, not in a parallel region: the first call runs the probe.)
+      if constexpr (std::is_same_v<KT, bf16>) bf16_hw = vector && bf16_use_hw();
       if (vector) {
         int64_t longest = 0;
         for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, context(b));
@@ -322,7 +325,7 @@ struct DecodeWork {
   void run_split(int phase, int64_t begin, int64_t end) const {
 #ifdef KV_HAVE_AVX2_ATTENTION
     if constexpr (std::is_same_v<T, float> && std::is_same_v<KT, bf16>) {
-      if (bf16_use_hw())
+      if (bf16_hw)
         run_split_bf16<true>(phase, begin, end);
       else
         run_split_bf16<false>(phase, begin, end);
@@ -452,7 +455,7 @@ struct DecodeWork {
 #ifdef KV_HAVE_AVX2_ATTENTION
     if constexpr (std::is_same_v<T, float> && std::is_same_v<KT, bf16>) {
       if (vector) {
-        if (bf16_use_hw())
+        if (bf16_hw)
           run_bf16<true>(begin, end);
         else
           run_bf16<false>(begin, end);

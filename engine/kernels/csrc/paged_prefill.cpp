@@ -205,12 +205,13 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   });
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
+  // Which bf16 kernels run (outside the parallel region: the first call runs the probe).
+  const bool hw = std::is_same_v<KT, bf16> && bf16_use_hw();
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     constexpr bool kBf16 = std::is_same_v<KT, bf16>;
     std::optional<FlushDenormals> flush;  // the bf16 kernels' rounding (attention_bf16.h)
     if (kBf16) flush.emplace();
-    const bool hw = kBf16 && bf16_use_hw();
     std::vector<uint16_t> qb;
     std::vector<QueryVecB> vb;
     std::vector<float> qf, scores;
