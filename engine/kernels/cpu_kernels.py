@@ -43,6 +43,7 @@ _HEADERS = (
     _CSRC / "attention_avx2.h",
     _CSRC / "attention_bf16.h",
     _CSRC / "attention_bf16_kernels.inc",
+    _CSRC / "child_probe.h",
     _CSRC / "layer_rows.h",
     _CSRC / "block_linear.h",
 )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_kernels
+from tests.unit.test_kv_cache_float16 import assert_rope_write_rounds_as_torch
 from tests.unit.test_prefill_kernel import both, random_step
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
@@ -46,6 +47,10 @@ def _step(seed: int, heads: int, kv_heads: int, head_dim: int):
     return q, cache.to(torch.bfloat16), meta
 
 
+def cpu_kernels_have_avx2() -> bool:
+    return not torch.ops.kvserve.attention_bf16_path().startswith("portable")
+
+
 def test_the_path_is_reported():
     path = torch.ops.kvserve.attention_bf16_path()
     assert path.startswith(("avx512bf16", "emulated", "portable")), path
@@ -78,10 +83,6 @@ def test_prefill_is_bitwise_decode_on_every_path_and_the_paths_agree(
         assert not torch.equal(results[0], reference)
     else:
         assert torch.equal(results[0], reference)
-
-
-def cpu_kernels_have_avx2() -> bool:
-    return not torch.ops.kvserve.attention_bf16_path().startswith("portable")
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (700, 30.0)])
@@ -141,17 +142,4 @@ def test_tiny_values_and_a_zero_context_tail_round_alike():
 
 
 def test_rope_write_rounds_into_bfloat16_as_torch_does():
-    torch.manual_seed(3)
-    n, heads, kv_heads, d, block_size = 21, 4, 2, 64, 8
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d) * 300
-    cos, sin = torch.randn(n, d // 2), torch.randn(n, d // 2)
-    slots = torch.randperm(5 * block_size)[:n].long()
-    caches = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        cache = torch.zeros(2, 5, block_size, kv_heads, d, dtype=dtype)
-        x = qkv.clone()
-        cpu_kernels.rope_write_kv(x, cos, sin, cache, slots, heads, kv_heads)
-        caches[dtype] = (cache, x)
-    (c32, x32), (cb, xb) = caches[torch.float32], caches[torch.bfloat16]
-    assert torch.equal(xb, x32)
-    assert torch.equal(cb, c32.to(torch.bfloat16))
+    assert_rope_write_rounds_as_torch(torch.bfloat16)

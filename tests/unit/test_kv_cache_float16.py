@@ -78,22 +78,29 @@ def test_long_contexts_split_over_threads_read_float16_alike(window, softcap):
         torch.set_num_threads(threads)
 
 
-@needs_kernels
-def test_rope_write_rounds_into_float16_as_torch_does():
+def assert_rope_write_rounds_as_torch(dtype: torch.dtype) -> None:
+    """The C++ rotary + cache write into a `dtype` cache under float32 queries: q and k rotate in
+    float32 whatever the cache, and the cache holds the float32 cache's values rounded as torch's
+    `.to(dtype)`."""
     torch.manual_seed(3)
     n, heads, kv_heads, d, block_size = 21, 4, 2, 64, 8
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d) * 300  # some values beyond float16's precision
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d) * 300  # some values beyond 16 bits' precision
     cos, sin = torch.randn(n, d // 2), torch.randn(n, d // 2)
     slots = torch.randperm(5 * block_size)[:n].long()
     caches = {}
-    for dtype in (torch.float32, torch.float16):
-        cache = torch.zeros(2, 5, block_size, kv_heads, d, dtype=dtype)
+    for kind in (torch.float32, dtype):
+        cache = torch.zeros(2, 5, block_size, kv_heads, d, dtype=kind)
         x = qkv.clone()
         cpu_kernels.rope_write_kv(x, cos, sin, cache, slots, heads, kv_heads)
-        caches[dtype] = (cache, x)
-    (c32, x32), (c16, x16) = caches[torch.float32], caches[torch.float16]
-    assert torch.equal(x16, x32)  # q and k rotate in float32 whatever the cache
-    assert torch.equal(c16, c32.to(torch.float16))
+        caches[kind] = (cache, x)
+    (c32, x32), (c16, x16) = caches[torch.float32], caches[dtype]
+    assert torch.equal(x16, x32)
+    assert torch.equal(c16, c32.to(dtype))
+
+
+@needs_kernels
+def test_rope_write_rounds_into_float16_as_torch_does():
+    assert_rope_write_rounds_as_torch(torch.float16)
 
 
 @needs_kernels

@@ -3,19 +3,13 @@
 // definition says), and the ops that report and switch the path.
 #include <torch/library.h>
 
-#include <cerrno>
-#include <csignal>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
-#if defined(__unix__)
-#include <sys/wait.h>
-#include <unistd.h>
-#endif
-
 #include "attention_bf16.h"
+#include "child_probe.h"
 
 namespace kvserve_attention {
 
@@ -60,24 +54,8 @@ std::string bf16_hw_probe() {
     if (!__builtin_cpu_supports("avx512bf16")) return "the CPU lacks avx512_bf16";
     if (!__builtin_cpu_supports("avx512vl")) return "the CPU lacks avx512vl";
     if (!cpu_has_avx2_fma()) return "the CPU lacks avx2, fma or f16c";
-#if defined(__unix__)
-    const pid_t pid = fork();
-    if (pid < 0) return "";  // no child process possible: the flags are all there is to go by
-    if (pid == 0) {
-      alarm(30);
-      _exit(same_bits() ? 0 : 3);
-    }
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0)
-      if (errno != EINTR) return "";
-    if (WIFSIGNALED(status))
-      return "its probe died with signal " + std::to_string(WTERMSIG(status)) + " (" +
-             strsignal(WTERMSIG(status)) + ")";
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 3)
-      return "its probe gave results that differ from the emulated kernels";
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "its probe failed";
-#endif
-    return "";
+    return kvprobe::in_child(same_bits,
+                             "its probe gave results that differ from the emulated kernels");
   }();
   return result;
 }

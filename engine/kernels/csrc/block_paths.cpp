@@ -7,7 +7,6 @@
 
 #include <array>
 #include <atomic>
-#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -16,11 +15,7 @@
 #include <vector>
 
 #include "block_matmul.h"
-
-#if defined(__unix__)
-#include <sys/wait.h>
-#include <unistd.h>
-#endif
+#include "child_probe.h"
 
 namespace {
 
@@ -200,39 +195,23 @@ std::string probe(const PathFns& p) {
   if (name == "portable") return "";
   const std::string flag = missing_flag(name);
   if (!flag.empty()) return "the CPU lacks " + flag;
-#if defined(__unix__)
   static const ProbeCase test;
   static const KProbeCase ktest;
   static const Q5ProbeCase q5test;
   std::vector<float> got4(test.expect4.size()), got8(test.expect8.size()), got40(got4.size());
   std::vector<float> gotk(ktest.expect.size()), got5(q5test.expect.size());
-  const pid_t pid = fork();
-  if (pid < 0) return "";  // no child process possible here: the flags are all there is to go by
-  if (pid == 0) {
-    alarm(30);  // a child that hangs (it should not: no locks, no allocation) dies instead
-    test.run(p, got4.data(), got8.data(), got40.data());
-    ktest.run(p, gotk.data());
-    q5test.run(p, got5.data());
-    const bool same =
-        std::memcmp(got4.data(), test.expect4.data(), got4.size() * sizeof(float)) == 0 &&
-        std::memcmp(got40.data(), test.expect40.data(), got40.size() * sizeof(float)) == 0 &&
-        std::memcmp(got8.data(), test.expect8.data(), got8.size() * sizeof(float)) == 0 &&
-        std::memcmp(gotk.data(), ktest.expect.data(), gotk.size() * sizeof(float)) == 0 &&
-        std::memcmp(got5.data(), q5test.expect.data(), got5.size() * sizeof(float)) == 0;
-    _exit(same ? 0 : 3);
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return "";
-  }
-  if (WIFSIGNALED(status))
-    return "its probe died with signal " + std::to_string(WTERMSIG(status)) + " (" +
-           strsignal(WTERMSIG(status)) + ")";
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 3)
-    return "its probe gave results that differ from the portable loops";
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "its probe failed";
-#endif
-  return "";
+  return kvprobe::in_child(
+      [&] {
+        test.run(p, got4.data(), got8.data(), got40.data());
+        ktest.run(p, gotk.data());
+        q5test.run(p, got5.data());
+        return std::memcmp(got4.data(), test.expect4.data(), got4.size() * sizeof(float)) == 0 &&
+               std::memcmp(got40.data(), test.expect40.data(), got40.size() * sizeof(float)) == 0 &&
+               std::memcmp(got8.data(), test.expect8.data(), got8.size() * sizeof(float)) == 0 &&
+               std::memcmp(gotk.data(), ktest.expect.data(), gotk.size() * sizeof(float)) == 0 &&
+               std::memcmp(got5.data(), q5test.expect.data(), got5.size() * sizeof(float)) == 0;
+      },
+      "its probe gave results that differ from the portable loops");
 }
 
 const std::string& probe_result(size_t i) {

@@ -312,6 +312,23 @@ struct DecodeWork {
     if (!split) return items;
     return phase == 0 ? task_at[batch] : phase == 1 ? batch * heads : batch * kv_heads * (d / 32);
   }
+  // A split-path task of phase 0 (sequence b, KV head h, keys [lo, hi) of its len) or phase 2
+  // (sequence b, KV head h, output values [lo, lo + 32)).
+  struct SplitTask {
+    int64_t b, h, len, lo, hi;
+  };
+  SplitTask split_task(int phase, int64_t task) const {
+    if (phase == 0) {  // the tiles of a head together
+      const int64_t b = std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
+      const int64_t n_tiles = tiles(b), local = task - task_at[b], len = context(b);
+      const int64_t lo = local % n_tiles * kSplitTile;
+      return {b, local / n_tiles, len, lo, std::min(len, lo + kSplitTile)};
+    }
+    const int64_t chunks = d / 32, item = task / chunks, i0 = task % chunks * 32;
+    const int64_t b = item / kv_heads;
+    return {b, item % kv_heads, context(b), i0, i0 + 32};
+  }
+
   // Floats of scratch the split path's scores take (0: none needed).
   int64_t scratch_floats() const { return split ? score_at[batch] : 0; }
 
@@ -333,12 +350,8 @@ struct DecodeWork {
       thread_local std::vector<const KT*> row_buf;
       thread_local std::vector<float> qf;
       for (int64_t task = begin; task < end; ++task) {
-        if (phase == 0) {  // scores: (sequence, KV head, key tile), the tiles of a head together
-          const int64_t b =
-              std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
-          const int64_t n_tiles = tiles(b), local = task - task_at[b];
-          const int64_t h = local / n_tiles, len = context(b);
-          const int64_t lo = local % n_tiles * kSplitTile, hi = std::min(len, lo + kSplitTile);
+        if (phase == 0) {  // scores: (sequence, KV head, key tile)
+          const auto [b, h, len, lo, hi] = split_task(phase, task);
           qf.resize(group * d);
           for (int64_t g = 0; g < group; ++g) {
             const T* qh = qp + b * q_row + (h * group + g) * q_head;
@@ -352,8 +365,7 @@ struct DecodeWork {
           const int64_t b = task / heads, head = task % heads, len = context(b);
           softmax_row_avx2(scratch + score_at[b] + head * len, len, fsoftcap);
         } else {  // P.V: (sequence, KV head, 32 output values)
-          const int64_t chunks = d / 32, i0 = task % chunks * 32, item = task / chunks;
-          const int64_t b = item / kv_heads, h = item % kv_heads, len = context(b);
+          const auto [b, h, len, i0, i1] = split_task(phase, task);
           row_buf.resize(len);
           rows(b, h, 0, len, 1, row_buf.data());
           split_pv_task<KT>(scratch + score_at[b] + h * group * len, row_buf.data(), len, group, d,
@@ -374,11 +386,7 @@ struct DecodeWork {
     thread_local std::vector<uint16_t> qb;
     for (int64_t task = begin; task < end; ++task) {
       if (phase == 0) {
-        const int64_t b =
-            std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
-        const int64_t n_tiles = tiles(b), local = task - task_at[b];
-        const int64_t h = local / n_tiles, len = context(b);
-        const int64_t lo = local % n_tiles * kSplitTile, hi = std::min(len, lo + kSplitTile);
+        const auto [b, h, len, lo, hi] = split_task(phase, task);
         qb.resize(group * d);
         for (int64_t g = 0; g < group; ++g) {
           const float* qh = qp + b * q_row + (h * group + g) * q_head;
@@ -402,8 +410,7 @@ struct DecodeWork {
         else
           bf16_emu::softmax_probs(p, len, fsoftcap);
       } else {
-        const int64_t chunks = d / 32, i0 = task % chunks * 32, item = task / chunks;
-        const int64_t b = item / kv_heads, h = item % kv_heads, len = context(b);
+        const auto [b, h, len, i0, i1] = split_task(phase, task);
         row_buf.resize(len + 1);
         rows(b, h, 0, len, 1, row_buf.data());
         row_buf[len] = zero_row();
