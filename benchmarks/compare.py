@@ -519,11 +519,20 @@ def _read_gbps(threads: int | None) -> float:
     return memory_bandwidth(min_seconds=1.0)["read_gbps"]
 
 
-def _streaming_limit(gguf: str, args: argparse.Namespace, read_gbps: float) -> StreamingLimit:
+def _streaming_limit(
+    gguf: str, args: argparse.Namespace, probes_gbps: list[float]
+) -> StreamingLimit:
+    """The file's limit with the median of the read-bandwidth probes taken around its run (the
+    machines are shared: one probe moved 30-57 GB/s between moments of the same day)."""
     from benchmarks.gguf_files import describe
 
     context = args.input_len + args.output_len // 2  # the mean context of a c=1 decode step
-    return StreamingLimit(describe(gguf, context)["bytes_per_token"], read_gbps, context)
+    return StreamingLimit(
+        describe(gguf, context)["bytes_per_token"],
+        statistics.median(probes_gbps),
+        context,
+        tuple(probes_gbps),
+    )
 
 
 def _type_line(gguf: str) -> str:
@@ -534,8 +543,10 @@ def _type_line(gguf: str) -> str:
 
 def run_one(
     args: argparse.Namespace, gguf: str | None, log_dir: Path, cpu: str, read_gbps: float | None
-) -> tuple[dict[str, Any], StreamingLimit | None]:
-    """Both servers on one model (file): every level, every round; prints and returns the payload."""
+) -> tuple[dict[str, Any], StreamingLimit | None, float | None]:
+    """Both servers on one model (file): every level, every round; prints and returns the payload,
+    the file's streaming limit and the read bandwidth probed after the run (with `read_gbps`, the
+    one before it, the limit's probes)."""
     args.model_dir = _resolve_model_dir(gguf or args.model)  # also the prompts' tokenizer
     targets, peer = _targets(args, gguf)
     runs = run_interleaved(targets, args, log_dir)
@@ -544,7 +555,10 @@ def run_one(
         for name, levels in runs.items()
     }
     print(format_comparison(results, peer))
-    limit = _streaming_limit(gguf, args, read_gbps) if gguf and read_gbps else None
+    after = _read_gbps(args.threads) if gguf and read_gbps else None
+    limit = (
+        _streaming_limit(gguf, args, [read_gbps, after]) if gguf and read_gbps and after else None
+    )
     if gguf:
         title = _type_line(gguf)
         print(
@@ -568,7 +582,7 @@ def run_one(
         "runs": runs,
         "ratios": _ratios(results, peer),
     }
-    return payload, limit
+    return payload, limit, after
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -591,12 +605,13 @@ def main(argv: list[str] | None = None) -> int:
     payloads, rows = [], []
     for gguf in args.files:
         try:
-            payload, limit = run_one(args, gguf, log_dir, cpu, read_gbps)
+            payload, limit, after = run_one(args, gguf, log_dir, cpu, read_gbps)
         except ValueError as e:  # a file kvserve cannot read: keep the others
             logger.error("%s: %s", gguf, e)
             payloads.append({"model": gguf, "error": str(e)})
             continue
         payloads.append(payload)
+        read_gbps = after or read_gbps  # the next file's probe before
         if gguf:
             peer = payload["peer"]
             res = payload["results"]

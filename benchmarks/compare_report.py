@@ -25,8 +25,9 @@ class StreamingLimit:
     """Batch-1 decode can be no faster than streaming its bytes once: bytes / read bandwidth."""
 
     bytes_per_token: float
-    read_gbps: float
+    read_gbps: float  # the median of the probes
     context_len: int
+    probes_gbps: tuple[float, ...] = ()  # read bandwidth measured before and after the file's run
 
     @property
     def itl_ms(self) -> float:
@@ -81,6 +82,12 @@ def format_file_summary(
             f"weight-streaming limit at c=1: {limit.bytes_per_token / 1e6:.1f} MB per token "
             f"(context {limit.context_len}) / {limit.read_gbps:.1f} GB/s read = "
             f"{limit.itl_ms:.2f} ms"
+            + (
+                f" (read bandwidth probes before and after: "
+                f"{', '.join(f'{g:.1f}' for g in limit.probes_gbps)} GB/s)"
+                if len(limit.probes_gbps) > 1
+                else ""
+            )
         )
         a = figure(kv.get("1"), "itl_ms", "median")
         b = figure(peer.get("1"), "itl_ms", "median")

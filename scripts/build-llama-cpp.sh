@@ -11,6 +11,8 @@
 # switched on only when /proc/cpuinfo lists every flag it compiles for. AMX stays OFF whatever cpuid
 # says: some Xeons advertise amx_tile/amx_int8 but trap on `tilezero`. No CURL, no OpenSSL, no web UI
 # download. Runs `nice -n 10` with -j2 (JOBS=N to change). About 10-15 minutes on 2 shared cores.
+# MAX_ISA=avx2 builds as for a CPU without AVX-512 or VNNI (an AVX2-only machine's llama.cpp, beside
+# kvserve run with KVSERVE_BLOCK_KERNELS=avx2 --kv-cache-dtype float16; README, "AVX2-only").
 set -euo pipefail
 
 DEST=${1:?usage: $0 DEST (folder for the sdist, source and build, outside the repository)}
@@ -37,6 +39,12 @@ fi
 
 # cmake option -> the cpuinfo flags it compiles for (all must be present)
 flags=" $(grep -m1 -E '^(flags|Features)' /proc/cpuinfo | cut -d: -f2) "
+if [[ ${MAX_ISA:-} == avx2 ]]; then  # drop every flag past AVX2 (AVX-512*, VNNI, AMX)
+    flags=" $(tr ' ' '\n' <<<"$flags" | grep -v -E '^(avx512|avx_vnni|amx)' | tr '\n' ' ') "
+elif [[ -n ${MAX_ISA:-} ]]; then
+    echo "MAX_ISA: only avx2 is known, not '$MAX_ISA'" >&2
+    exit 2
+fi
 has() { for f in "$@"; do [[ $flags == *" $f "* ]] || return 1; done; }
 isa=()
 on=()

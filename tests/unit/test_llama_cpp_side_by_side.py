@@ -103,6 +103,9 @@ def test_file_summary_shows_ratios_long_prompts_and_itl_over_the_limit():
     assert "kvserve 4.00x, llama.cpp 5.00x" in text  # 8 ms and 10 ms over a 2 ms limit
     table = compare_report.format_markdown([("Q4_0.gguf", kv, peer, limit)])
     assert "| Q4_0.gguf | output tok/s c=32 | 600.0 | 200.0 | 3.00x |" in table
+    probed = compare_report.StreamingLimit(40e6, 20.0, 160, (18.0, 22.0))  # their median: 20
+    text = compare_report.format_file_summary("Q4_0", kv, peer, "llama.cpp", probed)
+    assert "probes before and after: 18.0, 22.0 GB/s" in text and "kvserve 4.00x" in text
 
 
 def test_llama_cpp_context_and_options():
