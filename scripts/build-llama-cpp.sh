@@ -17,6 +17,10 @@ set -euo pipefail
 
 DEST=${1:?usage: $0 DEST (folder for the sdist, source and build, outside the repository)}
 JOBS=${JOBS:-2}
+if [[ -n ${MAX_ISA:-} && $MAX_ISA != avx2 ]]; then
+    echo "MAX_ISA: only avx2 is known, not '$MAX_ISA'" >&2
+    exit 2
+fi
 PYTHON=${PYTHON:-python3}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
@@ -41,9 +45,6 @@ fi
 flags=" $(grep -m1 -E '^(flags|Features)' /proc/cpuinfo | cut -d: -f2) "
 if [[ ${MAX_ISA:-} == avx2 ]]; then  # drop every flag past AVX2 (AVX-512*, VNNI, AMX)
     flags=" $(tr ' ' '\n' <<<"$flags" | grep -v -E '^(avx512|avx_vnni|amx)' | tr '\n' ' ') "
-elif [[ -n ${MAX_ISA:-} ]]; then
-    echo "MAX_ISA: only avx2 is known, not '$MAX_ISA'" >&2
-    exit 2
 fi
 has() { for f in "$@"; do [[ $flags == *" $f "* ]] || return 1; done; }
 isa=()
