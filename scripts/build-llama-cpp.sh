@@ -12,7 +12,8 @@
 # says: some Xeons advertise amx_tile/amx_int8 but trap on `tilezero`. No CURL, no OpenSSL, no web UI
 # download. Runs `nice -n 10` with -j2 (JOBS=N to change). About 10-15 minutes on 2 shared cores.
 # MAX_ISA=avx2 builds as for a CPU without AVX-512 or VNNI (an AVX2-only machine's llama.cpp, beside
-# kvserve run with KVSERVE_BLOCK_KERNELS=avx2 --kv-cache-dtype float16; README, "AVX2-only").
+# kvserve run with KVSERVE_BLOCK_KERNELS=avx2 ATEN_CPU_CAPABILITY=avx2 --kv-cache-dtype float16;
+# README, "Against llama.cpp's server on the same CPU").
 set -euo pipefail
 
 DEST=${1:?usage: $0 DEST (folder for the sdist, source and build, outside the repository)}

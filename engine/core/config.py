@@ -16,8 +16,9 @@ Task = Literal["generate", "embed"]  # what a built engine does
 TASKS: tuple[Task, ...] = ("generate", "embed")
 POOLINGS = ("auto", "mean", "cls", "last")
 QUANTIZATIONS = ("auto", "int8", "int4", "gguf")  # and "none" (stored as None)
-# auto: float16 on CPU under block-quantized weights (the C++ kernels widen it on load; half the
-# bytes a long context's attention reads), else the model's dtype (engine.kernels.kv_dtype)
+# auto: on CPU under block-quantized weights bfloat16 where the hardware bf16 attention runs, else
+# float16 (half the bytes a long context's attention reads); otherwise the model's dtype
+# (engine.kernels.kv_dtype)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
