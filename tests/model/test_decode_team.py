@@ -68,6 +68,23 @@ def tiny_qwen2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
+def tiny_llama_biases_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with attention and MLP biases (mlp_bias: gate/up and down)."""
+    from transformers import LlamaConfig
+
+    from tests.model.tiny_models import save_tiny_checkpoint
+
+    smol = json.loads((smollm2_dir / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=smol["vocab_size"], hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=True, attention_bias=True,
+        mlp_bias=True, bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
+    )  # fmt: skip
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("llama_biases"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
 def tiny_qwen3_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Qwen3: per-head q/k norms."""
     from tests.model.test_qwen3 import qwen3_config
@@ -160,18 +177,23 @@ def test_every_block_format_and_mixed_parts(mixed_gguf: LLM, rows: int, threads:
     _assert_team_equals_per_op(mixed_gguf, rows, threads, torch.float16)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_biases"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_biases_and_qk_norms(request, family: str, kv_dtype: torch.dtype) -> None:
     folder = request.getfixturevalue(f"tiny_{family}_dir")
     llm = LLM(str(folder), dtype="float32", quantization="int4", max_num_seqs=4)
+    gen = torch.Generator().manual_seed(5)
     for layer in llm.engine.model.layers:
         attn = layer.self_attn
-        if family == "qwen2":  # (transformers initialises biases to zero)
-            assert attn.qkv_bias is not None
-            attn.qkv_bias.data.normal_(0, 1, generator=torch.Generator().manual_seed(5))
-        else:
+        if family == "qwen3":
             assert attn.q_norm is not None
+            continue
+        assert attn.qkv_bias is not None  # (transformers initialises biases to zero)
+        attn.qkv_bias.data.normal_(0, 1, generator=gen)
+        if family == "llama_biases":  # and o, gate/up, down
+            for bias in (attn.o_bias, layer.mlp.gate_up_bias, layer.mlp.down_bias):
+                assert bias is not None
+                bias.data.normal_(0, 1, generator=gen)
     for rows in (1, 5):
         _assert_team_equals_per_op(llm, rows, 2, kv_dtype)
 
