@@ -50,21 +50,26 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     return LLM(str(path), quantization="gguf", cache_dir=cache, max_num_seqs=4)
 
 
+def _tiny_dir(smollm2_dir: Path, folder: Path, config_class: type, **extra: Any) -> Path:
+    """A 2-layer random-weight checkpoint of config_class with SmolLM2's tokenizer and vocab."""
+    from tests.model.tiny_models import save_tiny_checkpoint
+
+    smol = json.loads((smollm2_dir / "config.json").read_text())
+    config = config_class(
+        vocab_size=smol["vocab_size"], hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"), **extra,
+    )  # fmt: skip
+    return save_tiny_checkpoint(config, folder, smollm2_dir)
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen2_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Qwen2: biases on q, k and v."""
     from transformers import Qwen2Config
 
-    from tests.model.tiny_models import save_tiny_checkpoint
-
-    smol = json.loads((smollm2_dir / "config.json").read_text())
-    config = Qwen2Config(
-        vocab_size=smol["vocab_size"], hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
-    )  # fmt: skip
-    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("qwen2"), smollm2_dir)
+    return _tiny_dir(smollm2_dir, tmp_path_factory.mktemp("qwen2"), Qwen2Config)
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +77,8 @@ def tiny_llama_biases_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFa
     """A 2-layer Llama with attention and MLP biases (mlp_bias: gate/up and down)."""
     from transformers import LlamaConfig
 
-    from tests.model.tiny_models import save_tiny_checkpoint
-
-    smol = json.loads((smollm2_dir / "config.json").read_text())
-    config = LlamaConfig(
-        vocab_size=smol["vocab_size"], hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, tie_word_embeddings=True, attention_bias=True,
-        mlp_bias=True, bos_token_id=smol.get("bos_token_id"), eos_token_id=smol.get("eos_token_id"),
-    )  # fmt: skip
-    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("llama_biases"), smollm2_dir)
+    folder = tmp_path_factory.mktemp("llama_biases")
+    return _tiny_dir(smollm2_dir, folder, LlamaConfig, attention_bias=True, mlp_bias=True)
 
 
 @pytest.fixture(scope="module")
