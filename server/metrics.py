@@ -211,8 +211,8 @@ class ServerMetrics:
             self.request_success.labels(reason)
             for request_kind in REQUEST_KINDS:
                 self.requests.labels(request_kind, reason)
-        for kind in STEP_KINDS:
-            self.step_duration.labels(kind)
+        # Each step kind's child, looked up once (labels() costs a lock and a dict per call).
+        self._step_duration_by_kind = {kind: self.step_duration.labels(kind) for kind in STEP_KINDS}
 
     def _histogram(
         self, name: str, doc: str, buckets: Sequence[float] = REQUEST_LATENCY_BUCKETS
@@ -230,12 +230,21 @@ class ServerMetrics:
         self._engine = engine
 
     def on_step(self, stats: StepStats) -> None:
-        self.prompt_tokens.inc(stats.num_new_prompt_tokens)
-        self.generation_tokens.inc(stats.num_generation_tokens)
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
-        self.preemptions.inc(stats.num_preemptions)
-        self.step_duration.labels(stats.kind).observe(stats.duration)
+        # Once per step on the event loop, beside every stream's tokens: counters that did not
+        # move are left alone (most steps are pure decodes).
+        if stats.num_new_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_new_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        step = self._step_duration_by_kind.get(stats.kind)
+        if step is None:
+            step = self._step_duration_by_kind[stats.kind] = self.step_duration.labels(stats.kind)
+        step.observe(stats.duration)
         self.step_batch_tokens.observe(stats.num_batched_tokens)
         if stats.spec_num_drafts:
             self.spec_num_drafts.inc(stats.spec_num_drafts)

@@ -155,11 +155,16 @@ class InputBatch:
         slots = slots0 if one_group else sum(group_slots, [])
         packed = torch.tensor(input_ids + positions + slots + rows + starts + seq_lens)
         at = (2 + self.num_groups) * num_tokens
-        picked = packed[at : at + num_seqs]
-        # [num_seqs, width] per group
-        tables = [group[picked, :width] for group in self.group_tables]
-        ints = packed[at + num_seqs :].to(torch.int32)  # [num_seqs + 1 | num_seqs]
+        # [num_seqs, width] per group: one sequence on the host reads its row in place (a view, no
+        # gather: the step ends before the next prepare writes the tables again)
         dev = self.device
+        if num_seqs == 1 and dev.type == "cpu":
+            r = rows[0]
+            tables = [group[r : r + 1, :width] for group in self.group_tables]
+        else:
+            picked = packed[at : at + num_seqs]
+            tables = [group[picked, :width] for group in self.group_tables]
+        ints = packed[at + num_seqs :].to(torch.int32)  # [num_seqs + 1 | num_seqs]
         if dev.type != "cpu":
             packed = packed.to(dev, non_blocking=True)
             ints = ints.to(dev, non_blocking=True)

@@ -214,6 +214,11 @@ class BlockQ8Weight(_BlockWeight):
         return BlockValues("q8_0", q[:n], d[:n], torch.zeros_like(d[:n]))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, K] float32, dequantized rows
+        if self.qs.device.type == "cpu" and ids.dtype == torch.int64:  # one op, the same values
+            return kernels().q8_rows(self.qs, self.d, ids)  # type: ignore[attr-defined]
+        return self.rows_torch(ids)
+
+    def rows_torch(self, ids: torch.Tensor) -> torch.Tensor:  # rows() in torch ops, any device
         group, lane = ids // GROUP, ids % GROUP
         q = self.qs.view(self.groups, self.blocks, 8, GROUP, 4)[
             group, :, :, lane, :

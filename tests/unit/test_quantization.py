@@ -201,6 +201,25 @@ def test_values_round_trip_through_the_interleaved_layout(kind: str) -> None:
         BlockValues.cat([quantize_q8_0(torch.randn(8, 32)), quantize_q4_1(torch.randn(8, 32))])
 
 
+@needs_kernels
+@pytest.mark.parametrize("out_features", [8, 43, 200])
+def test_embedding_rows_in_one_op_are_the_torch_lookup_bit_for_bit(out_features: int) -> None:
+    torch.manual_seed(3)
+    w = torch.randn(out_features, 96) * torch.logspace(-3, 2, out_features)[:, None]
+    w[1, :32] = 0.0  # a zero block (scale 0)
+    weight = _weight("q8_0", w)
+    ids = torch.tensor([0, out_features - 1, 1, 5 % out_features, 0, out_features // 2])
+    got = weight.rows(ids)
+    assert got.dtype == torch.float32 and got.shape == (len(ids), 96)
+    assert torch.equal(got, weight.rows_torch(ids))
+    assert torch.equal(got, weight.dequantize()[ids])
+    assert weight.rows(ids[:0]).shape == (0, 96)
+    with pytest.raises(RuntimeError, match="out of range"):
+        weight.rows(torch.tensor([out_features + 8]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        weight.rows(torch.tensor([-1]))
+
+
 def test_weight_bytes_are_those_of_the_formats() -> None:
     w = torch.randn(64, 256)
     # Q8_0: 34 bytes per 32 values; Q4_1: 20 bytes per 32 values (GGUF's own sizes)
