@@ -165,27 +165,31 @@ class KVCacheManager:
         tiers = self.tiers
         if tiers is not None:  # the tiers fill the pool's gaps, up to the whole reusable prefix
             hit, loads = tiers.extend(seq, found, max_blocks, self.windows, self._longest_usable)
-        for g, blocks in enumerate(found):
-            hit = min(hit, self._longest_usable(g, blocks, hit))
+        else:
+            hit = self._longest_usable(found, hit)
         if hit == 0:
             return None
-        tables = []
+        tables: list[list[int]] = []
         for g, blocks in enumerate(found):
             first = self._first_needed(g, hit)
-            tables.append([NULL_BLOCK] * first + [b for b in blocks[first:hit] if b is not None])
+            needed = [b for b in blocks[first:hit] if b is not None]
+            assert len(needed) == hit - first, "a usable hit has every block it reads"
+            tables.append([NULL_BLOCK] * first + needed)
         return PrefixHit(hit, tuple(tables), tuple(loads))
 
-    def _longest_usable(self, group: int, blocks: list[int | None], limit: int) -> int:
-        """The largest h <= limit whose needed blocks [first_needed(h), h) are all in `blocks`."""
-        run = 0  # cached blocks in a row ending at block i
-        best = 0
-        for i in range(limit):
-            run = run + 1 if blocks[i] is not None else 0
-            if self.windows[group] is None and run == 0:
-                break  # full attention: a gap ends every longer prefix
-            if run >= i + 1 - self._first_needed(group, i + 1):
-                best = i + 1
-        return best
+    def _longest_usable(self, found: list[list[int | None]], limit: int) -> int:
+        """The largest h <= limit at which every group has the blocks a sequence resuming at block h
+        reads, [first_needed(h), h) (all of [0, h) for full attention), in `found`. Usable at h does
+        not make a sliding group usable at h - 1 (its window then reaches one block further back),
+        so the groups agree on one h, never on the smallest of their own longest ones."""
+        usable = [True] * (limit + 1)  # usable[h], h = 0..limit
+        for g, blocks in enumerate(found):
+            run = 0  # found blocks in a row ending at block i
+            for i in range(limit):
+                run = run + 1 if blocks[i] is not None else 0
+                if run < i + 1 - self._first_needed(g, i + 1):
+                    usable[i + 1] = False
+        return next((h for h in range(limit, 0, -1) if usable[h]), 0)
 
     def _shared_from(self, source: Sequence, num_blocks: int) -> PrefixHit | None:
         """`source`'s blocks for the leading `num_blocks` blocks, if it still holds all that a

@@ -193,7 +193,7 @@ class KVTiers:
         found: list[list[int | None]],
         max_blocks: int,
         windows: tuple[int | None, ...],
-        usable: Callable[[int, list[int | None], int], int],
+        usable: Callable[[list[list[int | None]], int], int],
     ) -> tuple[int, list[TierLoad]]:
         """Fill the pool lookup's gaps (`found`: per group, the pool's block per matched block) with
         TIER_BLOCK where a tier holds the block, up to `max_blocks`; returns the usable prefix length
@@ -216,9 +216,7 @@ class KVTiers:
                         break  # full attention: no later block helps a prefix through a gap
         prepared: dict[tuple[int, int], Tier] = {}
         while True:
-            hit = max_blocks
-            for g, blocks in enumerate(found):
-                hit = min(hit, usable(g, blocks, hit))
+            hit = usable(found, max_blocks)
             failed = False
             for g, blocks in enumerate(found):
                 for i in range(first_needed(g, hit), hit):
