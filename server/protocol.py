@@ -40,6 +40,27 @@ def _non_empty_salt(value: str) -> str:
 # with requests of the same salt (a tenant's own); an empty salt is refused, as vLLM does.
 CacheSalt = Annotated[str, AfterValidator(_non_empty_salt)]
 
+MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def _metadata_limits(value: dict[str, str]) -> dict[str, str]:
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(f"at most {MAX_METADATA_KEYS} keys")
+    long = next((k for k in value if len(k) > MAX_METADATA_KEY_CHARS), None)
+    if long is not None:
+        raise ValueError(f"keys are at most {MAX_METADATA_KEY_CHARS} characters")
+    return value
+
+
+# OpenAI's `metadata` (chat completions, Responses): up to 16 string pairs for the caller's own
+# bookkeeping; checked as OpenAI does, never read by the model.
+Metadata = Annotated[
+    dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
+    AfterValidator(_metadata_limits),
+]
+
 
 # Deeper than this, a request's JSON is no structure a model can be asked for (llguidance refuses
 # schemas past ~127 levels) and would only exhaust recursion further on: a 400 names the depth.
@@ -359,6 +380,18 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
+class PredictionText(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(StrictModel):
+    """OpenAI's predicted output (`prediction`): content the answer will likely repeat."""
+
+    type: Literal["content"]
+    content: str | list[PredictionText]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = False
@@ -371,6 +404,11 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Literal["none"] | None = None
     modalities: list[Literal["text"]] | None = None
     store: Literal[False] | None = None
+    metadata: Metadata | None = None
+    # One tier here: what "auto" and "default" ask for (flex and priority are refused below).
+    service_tier: Literal["auto", "default"] | None = None
+    # Predicted output: only a hint to go faster, never a change to the text; taken and not used.
+    prediction: Prediction | None = None
     prompt_cache_key: str | None = None  # a routing hint; prefix caching is automatic here
     safety_identifier: str | None = None
     # Extensions.
@@ -384,10 +422,7 @@ class ChatCompletionRequest(SamplingFields):
     # Not implemented: any value is a 400.
     functions: None = None
     audio: None = None
-    prediction: None = None
     reasoning_effort: ReasoningEffort | None = None
-    service_tier: None = None
-    metadata: None = None
     web_search_options: None = None
     verbosity: None = None
 

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 
 from server.protocol import (
     CacheSalt,
+    Metadata,
     NonNegInt,
     OpenModel,
     PartError,
@@ -16,11 +17,6 @@ from server.protocol import (
     StrictModel,
     typed_union,
 )
-
-MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
-Metadata = dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]]
 
 
 class InputText(StrictModel):
@@ -214,17 +210,6 @@ class ResponsesRequest(StrictModel):
     service_tier: None = None
     conversation: None = None
     prompt: None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_limits(cls, value: Metadata | None) -> Metadata | None:
-        if value is not None:
-            if len(value) > MAX_METADATA_KEYS:
-                raise ValueError(f"at most {MAX_METADATA_KEYS} keys")
-            long = next((k for k in value if len(k) > MAX_METADATA_KEY_CHARS), None)
-            if long is not None:
-                raise ValueError(f"keys are at most {MAX_METADATA_KEY_CHARS} characters")
-        return value
 
 
 # ----------------------------------------------------------------------------------------- responses

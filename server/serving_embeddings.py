@@ -82,11 +82,10 @@ def _encode(tokenizer: Tokenizer, text: str, keep: int | None, prompt: str = "")
     )
     room = keep - num_special - num_prompt
     if room <= 0:
-        if num_prompt == 0:
-            return ids[-keep:]
+        held = f"{num_prompt}-token instruction prompt and " if num_prompt else ""
         raise invalid_request(
-            f"truncate_prompt_tokens ({keep}) leaves no room for the text after the model's "
-            f"{num_prompt}-token instruction prompt and {num_special} special tokens",
+            f"truncate_prompt_tokens ({keep}) leaves no room for the text beside the model's "
+            f"{held}{num_special} special tokens",
             "truncate_prompt_tokens",
         )
     kept = content[:num_prompt] + content[len(content) - room :]

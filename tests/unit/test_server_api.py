@@ -256,6 +256,38 @@ async def test_chat_accepts_null_unsupported_fields_and_text_format(
     assert (await client.post("/v1/chat/completions", json=payload)).status_code == 200
 
 
+async def test_chat_takes_openai_bookkeeping_fields_and_refuses_what_it_cannot_do(
+    client: httpx.AsyncClient,
+) -> None:
+    """metadata, service_tier auto/default and a predicted output change nothing in the answer
+    (OpenAI's SDK sends them as any client may); features this server lacks stay named 400s."""
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    plain = (await client.post("/v1/chat/completions", json=base)).json()
+    for extra in (
+        {"metadata": {"team": "search", "run": "7"}},
+        {"service_tier": "auto"},
+        {"service_tier": "default"},
+        {"prediction": {"type": "content", "content": "hello"}},
+        {"prediction": {"type": "content", "content": [{"type": "text", "text": "hello"}]}},
+    ):
+        r = await client.post("/v1/chat/completions", json={**base, **extra})
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"] == plain["choices"]
+    for extra, param in (
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"prediction": {"type": "other", "content": "x"}}, "prediction"),
+        ({"store": True}, "store"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"verbosity": "low"}, "verbosity"),
+    ):
+        r = await client.post("/v1/chat/completions", json={**base, **extra})
+        err = _assert_error(r, 400)
+        assert (err["param"] or "").startswith(param), (extra, err)
+
+
 async def test_malformed_json_unknown_route_model_and_context(client: httpx.AsyncClient) -> None:
     r = await client.post(
         "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"}

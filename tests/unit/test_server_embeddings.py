@@ -189,6 +189,16 @@ async def test_too_long_input_and_truncation(
     _error(
         await _embed(client, input="abc", truncate_prompt_tokens=-2), 400, "truncate_prompt_tokens"
     )
+    # Too few to hold the special tokens and one token of text: a 400, never a vector of [SEP].
+    for keep in (1, 2):
+        err = _error(
+            await _embed(client, input=text, truncate_prompt_tokens=keep),
+            400,
+            "truncate_prompt_tokens",
+        )
+        assert "2 special tokens" in err["message"]
+    await _embed(client, input=text, truncate_prompt_tokens=3)
+    assert engine.requests[-1][1] == [CLS, ord("9"), SEP]
 
 
 @pytest.mark.parametrize("bad", ["", [], [""], ["ok", ""], [[]], [[3], []]])
