@@ -293,7 +293,12 @@ class KVCacheManager:
                 revived += sum(1 for b in table[first:] if b >= 0 and self.pool.ref_counts[b] == 0)
             revived += len(hit.loads)  # a tier's blocks are loaded into fresh ones
         if max(0, num_new_blocks) * self.num_groups + revived > self.pool.num_free:
-            return False
+            if tables is None or hit is not None or not self._release(seq, tables, hold=False):
+                return False
+            # The prompt blocks held for siblings went back (they compute their own prompt): a
+            # sequence never waits, or preempts itself, for blocks it keeps only for others.
+            if max(0, num_new_blocks) * self.num_groups > self.pool.num_free:
+                return False
         if hit is not None:
             tables = self._adopt(seq, hit)
         elif tables is None:
@@ -327,16 +332,21 @@ class KVCacheManager:
             if tables is not None:
                 self._release(seq, tables)
 
-    def _release(self, seq: Sequence, tables: list[list[int]]) -> None:
-        position = self._release_point(seq)
+    def _release(self, seq: Sequence, tables: list[list[int]], hold: bool = True) -> bool:
+        """Give back the sliding groups' blocks before the release point (hold=False: before the
+        next position `seq` computes, its siblings' share or not); True when any went back."""
+        position = self._release_point(seq) if hold else seq.num_computed_tokens
         skipped = self.num_skipped[seq.seq_id]
+        released = False
         for g in self.sliding:
             table = tables[g]
             first = min(first_needed_block(self.windows[g], position, self.block_size), len(table))
             for i in range(skipped[g], first):  # oldest first: the first eviction candidates
                 self.pool.release(table[i])
                 table[i] = NULL_BLOCK
+                released = True
             skipped[g] = max(skipped[g], first)
+        return released
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the now-computed full blocks of `seq` so later requests can reuse them."""

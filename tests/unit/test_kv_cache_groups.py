@@ -344,3 +344,35 @@ def test_mixed_groups_under_pressure_with_prefix_caching_keep_whole_tables(
         assert kv.num_free_blocks == 24, seed
         total_hits += kv.stats.hits
     assert total_preempted > 0 and total_hits > 0  # the pressure this test is about
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_leader_never_preempts_itself_for_the_blocks_it_keeps_for_its_followers(caching: bool):
+    """n = 3 on a sliding-window model with a pool of 2 blocks of 16: the leader keeps its prompt's
+    blocks for the followers to share, but decoding on needs a third block. It gives the kept
+    blocks back (the followers compute their own prompt) instead of preempting itself and starting
+    over forever, which stalled every request behind it (QA's scheduler fuzz)."""
+    kv = KVCacheManager(2, 16, enable_prefix_caching=caching, windows=(13,))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=3), kv)
+    group = make_group("g", list(range(100, 122)), n=3, max_tokens=15)
+    other = make_group("o", list(range(300, 310)), max_tokens=5)
+    sched.add_group(group)
+    sched.add_group(other)
+    preempted = 0
+    for _ in range(2000):
+        if not sched.running and not sched.waiting:
+            break
+        out = sched.schedule()
+        preempted += len(out.preempted)
+        sched.update_from_output(out, RunnerOutput())
+        for s in out.scheduled:
+            if s.needs_sample and not s.seq.status.finished:
+                s.seq.append_token(7)
+                if s.seq.num_output_tokens >= s.seq.group.max_output_tokens:
+                    sched.finish(s.seq, SequenceStatus.FINISHED_LENGTH)
+    assert not sched.running and not sched.waiting
+    assert (
+        all(s.num_output_tokens == 15 for s in group.seqs) and other.seqs[0].num_output_tokens == 5
+    )
+    assert preempted < 20
+    assert kv.num_free_blocks == 2
