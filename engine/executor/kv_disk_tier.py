@@ -172,8 +172,8 @@ class DiskTier:
     def read(self, key: TierKey) -> torch.Tensor | None:
         with self.lock:
             pending = self.writing.get(key.name)
-        if pending is not None and pending[0] == key:
-            return pending[1]
+        if pending is not None and pending[0] == key:  # still queued: its entry's tensor
+            return pending[1].ready_tensor()
         path = self.root / (key.name + SUFFIX)
         try:
             data = path.read_bytes()

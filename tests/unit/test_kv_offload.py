@@ -259,3 +259,38 @@ def test_with_no_host_tier_and_the_disk_tier_off_nothing_is_saved_or_counted(tmp
     compute(kv, make_seq(list(range(100, 105)), "b"))  # evicts a's cached block
     assert tiers.take() is None  # no save queued: nothing would keep it
     disk.close()
+
+
+def test_a_block_still_queued_for_the_disk_is_read_back_from_its_entry(tmp_path):
+    """Disk tier only: a hit on a block whose write is still queued is served from the queued
+    entry (QA: it came back as the entry itself, which the store wrapped again, and the engine
+    loop died on the first hit in that window)."""
+    import threading
+
+    import torch
+
+    from engine.executor.kv_store import Entry, TieredKVStore
+
+    class Held(Entry):  # the writer thread waits on this one until released
+        release = threading.Event()
+
+        def ready_tensor(self) -> torch.Tensor:
+            self.release.wait(timeout=60)
+            return self.tensor
+
+    stats = KVOffloadStats()
+    disk = _disk(tmp_path / "kv", stats)
+    store = TieredKVStore(0, disk, stats)
+    first = PrefixKeys(None, list(range(50, 54)), BS).key(0, 0)
+    key = PrefixKeys(None, list(range(4)), BS).key(0, 0)
+    value = torch.arange(2 * BS * 2, dtype=torch.float32).view(1, 2, BS, 1, 2)
+    store.put(first, Held(torch.zeros_like(value)))  # occupies the writer
+    store.put(key, Entry(value))  # queued behind it
+    assert disk.contains(key)
+    assert store.prepare(key) == "disk"
+    assert torch.equal(store.take(key).ready_tensor(), value)
+    Held.release.set()
+    store.close()
+    fresh = TieredKVStore(0, _disk(tmp_path / "kv", KVOffloadStats()), KVOffloadStats())
+    assert fresh.prepare(key) == "disk" and torch.equal(fresh.take(key).ready_tensor(), value)
+    fresh.close()
