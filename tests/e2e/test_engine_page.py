@@ -78,6 +78,18 @@ PIXEL_STATE = """(blockId) => {
 }"""
 
 
+# The first block whose state is shared, with its holders and the colour drawn for it, all read in one
+# frame; null (keep waiting) while none is. An array, never a bare id: block 0 would read as "not yet".
+SHARED_BLOCK = f"""() => {{
+  const page = window.enginePage, states = page.snap ? page.snap.kv.states : "";
+  for (let i = 0; i < states.length; i++) {{
+    const holders = page.holders.get(i) || [];
+    if (states[i] === 's' && holders.length > 1) return [i, holders, ({PIXEL_STATE})(i)];
+  }}
+  return null;
+}}"""
+
+
 def test_engine_page_shows_steps_shared_blocks_and_cached_free(page_server: ServerProcess) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     ARTIFACTS.mkdir(exist_ok=True)
@@ -99,14 +111,13 @@ def test_engine_page_shows_steps_shared_blocks_and_cached_free(page_server: Serv
             ]
             for w in workers:
                 w.start()
-            page.wait_for_function("window.enginePage.counts.shared > 0", timeout=60_000)
+            # One read of one snapshot: a block drawn shared whose holders name several sequences (the
+            # page redraws between two evaluate calls, so state, holders and pixel are read together).
+            found = page.wait_for_function(SHARED_BLOCK, timeout=60_000).json_value()
             steps_seen = page.evaluate(LAST_STEP)
-            shared = page.evaluate(
-                "[...window.enginePage.snap.kv.states].flatMap((s, i) => s === 's' ? [i] : [])"
-            )
-            holders = page.evaluate(f"window.enginePage.holders.get({shared[0]}) || []")
+            block, holders, pixel = found
             assert len(holders) > 1, holders  # a shared block names several holders
-            assert page.evaluate(PIXEL_STATE, shared[0]) == "shared"
+            assert pixel == "shared", found
             page.wait_for_timeout(500)  # a few more updates: the timeline has moved on
             page.screenshot(path=str(ARTIFACTS / "engine_page.png"), full_page=True)
             for w in workers:
@@ -114,12 +125,12 @@ def test_engine_page_shows_steps_shared_blocks_and_cached_free(page_server: Serv
 
             # Finished: the prefix blocks are free but keep their content for the next prefix hit.
             page.wait_for_function(
-                f"window.enginePage.snap.kv.states[{shared[0]}] === 'c' && "
+                f"window.enginePage.snap.kv.states[{block}] === 'c' && "
                 "window.enginePage.snap.requests.length === 0",
                 timeout=30_000,
             )
             page.wait_for_timeout(300)  # one more frame drawn
-            assert page.evaluate(PIXEL_STATE, shared[0]) == "cached"
+            assert page.evaluate(PIXEL_STATE, block) == "cached"
             assert page.evaluate(LAST_STEP) > steps_seen > 0
             assert page.locator("#t-steps").inner_text() != "–"
             assert float(page.locator("#t-hit").inner_text().rstrip("%")) > 0
