@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,9 +199,17 @@ def decode_layers(
     where: list[int],  # per layer: which set of `shared` it reads
 ) -> torch.Tensor:  # [n, hidden]
     """Every decoder layer of a step in one call: decode_layer's ops, layer by layer (no LoRA)."""
-    # The overload itself: the packet's call walks every argument looking for fake torchbind
-    # objects (the plan is a torchbind class), ~25 us a step over the KV cache list.
-    return torch.ops.kvserve.decode_layers.default(h, plan, kv_caches, shared, where)
+    return _decode_layers_op()(h, plan, kv_caches, shared, where)
+
+
+@functools.cache
+def _decode_layers_op() -> Callable[..., torch.Tensor]:
+    """decode_layers' C++ entry. An op taking a torchbind object (the plan) is a
+    TorchBindOpOverload, whose Python __call__ first walks every argument for fake script objects
+    (torch.compile's stand-ins; never here, the plan is real): ~25-40 us a step over the KV cache
+    list. The overload's own C++ callable (`_op`, what that __call__ ends in) skips the walk."""
+    overload = torch.ops.kvserve.decode_layers.default
+    return getattr(overload, "_op", overload)
 
 
 def decode_layer(

@@ -168,7 +168,7 @@ def _assert_team_equals_per_op(llm: LLM, rows: int, threads: int, kv_dtype: torc
         torch.ops.kvserve.block_kernels_select(saved_path)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 70])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_every_block_format_and_mixed_parts(mixed_gguf: LLM, rows: int, threads: int) -> None:
     _assert_team_equals_per_op(mixed_gguf, rows, threads, torch.float16)

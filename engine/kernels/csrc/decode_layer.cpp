@@ -579,6 +579,15 @@ struct TeamScratch {
                                       // the MLP activation [M, inter]
   kvblock::Activations a[4];          // each matmul's quantized input
   std::vector<float> att;             // the attention's scratch (its split path's scores)
+  // Fewer rows than threads (decode of one or a few sequences): every thread computes the small
+  // row-wise phases between matmuls (norms, quantizing, SwiGLU) whole, into buffers of its own,
+  // instead of its share of them and a barrier after each; 4 barriers a layer fewer (of ~10). The
+  // same functions on the same values, so the same bits.
+  struct Own {
+    std::vector<float> x, act, down;  // normed rows [M, H]; the MLP activation; down's output
+    kvblock::Activations a[4];
+  };
+  std::vector<Own> own;  // per rank
 };
 
 // One step of the team path over the plan's layers; see decode_layers for the arguments.
@@ -639,7 +648,15 @@ class TeamStep {
                                 at::empty({M_, H_}, input.options())};
     for (int slot = 0; slot < 4; ++slot)
       if (uniform_[slot]) size(0, slot);
+    if (M_ < at::get_num_threads() && static_cast<int64_t>(s_.own.size()) < at::get_num_threads())
+      s_.own.resize(at::get_num_threads());  // (before the region: its threads index it)
     run_team([&](const Team& t) {
+      if (whole(t)) {  // this thread's own buffers, written (so first touched) by it
+        TeamScratch::Own& o = s_.own[t.rank];
+        o.x.resize(M_ * H_), o.act.resize(M_ * inter_), o.down.resize(M_ * H_);
+        for (int slot = 0; slot < 4; ++slot)
+          if (uniform_[slot]) o.a[slot].size(M_, plan_.team[0].lin[slot].K, needs_[slot]);
+      }
       aim(t, 0, 0);
       for (size_t i = 0; i < L; ++i) {
         const float* hin = i == 0 ? input.data_ptr<float>() : outs[(i - 1) % 2].data_ptr<float>();
@@ -671,13 +688,30 @@ class TeamStep {
     s_.a[slot].size(M_, lin.K, needs_[slot]);
   }
 
+  // Whether this thread computes the row-wise phases whole (fewer rows than threads; see Own).
+  bool whole(const Team& t) const { return t.size > 1 && M_ < t.size; }
+
+  // Matmul `slot`'s quantized input as this thread reads (and, computing whole, writes) it.
+  kvblock::Activations& acts(const Team& t, int slot) const {
+    return whole(t) ? s_.own[t.rank].a[slot] : s_.a[slot];
+  }
+
   // Sizes matmul `slot`'s quantized input for layer i inside the region when its input width
   // differs between layers (else it was sized once before).
   void size_in_team(const Team& t, size_t i, int slot) const {
     if (uniform_[slot]) return;
+    if (whole(t)) {  // its own: no other thread reads it
+      acts(t, slot).size(M_, plan_.team[i].lin[slot].K, needs_[slot]);
+      return;
+    }
     t.sync();  // the previous layer's readers are done
     if (t.rank == 0) size(i, slot);
     t.sync();
+  }
+
+  // The barrier after a row-wise phase, unless each thread computed it whole for itself.
+  void sync_shared(const Team& t) const {
+    if (!whole(t)) t.sync();
   }
 
   // The step's buffers and each layer's attention work; "" or why the team cannot run it.
@@ -695,6 +729,7 @@ class TeamStep {
     }
     for (const TeamLayer& t : plan_.team)
       y_width = std::max(y_width, t.lin[2].width), inter = std::max(inter, t.lin[3].K);
+    inter_ = inter;
     s_.x.resize(M_ * H_), s_.mid.resize(M_ * H_);
     s_.y.resize(M_ * y_width), s_.act.resize(M_ * inter);
     const auto floats = at::TensorOptions().dtype(at::kFloat);
@@ -768,7 +803,7 @@ class TeamStep {
   template <typename After>
   void matmul(const Team& t, size_t i, int slot, float* out, int64_t N, After&& after) const {
     const TeamLinear& lin = plan_.team[i].lin[slot];
-    const kvblock::Activations& act = s_.a[slot];
+    const kvblock::Activations& act = acts(t, slot);
     const auto [g0, g1] = t.share(lin.groups);
     int64_t base = 0;
     for (size_t p = 0; p < lin.parts.size(); ++p) {
@@ -813,15 +848,22 @@ class TeamStep {
     return {0, M_, u0, u1};
   }
 
+  // This thread's part of a row-wise phase it may compute whole (every row and unit: see Own).
+  Part row_part(const Team& t, int64_t units) const {
+    return whole(t) ? Part{0, M_, 0, units} : part(t, units);
+  }
+
   // x = RMSNorm(src) with weight `norm` on this thread's part, quantized for matmul `slot`.
   void norm_and_quantize(const Team& t, const float* src, const float* norm, float eps,
                          int slot) const {
     constexpr int64_t B = kvblock::kBlock;
-    const Part p = part(t, H_ / B);
+    const Part p = row_part(t, H_ / B);
+    float* xs = whole(t) ? s_.own[t.rank].x.data() : s_.x.data();
+    kvblock::Activations& a = acts(t, slot);
     for (int64_t r = p.r0; r < p.r1; ++r) {
-      float* x = s_.x.data() + r * H_;
+      float* x = xs + r * H_;
       kvrows::rms_norm(src + r * H_, norm, H_, eps, x, B * p.u0, B * p.u1);
-      s_.a[slot].quantize_blocks(path_, r, p.u0, p.u1, x);
+      a.quantize_blocks(path_, r, p.u0, p.u1, x);
     }
   }
 
@@ -832,7 +874,7 @@ class TeamStep {
     const float eps = static_cast<float>(l.eps);
     size_in_team(t, i, 0);
     norm_and_quantize(t, hin, tl.norm0, eps, 0);
-    t.sync();
+    sync_shared(t);
     const int64_t W = tl.lin[0].width;
     float* qkv = qkv_[i].data_ptr<float>();
     matmul(t, i, 0, qkv, W, [](int64_t, int64_t) {});
@@ -874,37 +916,48 @@ class TeamStep {
     const TeamLayer& tl = plan_.team[i];
     const int64_t q_size = tl.lin[1].K, gu = tl.lin[2].width, inter = gu / 2;
     float *y = s_.y.data(), *mid = s_.mid.data();
+    // down's output: y, or computing whole this thread's own (the other may still read gate/up's
+    // output in y for its SwiGLU while this one runs down)
+    float* down = whole(t) ? s_.own[t.rank].down.data() : y;
     size_in_team(t, i, 1);
-    const Part pa = part(t, q_size / B);
+    const Part pa = row_part(t, q_size / B);
+    kvblock::Activations& a1 = acts(t, 1);
     for (int64_t r = pa.r0; r < pa.r1; ++r)
-      s_.a[1].quantize_blocks(path_, r, pa.u0, pa.u1, att + r * q_size);
-    t.sync();
+      a1.quantize_blocks(path_, r, pa.u0, pa.u1, att + r * q_size);
+    sync_shared(t);
     matmul(t, i, 1, y, H_, [&](int64_t c0, int64_t c1) {
       residual(c0, c1, y, tl.lin[1].bias, hin, mid);
     });
     t.sync();
     size_in_team(t, i, 2);
     norm_and_quantize(t, mid, tl.norm1, static_cast<float>(l.eps), 2);
-    t.sync();
+    sync_shared(t);
     matmul(t, i, 2, y, gu, [](int64_t, int64_t) {});
     t.sync();
     size_in_team(t, i, 3);
-    const Part pm = part(t, inter / B);
+    const Part pm = row_part(t, inter / B);
     const int64_t c0 = B * pm.u0, c1 = B * pm.u1;
+    float* acts3 = whole(t) ? s_.own[t.rank].act.data() : s_.act.data();
+    kvblock::Activations& a3 = acts(t, 3);
     for (int64_t r = pm.r0; r < pm.r1; ++r) {
-      float* row = y + r * gu;
-      if (tl.lin[2].bias != nullptr)
-        for (int64_t c = c0; c < c1; ++c) {
-          row[c] = row[c] + tl.lin[2].bias[c];
-          row[inter + c] = row[inter + c] + tl.lin[2].bias[inter + c];
+      const float* row = y + r * gu;
+      float* act = acts3 + r * inter;
+      if (tl.lin[2].bias != nullptr) {  // y + bias, never into y: computing whole, both read it
+        const float* bias = tl.lin[2].bias;
+        for (int64_t c = c0; c < c1; ++c) act[c] = row[c] + bias[c];
+        float up[B];
+        for (int64_t b0 = c0; b0 < c1; b0 += B) {  // (elementwise: the same bits in any pieces)
+          for (int64_t c = 0; c < B; ++c) up[c] = row[inter + b0 + c] + bias[inter + b0 + c];
+          kvrows::silu_mul(act + b0, up, B, act + b0);
         }
-      float* act = s_.act.data() + r * inter;
-      kvrows::silu_mul(row + c0, row + inter + c0, c1 - c0, act + c0);
-      s_.a[3].quantize_blocks(path_, r, pm.u0, pm.u1, act);
+      } else {
+        kvrows::silu_mul(row + c0, row + inter + c0, c1 - c0, act + c0);
+      }
+      a3.quantize_blocks(path_, r, pm.u0, pm.u1, act);
     }
-    t.sync();
-    matmul(t, i, 3, y, H_, [&](int64_t c0, int64_t c1) {
-      residual(c0, c1, y, tl.lin[3].bias, mid, hout);
+    sync_shared(t);
+    matmul(t, i, 3, down, H_, [&](int64_t c0, int64_t c1) {
+      residual(c0, c1, down, tl.lin[3].bias, mid, hout);
     });
   }
 
@@ -917,6 +970,7 @@ class TeamStep {
   TeamScratch& s_;  // the calling thread's (inside the team, thread_local would be each thread's)
   kvblock::ActNeeds needs_[4];  // what each matmul's kernels read, over all layers
   bool uniform_[4] = {};        // whether each matmul's input width is every layer's
+  int64_t inter_ = 0;           // the widest MLP activation of the layers
   std::vector<at::Tensor> qkv_, att_;
   std::vector<std::unique_ptr<kvrows::DecodeAttention>> attention_;
 };
