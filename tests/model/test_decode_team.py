@@ -174,6 +174,18 @@ def test_every_block_format_and_mixed_parts(mixed_gguf: LLM, rows: int, threads:
     _assert_team_equals_per_op(mixed_gguf, rows, threads, torch.float16)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_few_rows_share_the_row_wise_phases_when_they_are_wide(mixed_gguf: LLM, rows: int) -> None:
+    """With fewer rows than threads each thread computes RMSNorm, quantizing and SwiGLU whole for
+    itself while they are small; past decode_team_whole_max values (0 here: always) the threads
+    share them and meet at a barrier after each, as with more rows. The same bits either way."""
+    saved = torch.ops.kvserve.decode_team_whole_max(0)
+    try:
+        _assert_team_equals_per_op(mixed_gguf, rows, 3, torch.float16)
+    finally:
+        assert torch.ops.kvserve.decode_team_whole_max(saved) == 0
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_biases"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_biases_and_qk_norms(request, family: str, kv_dtype: torch.dtype) -> None:

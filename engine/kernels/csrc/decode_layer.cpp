@@ -297,6 +297,16 @@ int64_t decode_team_prefetch(int64_t bytes) {
   return prefetch_budget.exchange(bytes);
 }
 
+// The most values (rows x MLP width) a thread computes the row-wise phases of whole for itself when
+// a step has fewer rows than threads (TeamScratch::Own): 8192, ~10 us of SwiGLU on one core.
+// kvserve::decode_team_whole_max sets it (0: always share them, with a barrier after each; tests).
+std::atomic<int64_t> whole_max{8192};
+
+int64_t decode_team_whole_max(int64_t values) {
+  TORCH_CHECK(values >= 0, "decode_team_whole_max: values must be >= 0, not ", values);
+  return whole_max.exchange(values);
+}
+
 // Byte ranges a thread asks into L2, a few lines at a time, while it waits at a barrier: the start
 // of its share of the next matmul's weights (while the threads meet and run the small ops between
 // matmuls, nothing streams the weights). Only a hint: no value changes.
@@ -688,8 +698,12 @@ class TeamStep {
     s_.a[slot].size(M_, lin.K, needs_[slot]);
   }
 
-  // Whether this thread computes the row-wise phases whole (fewer rows than threads; see Own).
-  bool whole(const Team& t) const { return t.size > 1 && M_ < t.size; }
+  // Whether this thread computes the row-wise phases whole (fewer rows than threads; see Own),
+  // while they are small beside a barrier: SwiGLU, the largest (an exp a value), up to
+  // whole_max values (rows x MLP width); wider (7B-class MLPs, 14336) share it as with more rows.
+  bool whole(const Team& t) const {
+    return t.size > 1 && M_ < t.size && M_ * inter_ <= whole_max.load(std::memory_order_relaxed);
+  }
 
   // Matmul `slot`'s quantized input as this thread reads (and, computing whole, writes) it.
   kvblock::Activations& acts(const Team& t, int slot) const {
@@ -1049,6 +1063,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("decode_team_select", &decode_team_select);
   m.def("decode_team_last", &decode_team_last);
   m.def("decode_team_prefetch", &decode_team_prefetch);
+  m.def("decode_team_whole_max", &decode_team_whole_max);
   m.def(
       "decode_layer_lora(Tensor h, Tensor[] weights, int[] kinds, float eps, Tensor cos, "
       "Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
