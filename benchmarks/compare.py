@@ -32,6 +32,7 @@ from benchmarks.llama_cpp_peer import (
     llama_cpp_help,
 )
 from server.bench import BenchConfig, ratio, run_benchmark
+from server.bench.driver import resolve_http_client
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +215,7 @@ def run_level(
         tokenizer=args.model_dir,
         warmup=level.warmup,
         progress=not args.no_progress,
+        http_client=args.http_client,
     )
     logger.info("%s: level %s, %d requests", target.name, level.key, config.num_requests)
     try:
@@ -417,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--http-client",
+        choices=("auto", "aiohttp", "httpx"),
+        default="auto",
+        help="the load generator's HTTP client (auto: aiohttp where installed; it shares the "
+        "CPUs with both servers, at about half httpx's CPU a streamed chunk)",
+    )
     return p
 
 
@@ -568,7 +577,7 @@ def run_one(
         )
     print(
         f"\nmodel {gguf or args.model_dir}, kvserve dtype {args.dtype}, medians of {args.rounds} "
-        f"round(s), server logs in {log_dir}\n{cpu}"
+        f"round(s), client {resolve_http_client(args.http_client)}, server logs in {log_dir}\n{cpu}"
     )
     payload = {
         "model": gguf or args.model_dir,

@@ -82,13 +82,11 @@ def run_offline(
 
 
 async def _http_run(base_url: str, prompts: list[str], args: argparse.Namespace) -> dict:
-    import httpx
-
-    from server.bench import BenchConfig, build_body, send_request
+    from server.bench import BenchConfig, build_body, open_client, send_request
 
     config = BenchConfig(base_url=base_url, output_len=args.output_len, extra_body={})
     url = base_url.rstrip("/") + "/v1/completions"
-    async with httpx.AsyncClient(timeout=600.0) as client:
+    async with open_client(config) as client:
         warm = build_body(config, "Warm-up: count to three.", None)
         await send_request(
             client, url, {**warm, "max_tokens": 2}, RequestRecord(time.perf_counter())

@@ -6,9 +6,11 @@ from __future__ import annotations
 from server.bench.cli import build_parser, config_from_args, format_table, main
 from server.bench.driver import (
     BenchConfig,
+    HttpClient,
     build_body,
     first_model_id,
     http_get,
+    open_client,
     run_benchmark,
     run_benchmark_async,
     send_request,
@@ -18,6 +20,7 @@ from server.bench.prompts import TextTokenizer, load_tokenizer, synthetic_prompt
 
 __all__ = [
     "BenchConfig",
+    "HttpClient",
     "RequestRecord",
     "TextTokenizer",
     "build_body",
@@ -29,6 +32,7 @@ __all__ = [
     "http_get",
     "load_tokenizer",
     "main",
+    "open_client",
     "percentile",
     "ratio",
     "run_benchmark",

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="99",
         help="comma-separated latency percentiles (mean and median always)",
     )
+    p.add_argument(
+        "--http-client",
+        choices=("auto", "aiohttp", "httpx"),
+        default="auto",
+        help="HTTP client library (auto: aiohttp where installed, about half httpx's CPU a chunk)",
+    )
     p.add_argument("--json-out", default=None, help="write the metrics as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -132,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout=args.timeout,
         percentiles=tuple(float(q) for q in args.percentiles.split(",") if q.strip()),
         progress=not args.no_progress,
+        http_client=args.http_client,
     )
 
 

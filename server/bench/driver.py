@@ -11,9 +11,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -63,6 +64,10 @@ class BenchConfig:
     timeout: float = 600.0
     percentiles: tuple[float, ...] = (99,)
     progress: bool = True
+    # The HTTP client library: "aiohttp" (where installed, what "auto" picks), "httpx". On a small
+    # machine the client shares the CPUs with the server it measures: aiohttp spends about half
+    # httpx's CPU per streamed chunk.
+    http_client: str = "auto"
 
 
 def build_body(config: BenchConfig, prompt: str, model: str | None) -> dict[str, Any]:
@@ -89,18 +94,111 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return text
 
 
+class HttpClient(Protocol):
+    """What the driver needs of an HTTP client: a JSON POST read whole, and one read line by line
+    (both raise RuntimeError on a status other than 200, with the start of the body)."""
+
+    async def post(self, url: str, body: dict[str, Any]) -> Any: ...
+
+    def post_lines(
+        self, url: str, body: dict[str, Any]
+    ) -> AbstractAsyncContextManager[AsyncIterator[str]]: ...
+
+
+def _status_error(status: int, text: str) -> RuntimeError:
+    return RuntimeError(f"HTTP {status}: {text[:200]}")
+
+
+class HttpxClient:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(self, url: str, body: dict[str, Any]) -> Any:
+        response = await self.client.post(url, json=body)
+        if response.status_code != 200:
+            raise _status_error(response.status_code, response.text)
+        return response.json()
+
+    @asynccontextmanager
+    async def post_lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
+        async with self.client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                raise _status_error(response.status_code, text)
+            yield response.aiter_lines()
+
+
+class AiohttpClient:
+    def __init__(self, session: Any) -> None:  # aiohttp.ClientSession
+        self.session = session
+
+    async def post(self, url: str, body: dict[str, Any]) -> Any:
+        async with self.session.post(url, json=body) as response:
+            if response.status != 200:
+                raise _status_error(response.status, await response.text())
+            return await response.json(content_type=None)
+
+    @asynccontextmanager
+    async def post_lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
+        async with self.session.post(url, json=body) as response:
+            if response.status != 200:
+                raise _status_error(response.status, await response.text())
+            yield _lines(response.content.iter_any())
+
+
+async def _lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Lines of a byte stream (any line length; a last line without its newline too)."""
+    rest = b""
+    async for piece in pieces:
+        *lines, rest = (rest + piece).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if rest:
+        yield rest.rstrip(b"\r").decode("utf-8", "replace")
+
+
+def resolve_http_client(name: str) -> str:
+    """ "auto" -> "aiohttp" where it imports, else "httpx"; a name it does not know: ValueError."""
+    if name not in ("auto", "aiohttp", "httpx"):
+        raise ValueError(f"http client must be auto, aiohttp or httpx, not {name!r}")
+    if name == "httpx":
+        return name
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        if name == "aiohttp":
+            raise ValueError("--http-client aiohttp: aiohttp is not installed") from None
+        return "httpx"
+    return "aiohttp"
+
+
+@asynccontextmanager
+async def open_client(config: BenchConfig) -> AsyncIterator[HttpClient]:
+    """The run's client: no connection limit, the per-request timeout (30 s to connect)."""
+    if resolve_http_client(config.http_client) == "aiohttp":
+        import aiohttp
+
+        session_timeout = aiohttp.ClientTimeout(total=config.timeout, connect=30.0)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=session_timeout, connector=connector) as session:
+            yield AiohttpClient(session)
+        return
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(config.timeout, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        yield HttpxClient(client)
+
+
 async def send_request(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord
+    client: HttpClient, url: str, body: dict[str, Any], record: RequestRecord
 ) -> RequestRecord:
     """POST one request and fill `record` with chunk arrival times and token counts."""
     try:
         if body.get("stream"):
             await _send_streaming(client, url, body, record)
         else:
-            response = await client.post(url, json=body)
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            _read_usage(response.json().get("usage") or {}, record)
+            response = await client.post(url, body)
+            _read_usage((response or {}).get("usage") or {}, record)
         record.end = time.perf_counter()
         record.ok = record.error is None
     except asyncio.CancelledError:
@@ -113,14 +211,11 @@ async def send_request(
 
 
 async def _send_streaming(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord
+    client: HttpClient, url: str, body: dict[str, Any], record: RequestRecord
 ) -> None:
     usage: dict[str, Any] | None = None
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode("utf-8", "replace")
-            raise RuntimeError(f"HTTP {response.status_code}: {text[:200]}")
-        async for line in response.aiter_lines():
+    async with client.post_lines(url, body) as lines:
+        async for line in lines:
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
@@ -162,9 +257,7 @@ async def run_benchmark_async(config: BenchConfig) -> dict[str, Any]:
     )
     model = config.model or first_model_id(config.base_url)
     url = _endpoint_url(config)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(config.timeout, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with open_client(config) as client:
         for prompt in prompts[: config.warmup]:
             warm = await send_request(
                 client, url, build_body(config, prompt, model), RequestRecord(time.perf_counter())
@@ -173,12 +266,17 @@ async def run_benchmark_async(config: BenchConfig) -> dict[str, Any]:
                 raise RuntimeError(f"warm-up request to {url} failed: {warm.error}")
         records, duration = await _drive(client, url, config, prompts[config.warmup :], model)
     metrics = compute_metrics(records, duration, config.percentiles)
-    metrics["config"] = {**asdict(config), "model": model, "url": url}
+    metrics["config"] = {
+        **asdict(config),
+        "model": model,
+        "url": url,
+        "http_client": resolve_http_client(config.http_client),
+    }
     return metrics
 
 
 async def _drive(
-    client: httpx.AsyncClient,
+    client: HttpClient,
     url: str,
     config: BenchConfig,
     prompts: Sequence[str],

@@ -22,6 +22,7 @@ from server.bench import (
     summarize,
     synthetic_prompts,
 )
+from server.bench.driver import AiohttpClient, HttpxClient, open_client, resolve_http_client
 
 
 def _record(
@@ -147,7 +148,7 @@ def test_send_request_parses_a_stream_with_usage() -> None:
     async def go() -> RequestRecord:
         async with httpx.AsyncClient(transport=transport) as client:
             return await send_request(
-                client, "http://x/v1/completions", {"stream": True}, RequestRecord(0.0)
+                HttpxClient(client), "http://x/v1/completions", {"stream": True}, RequestRecord(0.0)
             )
 
     rec = asyncio.run(go())
@@ -160,7 +161,9 @@ def test_send_request_records_http_errors() -> None:
 
     async def go() -> RequestRecord:
         async with httpx.AsyncClient(transport=transport) as client:
-            return await send_request(client, "http://x", {"stream": True}, RequestRecord(0.0))
+            return await send_request(
+                HttpxClient(client), "http://x", {"stream": True}, RequestRecord(0.0)
+            )
 
     rec = asyncio.run(go())
     assert not rec.ok and "422" in (rec.error or "")
@@ -173,7 +176,9 @@ def _drive_with(
 
     async def go() -> tuple[list[RequestRecord], float]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await _drive(client, "http://x/v1/completions", config, ["p"] * n, None)
+            return await _drive(
+                HttpxClient(client), "http://x/v1/completions", config, ["p"] * n, None
+            )
 
     return asyncio.run(go())
 
@@ -206,3 +211,64 @@ def test_load_generator_stops_at_the_deadline() -> None:
     records, _ = _drive_with(handler, config, 5)
     m = compute_metrics(records, 1.0)
     assert m["completed"] < 5 and m["completed"] + m["cancelled"] == 5
+
+
+def test_the_aiohttp_client_reads_streams_split_anywhere_and_long_lines() -> None:
+    """The default client where installed, against a real aiohttp server: an SSE stream written in
+    pieces that cut lines (and a CRLF) anywhere, a 200 KB line, a plain JSON reply, an error status."""
+    aiohttp = pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    long_text = "y" * 200_000
+    chunks = [{"choices": [{"text": t}]} for t in ("a", "", long_text, "c")]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+    stream = _sse(chunks).replace(b"\n\n", b"\r\n\r\n", 1)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("bad"):
+            return web.Response(status=422, text="Unexpected fields")
+        if not body.get("stream"):
+            return web.json_response({"usage": {"prompt_tokens": 4, "completion_tokens": 2}})
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i in range(0, len(stream), 7777):  # pieces that end mid-line
+            await response.write(stream[i : i + 7777])
+        await response.write_eof()
+        return response
+
+    async def go() -> list[RequestRecord]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        try:
+            async with open_client(BenchConfig(http_client="aiohttp")) as client:
+                assert isinstance(client, AiohttpClient)
+                bodies = ({"stream": True}, {"stream": False}, {"stream": True, "bad": 1})
+                return [await send_request(client, url, b, RequestRecord(0.0)) for b in bodies]
+        finally:
+            await runner.cleanup()
+
+    streamed, whole, bad = asyncio.run(go())
+    assert aiohttp is not None
+    assert streamed.ok and streamed.output_tokens == 3 and streamed.prompt_tokens == 5
+    assert len(streamed.chunk_times) == 3  # the empty chunk is not a token
+    assert whole.ok and whole.output_tokens == 2 and whole.chunk_times == []
+    assert not bad.ok and "HTTP 422: Unexpected fields" in (bad.error or "")
+
+
+def test_the_http_client_choice() -> None:
+    assert resolve_http_client("httpx") == "httpx"
+    try:
+        import aiohttp  # noqa: F401
+
+        assert resolve_http_client("auto") == "aiohttp"
+    except ImportError:
+        assert resolve_http_client("auto") == "httpx"
+    with pytest.raises(ValueError, match="auto, aiohttp or httpx"):
+        resolve_http_client("curl")
