@@ -133,17 +133,34 @@ class AiohttpClient:
         self.session = session
 
     async def post(self, url: str, body: dict[str, Any]) -> Any:
-        async with self.session.post(url, json=body) as response:
-            if response.status != 200:
-                raise _status_error(response.status, await response.text())
+        async with self._post(url, body) as response:
             return await response.json(content_type=None)
 
     @asynccontextmanager
     async def post_lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
-        async with self.session.post(url, json=body) as response:
+        async with self._post(url, body) as response:
+            yield _lines(response.content.iter_any())
+
+    @asynccontextmanager
+    async def _post(self, url: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """The response (status 200) of a POST. A kept-alive connection the server has closed
+        fails before any response (llama.cpp's server closes them: "Can not write request body",
+        "Server disconnected"): sent again on a new connection, up to twice, as httpx does."""
+        import aiohttp
+
+        for attempt in range(3):
+            try:
+                response = await self.session.post(url, json=body)
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if attempt == 2:
+                    raise
+        try:
             if response.status != 200:
                 raise _status_error(response.status, await response.text())
-            yield _lines(response.content.iter_any())
+            yield response
+        finally:
+            response.release()
 
 
 async def _lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:

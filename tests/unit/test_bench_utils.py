@@ -272,3 +272,54 @@ def test_the_http_client_choice() -> None:
         assert resolve_http_client("auto") == "httpx"
     with pytest.raises(ValueError, match="auto, aiohttp or httpx"):
         resolve_http_client("curl")
+
+
+def test_the_aiohttp_client_sends_again_when_a_kept_alive_connection_was_closed() -> None:
+    """llama.cpp's server closes kept-alive connections: the next request on one fails before any
+    response ("Can not write request body", "Server disconnected"). The client sends it again on a
+    new connection (a raw server here drops every connection at its second request)."""
+    pytest.importorskip("aiohttp")
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        try:
+            for nth in range(2):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                if nth == 1:
+                    return  # dropped without an answer
+                served += 1
+                reply = json.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(reply)}\r\n\r\n{reply}".encode()
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def go() -> list[RequestRecord]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        try:
+            async with open_client(BenchConfig(http_client="aiohttp")) as client:
+                return [
+                    await send_request(client, url, {"stream": False}, RequestRecord(0.0))
+                    for _ in range(4)
+                ]
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    records = asyncio.run(go())
+    assert [r.error for r in records] == [None] * 4
+    assert all(r.ok and r.output_tokens == 1 for r in records) and served == 4
