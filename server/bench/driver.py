@@ -129,8 +129,9 @@ class HttpxClient:
 
 
 class AiohttpClient:
-    def __init__(self, session: Any) -> None:  # aiohttp.ClientSession
+    def __init__(self, session: Any, max_pooled: int = 8) -> None:  # aiohttp.ClientSession
         self.session = session
+        self.max_pooled = max_pooled  # kept-alive connections the pool may hold (its limit)
 
     async def post(self, url: str, body: dict[str, Any]) -> Any:
         async with self._post(url, body) as response:
@@ -143,17 +144,23 @@ class AiohttpClient:
 
     @asynccontextmanager
     async def _post(self, url: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        """The response (status 200) of a POST. A kept-alive connection the server has closed
-        fails before any response (llama.cpp's server closes them: "Can not write request body",
-        "Server disconnected"): sent again on a new connection, up to twice, as httpx does."""
+        """The response (status 200) of a POST. A kept-alive connection the server has just
+        closed fails before any response ("Can not write request body", "Server disconnected";
+        llama.cpp's server closes them after streamed replies, and its close can reach the client
+        after the pool hands the connection out again): each such failure drops that connection
+        and the request goes again, on the next pooled one or a new one, as httpx does. A
+        connection that cannot be made fails at once."""
         import aiohttp
 
-        for attempt in range(3):
+        attempts = 1 + self.max_pooled
+        for attempt in range(attempts):
             try:
                 response = await self.session.post(url, json=body)
                 break
+            except aiohttp.ClientConnectorError:
+                raise
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                if attempt == 2:
+                if attempt == attempts - 1:
                     raise
         try:
             if response.status != 200:
@@ -196,9 +203,10 @@ async def open_client(config: BenchConfig) -> AsyncIterator[HttpClient]:
         import aiohttp
 
         session_timeout = aiohttp.ClientTimeout(total=config.timeout, connect=30.0)
-        connector = aiohttp.TCPConnector(limit=0)
+        # at most one connection per request in flight (none waits for a pooled one to free)
+        connector = aiohttp.TCPConnector(limit=config.concurrency or 0)
         async with aiohttp.ClientSession(timeout=session_timeout, connector=connector) as session:
-            yield AiohttpClient(session)
+            yield AiohttpClient(session, max_pooled=config.concurrency or 64)
         return
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.timeout, connect=30.0)
