@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from typing import Any
 
@@ -152,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(format_table(metrics))
+    try:
+        print(format_table(metrics), flush=True)
+    except BrokenPipeError:  # `kvserve bench ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(metrics, f, indent=2)

@@ -658,6 +658,8 @@ class TeamStep {
                                 at::empty({M_, H_}, input.options())};
     for (int slot = 0; slot < 4; ++slot)
       if (uniform_[slot]) size(0, slot);
+    // (read once: every thread must take the same barriers even if the limit changes meanwhile)
+    small_rows_ = M_ * inter_ <= whole_max.load(std::memory_order_relaxed);
     if (M_ < at::get_num_threads() && static_cast<int64_t>(s_.own.size()) < at::get_num_threads())
       s_.own.resize(at::get_num_threads());  // (before the region: its threads index it)
     run_team([&](const Team& t) {
@@ -701,9 +703,7 @@ class TeamStep {
   // Whether this thread computes the row-wise phases whole (fewer rows than threads; see Own),
   // while they are small beside a barrier: SwiGLU, the largest (an exp a value), up to
   // whole_max values (rows x MLP width); wider (7B-class MLPs, 14336) share it as with more rows.
-  bool whole(const Team& t) const {
-    return t.size > 1 && M_ < t.size && M_ * inter_ <= whole_max.load(std::memory_order_relaxed);
-  }
+  bool whole(const Team& t) const { return t.size > 1 && M_ < t.size && small_rows_; }
 
   // Matmul `slot`'s quantized input as this thread reads (and, computing whole, writes) it.
   kvblock::Activations& acts(const Team& t, int slot) const {
@@ -985,6 +985,7 @@ class TeamStep {
   kvblock::ActNeeds needs_[4];  // what each matmul's kernels read, over all layers
   bool uniform_[4] = {};        // whether each matmul's input width is every layer's
   int64_t inter_ = 0;           // the widest MLP activation of the layers
+  bool small_rows_ = false;     // the rows' SwiGLU is within whole_max (see whole())
   std::vector<at::Tensor> qkv_, att_;
   std::vector<std::unique_ptr<kvrows::DecodeAttention>> attention_;
 };
