@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_utils import ServerProcess, free_port
-from benchmarks.compare_report import StreamingLimit, format_file_summary, format_markdown
+from benchmarks.compare_report import (
+    StreamingLimit,
+    fmt_ratio,
+    fmt_value,
+    format_file_summary,
+    format_markdown,
+)
 from benchmarks.llama_cpp_peer import (
     has_option,
     llama_cpp_argv,
@@ -314,7 +320,9 @@ def format_comparison(results: dict[str, dict[str, dict[str, Any]]], peer: str) 
         lines.append(f"{'figure':<18}{'kvserve':>12}{peer:>14}{'kvserve/peer':>14}")
         for label, key, stat in FIGURES:
             a, b = _figure(kv.get(level), key, stat), _figure(other.get(level), key, stat)
-            lines.append(f"{label:<18}{_fmt(a):>12}{_fmt(b):>14}{_fmt(ratio(a, b), 2) + 'x':>14}")
+            lines.append(
+                f"{label:<18}{fmt_value(a):>12}{fmt_value(b):>14}{fmt_ratio(ratio(a, b)):>14}"
+            )
     return "\n".join(lines)
 
 
@@ -328,10 +336,6 @@ def _figure(metrics: dict[str, Any] | None, key: str, stat: str | None) -> float
         return math.nan
     value = metrics[key] if stat is None else metrics[key].get(stat, math.nan)
     return float(value)
-
-
-def _fmt(value: float, digits: int = 1) -> str:
-    return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
 
 
 def _resolve_model_dir(model: str | None) -> str:

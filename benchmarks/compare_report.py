@@ -76,7 +76,7 @@ def format_file_summary(
         f"{'figure':<30}{'kvserve':>11}{peer_name:>11}{'kvserve/peer':>14}",
     ]
     for label, a, b in headline_rows(kv, peer):
-        lines.append(f"{label:<30}{_fmt(a):>11}{_fmt(b):>11}{_fmt(ratio(a, b), 2) + 'x':>14}")
+        lines.append(f"{label:<30}{fmt_value(a):>11}{fmt_value(b):>11}{fmt_ratio(ratio(a, b)):>14}")
     if limit is not None:
         lines.append(
             f"weight-streaming limit at c=1: {limit.bytes_per_token / 1e6:.1f} MB per token "
@@ -92,8 +92,8 @@ def format_file_summary(
         a = figure(kv.get("1"), "itl_ms", "median")
         b = figure(peer.get("1"), "itl_ms", "median")
         lines.append(
-            f"ITL c=1 / limit: kvserve {_fmt(a / limit.itl_ms, 2)}x, "
-            f"{peer_name} {_fmt(b / limit.itl_ms, 2)}x"
+            f"ITL c=1 / limit: kvserve {fmt_ratio(a / limit.itl_ms)}, "
+            f"{peer_name} {fmt_ratio(b / limit.itl_ms)}"
         )
     return "\n".join(lines)
 
@@ -107,16 +107,24 @@ def format_markdown(
     lines = ["| file | figure | kvserve | llama.cpp | kvserve/llama.cpp |", "|---|---|---|---|---|"]
     for name, kv, peer, limit in files:
         for label, a, b in headline_rows(kv, peer):
-            lines.append(f"| {name} | {label} | {_fmt(a)} | {_fmt(b)} | {_fmt(ratio(a, b), 2)}x |")
+            lines.append(
+                f"| {name} | {label} | {fmt_value(a)} | {fmt_value(b)} | {fmt_ratio(ratio(a, b))} |"
+            )
         if limit is not None:
             a = figure(kv.get("1"), "itl_ms", "median") / limit.itl_ms
             b = figure(peer.get("1"), "itl_ms", "median") / limit.itl_ms
             lines.append(
                 f"| {name} | ITL c=1 / streaming limit ({limit.itl_ms:.2f} ms) | "
-                f"{_fmt(a, 2)}x | {_fmt(b, 2)}x | |"
+                f"{fmt_ratio(a)} | {fmt_ratio(b)} | |"
             )
     return "\n".join(lines)
 
 
-def _fmt(value: float, digits: int = 1) -> str:
+def fmt_value(value: float, digits: int = 1) -> str:
+    """A figure, or "n/a" where it is missing."""
     return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def fmt_ratio(value: float) -> str:
+    """A ratio as "1.23x", or "n/a" (never "n/ax") where a figure is missing."""
+    return "n/a" if math.isnan(value) else f"{value:,.2f}x"

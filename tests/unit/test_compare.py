@@ -215,3 +215,14 @@ def test_a_peer_that_polls_when_idle_never_runs_beside_kvserve(monkeypatch, tmp_
         ("start", "transformers"), ("run", "transformers"), ("run", "transformers"),
         ("stop", "transformers"),
     ]  # fmt: skip
+
+
+def test_a_missing_figure_reads_n_a_never_n_ax() -> None:
+    """A run without a concurrency-1 level (say `--concurrency 32`) has no ITL for the limit row."""
+    from benchmarks.compare_report import StreamingLimit, format_markdown
+
+    kv = {"32": {"output_throughput": 500.0}}
+    peer = {"32": {"output_throughput": 150.0}}
+    table = format_markdown([("f.gguf", kv, peer, StreamingLimit(1e8, 30.0, 160))])
+    assert "n/ax" not in table
+    assert "| f.gguf | ITL c=1 / streaming limit (3.33 ms) | n/a | n/a | |" in table
