@@ -205,7 +205,10 @@ async def open_client(config: BenchConfig) -> AsyncIterator[HttpClient]:
         session_timeout = aiohttp.ClientTimeout(total=config.timeout, connect=30.0)
         # at most one connection per request in flight (none waits for a pooled one to free)
         connector = aiohttp.TCPConnector(limit=config.concurrency or 0)
-        async with aiohttp.ClientSession(timeout=session_timeout, connector=connector) as session:
+        # trust_env: proxies and .netrc from the environment, as httpx reads them
+        async with aiohttp.ClientSession(
+            timeout=session_timeout, connector=connector, trust_env=True
+        ) as session:
             yield AiohttpClient(session, max_pooled=config.concurrency or 64)
         return
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
