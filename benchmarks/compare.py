@@ -38,7 +38,7 @@ from benchmarks.llama_cpp_peer import (
     llama_cpp_help,
 )
 from server.bench import BenchConfig, ratio, run_benchmark
-from server.bench.driver import resolve_http_client
+from server.bench.driver import HTTP_CLIENTS, resolve_http_client
 
 logger = logging.getLogger(__name__)
 
@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
         "--http-client",
-        choices=("auto", "aiohttp", "httpx"),
+        choices=HTTP_CLIENTS,
         default="auto",
         help="the load generator's HTTP client (auto: aiohttp where installed; it shares the "
         "CPUs with both servers, at about half httpx's CPU a streamed chunk)",

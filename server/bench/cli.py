@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from server.bench.driver import BenchConfig, run_benchmark
+from server.bench.driver import HTTP_CLIENTS, BenchConfig, run_benchmark
 
 # ---------------------------------------------------------------- reporting
 
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--http-client",
-        choices=("auto", "aiohttp", "httpx"),
+        choices=HTTP_CLIENTS,
         default="auto",
         help="HTTP client library (auto: aiohttp where installed, about half httpx's CPU a chunk)",
     )

@@ -181,9 +181,13 @@ async def _lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
         yield rest.rstrip(b"\r").decode("utf-8", "replace")
 
 
+HTTP_CLIENTS = ("auto", "aiohttp", "httpx")  # BenchConfig.http_client, --http-client
+
+
 def resolve_http_client(name: str) -> str:
-    """ "auto" -> "aiohttp" where it imports, else "httpx"; a name it does not know: ValueError."""
-    if name not in ("auto", "aiohttp", "httpx"):
+    """The client library a name stands for: auto is aiohttp where it imports, else httpx; a name
+    it does not know: ValueError."""
+    if name not in HTTP_CLIENTS:
         raise ValueError(f"http client must be auto, aiohttp or httpx, not {name!r}")
     if name == "httpx":
         return name
@@ -198,7 +202,8 @@ def resolve_http_client(name: str) -> str:
 
 @asynccontextmanager
 async def open_client(config: BenchConfig) -> AsyncIterator[HttpClient]:
-    """The run's client: no connection limit, the per-request timeout (30 s to connect)."""
+    """The run's client, with the per-request timeout (30 s to connect); aiohttp's pool holds at
+    most one connection per request in flight, httpx's is unbounded."""
     if resolve_http_client(config.http_client) == "aiohttp":
         import aiohttp
 
