@@ -15,6 +15,10 @@
 // more keys than its first): a thread slowed by a neighbour takes fewer, and none waits long for
 // the last. Which thread runs an item changes nothing in its result.
 //
+// Over a bfloat16 cache the item runs attention_bf16_kernels.inc's prefill_item, the same order in
+// bf16 dot steps; where AVX-512 BF16 runs, its scores come from each key tile transposed (16 keys a
+// register, no horizontal sums), the same bits.
+//
 // The AVX2 + FMA float32 path with head_dim % 32 == 0 (over a float32 or float16 cache) is the decode
 // kernel's fast path; anything else runs the decode kernel itself per token (each token given its
 // own table row and length).
