@@ -60,7 +60,9 @@ def test_the_path_is_reported():
         torch.ops.kvserve.attention_bf16_select(2)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 16])  # 16: the portable loops (float32 arithmetic)
+# 16: the portable loops (float32 arithmetic); 32 and 256: one and eight 16x16 transposes of a
+# key block where AVX-512 BF16 runs (the prefill scores from transposed key tiles)
+@pytest.mark.parametrize("head_dim", [64, 128, 16, 32, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4), (6, 2)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (37, None), (100, 50.0)])
 def test_prefill_is_bitwise_decode_on_every_path_and_the_paths_agree(
