@@ -92,6 +92,8 @@ def test_replay_after_a_gap_returns_the_missed_batches(llm) -> None:
         assert sub.replay(total) == {}, "nothing after the last batch: just the end marker"
         # A cache reset (nothing running) publishes AllBlocksCleared, and the pool starts over.
         assert llm.engine.reset_prefix_cache()
+        # The publisher's thread sends it: wait until it has, then ask for it again.
+        assert _wait_for(sub, publisher) == total + 1
         (cleared,) = sub.replay(total).values()
         assert [e.kind for e in decode(cleared)[1]] == ["AllBlocksCleared"]
         assert not llm.engine.kv.pool.cached
