@@ -288,8 +288,33 @@ struct Q5Pair {
   bool two;
 };
 
-template <int RM, bool PF, bool Q50>
-Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* out, int64_t N) {
+// A pair's 5-bit weights unpacked once for all the row tiles of a panel (U below): per block b and
+// vector j, the 64 bytes of q for k = 4j + i at un + (8 b + 2 j) * 64, those for k = 4j + 16 + i
+// right after: the bytes q5_pair's nibble and fifth-bit steps make for every tile.
+constexpr int64_t kUnpackRows = 2 * kRows512;  // rows from which a panel's tiles share them
+
+Q5_VNNI512 void unpack_q5_pair(const Q5Pair& p, int64_t KB, uint8_t* un) {
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t *qa = p.qa + b * 160, *qb = p.qb + b * 160;
+    const __m512i h = load_pair(qa + 128, qb + 128);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+      const __mmask64 kl =
+          _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j))));
+      const __mmask64 kh =
+          _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
+      const __m512i l4 = _mm512_and_si512(v, low);
+      const __m512i h4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      _mm512_storeu_si512(un + (8 * b + 2 * j) * 64, _mm512_mask_add_epi8(l4, kl, l4, sixteen));
+      _mm512_storeu_si512(un + (8 * b + 2 * j + 1) * 64, _mm512_mask_add_epi8(h4, kh, h4, sixteen));
+    }
+  }
+}
+
+template <int RM, bool PF, bool Q50, bool U = false>
+Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* out, int64_t N,
+                        const uint8_t* un = nullptr) {
   const int64_t KB = x.KB, K = x.K;
   const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
   __m512 acc[RM];
@@ -302,20 +327,28 @@ Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* 
         _mm_prefetch(reinterpret_cast<const char*>(qb + kPrefetch * 160 + off), _MM_HINT_T0);
       }
     }
-    const __m512i h = load_pair(qa + 128, qb + 128);
+    __m512i h = _mm512_setzero_si512();
+    if constexpr (!U) h = load_pair(qa + 128, qb + 128);
     __m512i isum[RM];
     for (int r = 0; r < RM; ++r)
       isum[r] = Q50 ? _mm512_set1_epi32(x.n16[(r0 + r) * KB + b]) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
-      const __mmask64 kl = _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j))));
-      const __mmask64 kh =
-          _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
-      const __m512i l4 = _mm512_and_si512(v, low);
-      const __m512i h4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const __m512i lo = _mm512_mask_add_epi8(l4, kl, l4, sixteen);
-      const __m512i hi = _mm512_mask_add_epi8(h4, kh, h4, sixteen);
+      __m512i lo, hi;
+      if constexpr (U) {
+        lo = _mm512_loadu_si512(un + (8 * b + 2 * j) * 64);
+        hi = _mm512_loadu_si512(un + (8 * b + 2 * j + 1) * 64);
+      } else {
+        const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+        const __mmask64 kl =
+            _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j))));
+        const __mmask64 kh =
+            _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
+        const __m512i l4 = _mm512_and_si512(v, low);
+        const __m512i h4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        lo = _mm512_mask_add_epi8(l4, kl, l4, sixteen);
+        hi = _mm512_mask_add_epi8(h4, kh, h4, sixteen);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < RM; ++r) {
         const int8_t* xb = x.q + (r0 + r) * K + b * kBlock;
@@ -346,16 +379,27 @@ Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* 
 Q5_VNNI512 void q5_pairs(const Q5Weight& w, const QuantRows& x, int64_t r0, int64_t r1,
                          int64_t g0, int64_t g1, int64_t N, float* out) {
   const int64_t qstride = x.KB * 160, sstride = x.KB * 8;
+  const bool unpack = r1 - r0 >= kUnpackRows;
+  thread_local std::vector<uint8_t> un;
+  if (unpack) un.resize(x.KB * 512);
   for (int64_t g = g0; g < g1; g += 2) {
     const bool two = g + 1 < g1;
     const int64_t h = two ? g + 1 : g;
     const Q5Pair p{w.qs + g * qstride, w.qs + h * qstride, w.d + g * sstride, w.d + h * sstride,
                    w.m ? w.m + g * sstride : nullptr, w.m ? w.m + h * sstride : nullptr, two};
+    if (unpack) unpack_q5_pair(p, x.KB, un.data());
     row_tiles<kRows512>(r0, r1, [&](auto rm, auto pf, int64_t r) {
-      if (p.ma == nullptr)
-        q5_pair<decltype(rm)::value, decltype(pf)::value, true>(p, x, r, out + 8 * g, N);
-      else
-        q5_pair<decltype(rm)::value, decltype(pf)::value, false>(p, x, r, out + 8 * g, N);
+      constexpr int R = decltype(rm)::value;
+      if (unpack) {  // the weights already read: nothing to ask for ahead
+        if (p.ma == nullptr)
+          q5_pair<R, false, true, true>(p, x, r, out + 8 * g, N, un.data());
+        else
+          q5_pair<R, false, false, true>(p, x, r, out + 8 * g, N, un.data());
+      } else if (p.ma == nullptr) {
+        q5_pair<R, decltype(pf)::value, true>(p, x, r, out + 8 * g, N);
+      } else {
+        q5_pair<R, decltype(pf)::value, false>(p, x, r, out + 8 * g, N);
+      }
     });
   }
 }
