@@ -293,21 +293,30 @@ struct Q5Pair {
 // right after: the bytes q5_pair's nibble and fifth-bit steps make for every tile.
 constexpr int64_t kUnpackRows = 2 * kRows512;  // rows from which a panel's tiles share them
 
-Q5_VNNI512 void unpack_q5_pair(const Q5Pair& p, int64_t KB, uint8_t* un) {
+// Vector j's 5-bit values of a block of the pair (qa, qb its 160 bytes, h its fifth-bit vector):
+// lo for k = 4j + i, hi for k = 4j + 16 + i.
+Q5_VNNI512 inline void values_q5(const uint8_t* qa, const uint8_t* qb, __m512i h, int j,
+                                 __m512i& lo, __m512i& hi) {
   const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+  const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+  const __mmask64 kl = _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j))));
+  const __mmask64 kh =
+      _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
+  const __m512i l4 = _mm512_and_si512(v, low);
+  const __m512i h4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  lo = _mm512_mask_add_epi8(l4, kl, l4, sixteen);
+  hi = _mm512_mask_add_epi8(h4, kh, h4, sixteen);
+}
+
+Q5_VNNI512 void unpack_q5_pair(const Q5Pair& p, int64_t KB, uint8_t* un) {
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t *qa = p.qa + b * 160, *qb = p.qb + b * 160;
     const __m512i h = load_pair(qa + 128, qb + 128);
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
-      const __mmask64 kl =
-          _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j))));
-      const __mmask64 kh =
-          _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
-      const __m512i l4 = _mm512_and_si512(v, low);
-      const __m512i h4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      _mm512_storeu_si512(un + (8 * b + 2 * j) * 64, _mm512_mask_add_epi8(l4, kl, l4, sixteen));
-      _mm512_storeu_si512(un + (8 * b + 2 * j + 1) * 64, _mm512_mask_add_epi8(h4, kh, h4, sixteen));
+      __m512i lo, hi;
+      values_q5(qa, qb, h, j, lo, hi);
+      _mm512_storeu_si512(un + (8 * b + 2 * j) * 64, lo);
+      _mm512_storeu_si512(un + (8 * b + 2 * j + 1) * 64, hi);
     }
   }
 }
@@ -316,7 +325,6 @@ template <int RM, bool PF, bool Q50, bool U = false>
 Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* out, int64_t N,
                         const uint8_t* un = nullptr) {
   const int64_t KB = x.KB, K = x.K;
-  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
   __m512 acc[RM];
   for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -339,15 +347,7 @@ Q5_VNNI512 void q5_pair(const Q5Pair& p, const QuantRows& x, int64_t r0, float* 
         lo = _mm512_loadu_si512(un + (8 * b + 2 * j) * 64);
         hi = _mm512_loadu_si512(un + (8 * b + 2 * j + 1) * 64);
       } else {
-        const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
-        const __mmask64 kl =
-            _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j))));
-        const __mmask64 kh =
-            _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
-        const __m512i l4 = _mm512_and_si512(v, low);
-        const __m512i h4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        lo = _mm512_mask_add_epi8(l4, kl, l4, sixteen);
-        hi = _mm512_mask_add_epi8(h4, kh, h4, sixteen);
+        values_q5(qa, qb, h, j, lo, hi);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < RM; ++r) {
