@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +252,28 @@ def test_the_barrier_prefetch_is_only_a_hint(mixed_gguf: LLM) -> None:
             torch.ops.kvserve.decode_team_prefetch(-1)
     finally:
         torch.ops.kvserve.decode_team_prefetch(budget)
+        torch.set_num_threads(saved)
+
+
+def test_the_barriers_sleep_and_wake_beside_busy_neighbours(mixed_gguf: LLM) -> None:
+    """Two spinning processes beside the team take its cores away, so its threads outwait the spin
+    and sleep on the barrier's futex: every step still finishes, with the per-op bits. (A waiter
+    that slept through its wake-up hung a server mid-step once: the futex handshake in
+    decode_layer.cpp, whose sleeps also end after 1 ms to look again.)"""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    spin = "import time\nend = time.time() + 120\nwhile time.time() < end: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        args = _step(mixed_gguf, 3, torch.float16, 12)
+        per_op, _ = _run(args, 0)
+        for _ in range(20):
+            team, _ = _run(args, 2)
+            assert torch.equal(team, per_op)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
         torch.set_num_threads(saved)
 
 

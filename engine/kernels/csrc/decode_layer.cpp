@@ -11,13 +11,21 @@
 #include <torch/library.h>
 
 #include <sched.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -339,14 +347,46 @@ inline void cpu_relax() {
 }
 
 // Waits until `a` no longer holds `old`: spinning first (a phase of a step lasts microseconds),
-// then asleep on a futex (std::atomic::wait), so a thread waiting for one that lost its core to a
-// neighbour gives its own core up instead of holding it. ~0.1 ms of spin, as kvserve's
-// GOMP_SPINCOUNT=1000 (engine/openmp_policy.py); with two busy processes beside the server
-// (benchmarks/neighbours.py, 3 rounds) 2048 kept 0.43x of the quiet tokens/s, 1024 0.50x.
+// then asleep on a futex, so a thread waiting for one that lost its core to a neighbour gives its
+// own core up instead of holding it. ~0.1 ms of spin, as kvserve's GOMP_SPINCOUNT=1000
+// (engine/openmp_policy.py); with two busy processes beside the server (benchmarks/neighbours.py,
+// 3 rounds) 2048 kept 0.43x of the quiet tokens/s, 1024 0.50x.
 constexpr int kSpins = 1024;
 
-template <typename T>
-void wait_while(const std::atomic<T>& a, T old, Prefetch* pf = nullptr) {
+// The sleeping half is our own futex handshake, not std::atomic::wait: libstdc++ 12's notify skips
+// the system call when its waiter count reads 0, and after a release store (a plain mov on x86) that
+// read can pass the store, so a waiter that had just read the old value slept through the change
+// (a server hung mid-step on an Intel Xeon until a debugger's attach interrupted the futex). Here
+// a sleeper counts itself in (a full fence) before it looks at the value a last time, the waker
+// publishes with a seq_cst store or read-modify-write (a full fence) before it reads the count, so
+// one of them sees the other; and a sleep still ends after kSleepNs to look again, whatever happens.
+constexpr long kSleepNs = 1000000;  // 1 ms
+
+struct Sleepers {
+  std::atomic<int> count{0};
+};
+
+inline void futex_sleep(const std::atomic<int>& a, int old) {
+#if defined(__linux__)
+  static_assert(sizeof(std::atomic<int>) == sizeof(int));
+  timespec limit{0, kSleepNs};
+  syscall(SYS_futex, reinterpret_cast<const int*>(&a), FUTEX_WAIT_PRIVATE, old, &limit, nullptr, 0);
+#else
+  (void)a, (void)old;
+  std::this_thread::sleep_for(std::chrono::nanoseconds(kSleepNs / 10));
+#endif
+}
+
+// Wakes the threads asleep on `a` (call after changing it with a seq_cst store or RMW).
+inline void wake_all(std::atomic<int>& a, const Sleepers& sleepers) {
+  if (sleepers.count.load(std::memory_order_seq_cst) == 0) return;  // no system call
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<int*>(&a), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+#endif
+}
+
+inline void wait_while(const std::atomic<int>& a, int old, Sleepers& sleepers,
+                       Prefetch* pf = nullptr) {
   if (pf != nullptr)  // first the prefetches, 4 lines between looks at the barrier
     while (a.load(std::memory_order_acquire) == old)
       if (!pf->step(4)) break;
@@ -354,9 +394,15 @@ void wait_while(const std::atomic<T>& a, T old, Prefetch* pf = nullptr) {
     if (a.load(std::memory_order_acquire) != old) return;
     cpu_relax();
   }
-  for (T now = a.load(std::memory_order_acquire); now == old;
-       now = a.load(std::memory_order_acquire))
-    a.wait(old, std::memory_order_acquire);
+  while (true) {
+    sleepers.count.fetch_add(1, std::memory_order_seq_cst);
+    if (a.load(std::memory_order_seq_cst) != old) {
+      sleepers.count.fetch_sub(1, std::memory_order_relaxed);
+      return;
+    }
+    futex_sleep(a, old);  // returns at once if `a` changed meanwhile (the kernel compares)
+    sleepers.count.fetch_sub(1, std::memory_order_relaxed);
+  }
 }
 
 // The CPUs this process may run on (its affinity mask; unknown: no limit).
@@ -373,8 +419,9 @@ int64_t usable_cpus() {
 }
 
 struct TeamState {
-  std::atomic<int64_t> covered{0};
+  std::atomic<int> covered{0};
   std::atomic<int> joined{0};
+  Sleepers sleepers;
   alignas(64) std::atomic<int> arrived{0};
   alignas(64) std::atomic<int> phase{0};
 };
@@ -390,10 +437,10 @@ struct Team {
     const int ph = state->phase.load(std::memory_order_acquire);
     if (state->arrived.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
       state->arrived.store(0, std::memory_order_relaxed);
-      state->phase.store(ph + 1, std::memory_order_release);
-      state->phase.notify_all();  // (no system call unless a thread sleeps on it)
+      state->phase.store(ph + 1, std::memory_order_seq_cst);
+      wake_all(state->phase, state->sleepers);
     } else {
-      wait_while(state->phase, ph, prefetch);
+      wait_while(state->phase, ph, state->sleepers, prefetch);
     }
   }
 
@@ -409,13 +456,14 @@ struct Team {
 template <typename Body>
 void run_team(Body&& body) {
   TeamState state;
-  const int64_t want = std::max(1, at::get_num_threads());
+  const int want = std::max(1, at::get_num_threads());
   at::parallel_for(0, want, 1, [&](int64_t begin, int64_t end) {
     const int rank = state.joined.fetch_add(1);
-    const int64_t got = state.covered.fetch_add(end - begin) + (end - begin);
-    if (got == want) state.covered.notify_all();
-    for (int64_t now = got; now != want; now = state.covered.load())
-      wait_while(state.covered, now);
+    const int n = static_cast<int>(end - begin);
+    const int got = state.covered.fetch_add(n, std::memory_order_seq_cst) + n;
+    if (got == want) wake_all(state.covered, state.sleepers);
+    for (int now = got; now != want; now = state.covered.load())
+      wait_while(state.covered, now, state.sleepers);
     Prefetch prefetch;
     body(Team{rank, state.joined.load(), &state, &prefetch});
   });
