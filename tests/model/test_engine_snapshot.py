@@ -134,7 +134,11 @@ async def test_detailed_snapshot_names_the_holders_of_every_used_block(
         await engine.shutdown()
     assert [r.request_id for r in snap.requests] == ["a"]
     assert (published.requests, published.detail) == ((), None)
-    assert (published.time, published.num_requests_running) == (snap.time, 1)
+    # the same build, published plain, unless a step published a newer one in between (the engine
+    # keeps generating)
+    assert published.time >= snap.time
+    if published.time == snap.time:
+        assert published.num_requests_running == 1
     detail = snap.detail
     assert detail is not None
     assert len(detail.blocks) == snap.num_total_blocks - snap.num_free_blocks > 0
